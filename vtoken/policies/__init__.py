@@ -1,0 +1,22 @@
+"""Eviction policies. Importing this package registers every policy in ``REGISTRY``."""
+
+from vtoken.policies import h2o, knorm, random, scissorhands, streamingllm, tova  # noqa: F401 (registration)
+from vtoken.policies.base import EvictionContext, ScorerPolicy
+from vtoken.policies.registry import REGISTRY, register_policy
+
+
+def get_policy_class(name: str) -> type[ScorerPolicy]:
+    """The class registered as ``name``; raises ``ConfigError`` listing valid names otherwise."""
+    return REGISTRY.get(name)
+
+
+def make_policy(name: str, seed: int = 0) -> ScorerPolicy:
+    return REGISTRY.get(name)(seed=seed)
+
+
+def policy_names() -> list[str]:
+    return REGISTRY.names()
+
+
+__all__ = ["EvictionContext", "ScorerPolicy", "REGISTRY", "register_policy", "get_policy_class",
+           "make_policy", "policy_names"]

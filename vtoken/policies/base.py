@@ -1,0 +1,85 @@
+"""Eviction policies: a policy only *scores*; the base class owns selection.
+
+Selection rules, shared by every policy and by every engine (token table, fast simulator, vLLM):
+  * only *evictable* tokens are candidates (not a sink, not in the recent window, not in a shared
+    prefix block — the caller passes that mask);
+  * the lowest scores are evicted first; ties go to the older token (lower logical position);
+  * scores must be finite.
+
+One decision per token per request, shared by all layers and heads: statistics are the mean over
+heads and layers of each key's attention probability (see ``vtoken.core.stats``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class EvictionContext:
+    """Per-candidate statistics (arrays aligned with ``logical``; 1-D for one request or 2-D
+    ``[requests, tokens]`` for the batched simulator, with per-request scalars as ``[requests, 1]``)."""
+
+    logical: np.ndarray
+    accumulated: np.ndarray
+    last: np.ndarray
+    unimportant_bits: np.ndarray
+    key_norm: np.ndarray
+    seen: np.ndarray | int
+    salt: np.ndarray | int  # per-request salt for seeded randomness
+
+
+@dataclass(frozen=True)
+class ScorerPolicy:
+    """Base of every policy. Subclasses implement ``score`` only (higher = keep)."""
+
+    name: ClassVar[str] = "base"
+    uses_attention: ClassVar[bool] = True  # False: query-free, needs no score collection
+    seed: int = 0
+
+    def score(self, ctx: EvictionContext) -> np.ndarray:  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} must implement score()")
+
+    def select(self, ctx: EvictionContext, n_evict: int, evictable: np.ndarray) -> np.ndarray:
+        """Logical positions of the ``n_evict`` lowest-scoring evictable tokens (1-D context).
+
+        Pure: does not touch the table. Returns fewer when fewer tokens are evictable.
+        """
+        if n_evict <= 0:
+            return np.zeros(0, np.int64)
+        scores = np.asarray(self.score(ctx), dtype=np.float64)
+        if not np.all(np.isfinite(scores[evictable])):
+            raise ValueError(f"policy {self.name!r} returned non-finite scores")
+        cand = np.flatnonzero(evictable)
+        order = np.lexsort((ctx.logical[cand], scores[cand]))
+        return np.sort(ctx.logical[cand[order[:n_evict]]])
+
+    def select_batch(self, ctx: EvictionContext, n_evict: np.ndarray, evictable: np.ndarray) -> np.ndarray:
+        """Batched ``select`` for 2-D contexts whose rows are in ascending logical order.
+
+        Returns a bool mask ``[R, C]`` of victims; row r has ``min(n_evict[r], evictable in r)`` set.
+        Same order as ``select`` (score, then logical position).
+        """
+        victims = np.zeros(evictable.shape, dtype=bool)
+        k_max = int(n_evict.max(initial=0))
+        if k_max <= 0:
+            return victims
+        scores = np.where(evictable, np.asarray(self.score(ctx), dtype=np.float64), np.inf)
+        if not np.all(np.isfinite(scores[evictable])):
+            raise ValueError(f"policy {self.name!r} returned non-finite scores")
+        n = np.minimum(n_evict, evictable.sum(axis=1))
+        rows = np.arange(scores.shape[0])
+        if k_max <= 4:  # the common decode case: a few argmin rounds beat a sort
+            for j in range(k_max):
+                pick = np.argmin(scores, axis=1)  # first minimum = lowest logical among ties
+                take = n > j
+                victims[rows[take], pick[take]] = True
+                scores[rows[take], pick[take]] = np.inf
+            return victims
+        order = np.argsort(scores, axis=1, kind="stable")[:, :k_max]
+        take = np.arange(k_max)[None, :] < n[:, None]
+        victims[np.broadcast_to(rows[:, None], order.shape)[take], order[take]] = True
+        return victims
