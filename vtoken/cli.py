@@ -1,0 +1,36 @@
+"""The ``vtoken`` command line. Sub-commands live next to what they drive; this file only mounts them."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="vtoken",
+    help="Token-level virtualization of the paged KV cache (evict tokens, repack slots, free blocks).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root() -> None:
+    """vToken: evict tokens, repack slots, return whole KV blocks to the pool."""
+
+
+@app.command("policies")
+def policies() -> None:
+    """List the registered eviction policies."""
+    from vtoken.policies import get_policy_class, policy_names
+
+    for name in policy_names():
+        doc = (get_policy_class(name).__doc__ or "").strip().splitlines()[0]
+        typer.echo(f"{name:14s} {doc}")
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
