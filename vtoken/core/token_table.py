@@ -122,7 +122,7 @@ class TokenTable:
         B = self.block_size
         if self.mode is Mode.NONE:
             return math.ceil((self.seen + n) / B)
-        free_below = self.holes().size if self.mode.reuses_holes else 0
+        free_below = min(self.holes().size, 1) if self.mode.reuses_holes and n == 1 else 0
         physical = math.ceil((self.extent + max(n - free_below, 0)) / B)
         if self.mode is not Mode.NAIVE:
             return physical
@@ -143,13 +143,15 @@ class TokenTable:
         """Give the next ``n`` logical tokens a slot; returns their row-relative slots.
 
         Side effects: ``seen``/``live``/``extent`` grow; per-token state starts at zero.
-        ``reuse+repack`` writes into the lowest holes first; every other mode appends at ``extent``.
+        ``reuse+repack`` writes a single new token (a decode step) into the lowest hole; a multi-token
+        step (prefill chunk) and every other mode append at ``extent`` in logical order, because the
+        attention kernel's causal mask assumes a step's new tokens are the last slots, in order.
         """
         if n < 0:
             raise ValueError(f"cannot place a negative number of tokens ({n})")
         first = self.seen
         self._reserve(first + n)
-        if self.mode.reuses_holes:
+        if self.mode.reuses_holes and n == 1:
             holes = self.holes()[:n]
             slots = np.concatenate([holes, np.arange(self.extent, self.extent + n - holes.size)])
         else:
