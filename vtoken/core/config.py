@@ -103,14 +103,15 @@ class Budget:
         if isinstance(value, float):
             return cls(fraction=value)
         text = str(value).strip()
+        if text.isdigit():
+            return cls(count=int(text))
         try:
-            if text.isdigit():
-                return cls(count=int(text))
-            return cls(fraction=float(text))
+            fraction = float(text)
         except ValueError:
             raise ConfigError(
                 f"invalid budget {value!r}: give a fraction in (0, 1] (e.g. 0.2) or a token count (e.g. 512)"
             ) from None
+        return cls(fraction=fraction)
 
     def tokens(self, seen: int) -> int:
         """Tokens a request that has seen ``seen`` tokens may keep (never more than ``seen``)."""
