@@ -1,0 +1,125 @@
+"""vtoken.models: tiny checkpoints, the embedded default model, model resolution, the CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from vtoken.models.tiny import TINY_SPECS, tiny_model
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------- tiny models
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_model_config_and_hf_load(arch: str, model_cache_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_model(arch, model_cache_dir)
+    spec = TINY_SPECS[arch]
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == [spec.architecture]
+    assert cfg["num_attention_heads"] == spec.heads and cfg["num_key_value_heads"] == spec.kv_heads
+    assert cfg["max_position_embeddings"] >= 4096
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    assert model.config.vocab_size == len(tok) and model.dtype == torch.float32
+    text = "It is a truth universally acknowledged. What is the capital of France?"
+    ids = tok(text)["input_ids"]
+    assert tok.decode(ids) == text and len(ids) < len(text) / 1.5  # BPE merges, byte-level round trip
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert tok.decode(chat if isinstance(chat, list) else chat["input_ids"]).endswith("assistant\n")
+    out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+    assert out.shape[1] == len(ids) + 16  # special tokens have zero lm_head rows: greedy never stops
+    if arch == "qwen2":
+        assert model.model.layers[0].self_attn.k_proj.bias.abs().sum() > 0
+
+
+def test_tiny_model_deterministic_and_idempotent(tmp_path: Path, model_cache_dir: Path) -> None:
+    a = tiny_model("llama", tmp_path / "a")
+    mtime = (a / "model.safetensors").stat().st_mtime_ns
+    assert tiny_model("llama", tmp_path / "a") == a
+    assert (a / "model.safetensors").stat().st_mtime_ns == mtime  # not rebuilt
+    b = tiny_model("llama", tmp_path / "b")
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert _sha(a / name) == _sha(b / name)
+    assert _sha(tiny_model("llama", tmp_path / "b", seed=1) / "model.safetensors") != _sha(a / "model.safetensors")
+    assert _sha(tiny_model("llama", model_cache_dir) / "model.safetensors") == _sha(a / "model.safetensors")
+
+
+def test_tiny_model_concurrent_builders(tmp_path: Path) -> None:
+    with ThreadPoolExecutor(3) as pool:
+        paths = list(pool.map(lambda _: tiny_model("qwen2", tmp_path), range(3)))
+    assert len(set(paths)) == 1 and (paths[0] / "model.safetensors").is_file()
+    leftovers = [p.name for p in (tmp_path / "models").iterdir() if p != paths[0]]
+    assert leftovers == []  # losers removed their temp dirs
+
+
+def test_tiny_model_env_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VTOKEN_CACHE_DIR", str(tmp_path))
+    assert tiny_model("llama").parent == tmp_path / "models"
+
+
+def test_tiny_model_unknown_arch() -> None:
+    with pytest.raises(ValueError, match=r"'mistral'.*llama, qwen2"):
+        tiny_model("mistral")
+
+
+_VLLM_CHECK = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+
+    def main(paths, n=24):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from vllm import LLM, SamplingParams
+        result = {}
+        for path in paths:
+            tok = AutoTokenizer.from_pretrained(path)
+            ids = [tok(p)["input_ids"] for p in ["It is a truth universally acknowledged", "Paris is"]]
+            hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+            hf = [hf_model.generate(torch.tensor([x]), max_new_tokens=n, do_sample=False)[0, len(x):].tolist()
+                  for x in ids]
+            llm = LLM(model=path, dtype="float32", block_size=32, enforce_eager=True, max_model_len=2048)
+            outs = llm.generate([{"prompt_token_ids": x} for x in ids],
+                                SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+            result[path] = {"hf": hf, "vllm": [list(o.outputs[0].token_ids) for o in outs]}
+            del llm
+        print("RESULT " + json.dumps(result))
+
+    if __name__ == "__main__":
+        main(sys.argv[1:])
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_tiny_models_load_in_vllm_and_match_hf_greedy(tmp_path: Path, tiny_llama: Path, tiny_qwen2: Path) -> None:
+    script = tmp_path / "check_vllm.py"
+    script.write_text(_VLLM_CHECK)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tiny_llama), str(tiny_qwen2)],
+        capture_output=True, text=True, timeout=230, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert set(result) == {str(tiny_llama), str(tiny_qwen2)}
+    for path, r in result.items():
+        assert all(len(x) == 24 for x in r["vllm"]), path
+        assert r["vllm"] == r["hf"], path
