@@ -54,6 +54,7 @@ class SlotPlan:
     moves: np.ndarray  # int64 [k, 2] read-only: (src_slot, dst_slot)
     keep_blocks: int
     version: int
+    lower_bound: int  # live tokens outside [0, live): each must move once for a dense row
 
     @property
     def num_moves(self) -> int:
@@ -211,7 +212,8 @@ class TokenTable:
             keep = max(keep, self.naive_blocks())
         elif self.mode is Mode.NONE:
             keep = math.ceil(self.seen / self.block_size)
-        return SlotPlan(moves=moves, keep_blocks=keep, version=self.version)
+        lower_bound = int(np.count_nonzero(self.slot_of[: self.seen] >= self.live))
+        return SlotPlan(moves=moves, keep_blocks=keep, version=self.version, lower_bound=lower_bound)
 
     def apply(self, plan: SlotPlan) -> None:
         """Apply a plan's moves to the bookkeeping. Raises if the table changed since ``plan()``."""

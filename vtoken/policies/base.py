@@ -37,8 +37,14 @@ class ScorerPolicy:
     """Base of every policy. Subclasses implement ``score`` only (higher = keep)."""
 
     name: ClassVar[str] = "base"
-    uses_attention: ClassVar[bool] = True  # False: query-free, needs no score collection
+    # Which statistics score() reads: "accumulated", "last", "unimportant", "key_norm" (engines skip the rest).
+    needs: ClassVar[frozenset[str]] = frozenset()
     seed: int = 0
+
+    @classmethod
+    def uses_attention(cls) -> bool:
+        """False for query-free policies: no attention scores need collecting."""
+        return bool(cls.needs & {"accumulated", "last", "unimportant"})
 
     def score(self, ctx: EvictionContext) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} must implement score()")
@@ -67,9 +73,10 @@ class ScorerPolicy:
         k_max = int(n_evict.max(initial=0))
         if k_max <= 0:
             return victims
-        scores = np.where(evictable, np.asarray(self.score(ctx), dtype=np.float64), np.inf)
-        if not np.all(np.isfinite(scores[evictable])):
+        raw = np.asarray(self.score(ctx), dtype=np.float64)
+        if not np.isfinite(raw).all():
             raise ValueError(f"policy {self.name!r} returned non-finite scores")
+        scores = np.where(evictable, raw, np.inf)
         n = np.minimum(n_evict, evictable.sum(axis=1))
         rows = np.arange(scores.shape[0])
         if k_max <= 4:  # the common decode case: a few argmin rounds beat a sort
@@ -79,7 +86,14 @@ class ScorerPolicy:
                 victims[rows[take], pick[take]] = True
                 scores[rows[take], pick[take]] = np.inf
             return victims
-        order = np.argsort(scores, axis=1, kind="stable")[:, :k_max]
-        take = np.arange(k_max)[None, :] < n[:, None]
-        victims[np.broadcast_to(rows[:, None], order.shape)[take], order[take]] = True
-        return victims
+        if np.any(n_evict != k_max):  # uneven requests: a stable sort per row
+            order = np.argsort(scores, axis=1, kind="stable")[:, :k_max]
+            take = np.arange(k_max)[None, :] < n[:, None]
+            victims[np.broadcast_to(rows[:, None], order.shape)[take], order[take]] = True
+            return victims
+        # the k-th smallest score per row, then everything below it and the oldest of its ties (O(n))
+        kth = np.partition(scores, k_max - 1, axis=1)[:, k_max - 1 : k_max]
+        below = scores < kth
+        ties = (scores == kth) & np.isfinite(scores)
+        room = n[:, None] - below.sum(axis=1, keepdims=True)
+        return below | (ties & (np.cumsum(ties, axis=1) <= room))

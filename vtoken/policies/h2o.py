@@ -17,5 +17,7 @@ class H2OPolicy(ScorerPolicy):
     Models", NeurIPS 2023, https://arxiv.org/abs/2306.14048. Attention is the mean over heads and layers.
     """
 
+    needs = frozenset({"accumulated"})
+
     def score(self, ctx: EvictionContext) -> np.ndarray:
         return ctx.accumulated

@@ -17,7 +17,7 @@ class KNormPolicy(ScorerPolicy):
     https://arxiv.org/abs/2406.11430. Norm = mean over heads and layers; needs no attention scores.
     """
 
-    uses_attention = False
+    needs = frozenset({"key_norm"})
 
     def score(self, ctx: EvictionContext) -> np.ndarray:
         return -np.asarray(ctx.key_norm, dtype=np.float64)

@@ -28,8 +28,6 @@ class RandomPolicy(ScorerPolicy):
     https://arxiv.org/abs/2306.14048, "random eviction"). Stateless, so paired runs evict the same tokens.
     """
 
-    uses_attention = False
-
     def score(self, ctx: EvictionContext) -> np.ndarray:
         with np.errstate(over="ignore"):
             key = (np.asarray(ctx.logical, dtype=np.uint64) * _GOLDEN) ^ splitmix64(

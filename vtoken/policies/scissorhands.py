@@ -19,6 +19,8 @@ class ScissorhandsPolicy(ScorerPolicy):
     Compression at Test Time", NeurIPS 2023, https://arxiv.org/abs/2305.17118.
     """
 
+    needs = frozenset({"unimportant"})
+
     history: int = 32
 
     def __post_init__(self) -> None:

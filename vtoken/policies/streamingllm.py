@@ -17,7 +17,5 @@ class StreamingLLMPolicy(ScorerPolicy):
     https://arxiv.org/abs/2309.17453. Query-free.
     """
 
-    uses_attention = False
-
     def score(self, ctx: EvictionContext) -> np.ndarray:
         return np.asarray(ctx.logical, dtype=np.float64)

@@ -16,5 +16,7 @@ class TOVAPolicy(ScorerPolicy):
     Oren et al., "Transformers are Multi-State RNNs", 2024, https://arxiv.org/abs/2401.06104.
     """
 
+    needs = frozenset({"last"})
+
     def score(self, ctx: EvictionContext) -> np.ndarray:
         return ctx.last

@@ -1,0 +1,145 @@
+"""``run_simulation``: configuration in, the ``vtoken simulate`` JSON contract out."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from vtoken.core.config import Budget, ConfigError, Mode, Trigger, VTokenConfig, check_block_size
+from vtoken.sim.exact import simulate_exact
+from vtoken.sim.fast import simulate_fast
+from vtoken.sim.result import SimTally
+from vtoken.sim.source import SyntheticConfig, SyntheticSource, TraceSource
+
+ENGINES = ("fast", "exact")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    policy: str = "h2o"
+    budget: Budget = Budget(fraction=0.2)
+    block_size: int = 16
+    prompt_len: int = 512
+    gen_len: int = 256
+    requests: int = 64
+    seed: int = 0
+    sinks: int = 4
+    recent: int = 16
+    trigger: Trigger = Trigger.STEP
+    engine: str = "fast"
+    chunk: int = 256  # requests per batch in the fast engine (bounds memory)
+    workers: int = 1  # processes for the fast engine (chunks run in parallel)
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    traces: Path | None = None  # recorded attention (.npz from `vtoken trace record`) instead of synthetic
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "budget", Budget.parse(self.budget))
+        object.__setattr__(self, "trigger", Trigger.parse(self.trigger))
+        check_block_size(self.block_size)
+        for name in ("prompt_len", "gen_len", "requests", "chunk", "workers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"unknown engine {self.engine!r}; valid engines: {', '.join(ENGINES)}")
+
+    def core(self) -> VTokenConfig:
+        return VTokenConfig(policy=self.policy, budget=self.budget, mode=Mode.REPACK, block_size=self.block_size,
+                            sinks=self.sinks, recent=self.recent, trigger=self.trigger, seed=self.seed)
+
+
+def _trace_sources(cfg: SimConfig):
+    from vtoken.sim.record import load_traces
+
+    traces = load_traces(cfg.traces)
+    T = cfg.prompt_len + cfg.gen_len
+    usable = [t for t in traces if t.attn.shape[0] >= T]
+    if not usable:
+        longest = max(t.attn.shape[0] for t in traces)
+        raise ConfigError(f"prompt-len + gen-len = {T} exceeds the longest recorded trace ({longest} tokens)")
+    for start in range(0, cfg.requests, cfg.chunk):
+        idx = [usable[(start + i) % len(usable)] for i in range(min(cfg.chunk, cfg.requests - start))]
+        attn = np.stack([t.attn[:T, :T] for t in idx])
+        knorm = np.stack([t.key_norm[:T] for t in idx])
+        yield start, TraceSource(attn, knorm)
+
+
+def _synthetic_source(cfg: SimConfig, start: int) -> SyntheticSource:
+    n = min(cfg.chunk, cfg.requests - start)
+    return SyntheticSource(cfg.synthetic, n, cfg.prompt_len + cfg.gen_len, cfg.seed, first=start)
+
+
+def _fast_synthetic_chunk(args: tuple[SimConfig, int]) -> SimTally:
+    cfg, start = args
+    source = _synthetic_source(cfg, start)
+    return simulate_fast(cfg.core(), source, cfg.prompt_len, cfg.gen_len, first_request=start)
+
+
+def _tallies(cfg: SimConfig):
+    """Yield (requests done, partial tally) per chunk, in parallel where asked."""
+    core = cfg.core()
+    if cfg.traces is None and cfg.engine == "fast":
+        starts = [(cfg, s) for s in range(0, cfg.requests, cfg.chunk)]
+        if cfg.workers > 1:
+            with mp.get_context("fork").Pool(cfg.workers) as pool:
+                for part in pool.imap_unordered(_fast_synthetic_chunk, starts):
+                    yield part.requests, part
+        else:
+            for a in starts:
+                part = _fast_synthetic_chunk(a)
+                yield part.requests, part
+        return
+    sources = _trace_sources(cfg) if cfg.traces else (
+        (s, _synthetic_source(cfg, s)) for s in range(0, cfg.requests, cfg.chunk))
+    for start, source in sources:
+        if cfg.engine == "fast":
+            part = simulate_fast(core, source, cfg.prompt_len, cfg.gen_len, first_request=start)
+        else:
+            part = simulate_exact(core, source, cfg.prompt_len, cfg.gen_len, first_request=start)
+        yield part.requests, part
+
+
+def run_simulation(cfg: SimConfig, on_requests: Callable[[int], None] | None = None) -> tuple[dict, SimTally]:
+    """Run every reclamation mode on the same victims; returns (contract JSON dict, tally)."""
+    t0 = time.perf_counter()
+    tally = SimTally(cfg.gen_len)
+    for n, part in _tallies(cfg):
+        _merge(tally, part)
+        if on_requests:
+            on_requests(n)
+    seconds = time.perf_counter() - t0
+    out = {
+        "policy": cfg.policy,
+        "budget": cfg.budget.fraction if cfg.budget.fraction is not None else cfg.budget.count,
+        "block_size": cfg.block_size,
+        "requests": cfg.requests,
+        "prompt_len": cfg.prompt_len,
+        "gen_len": cfg.gen_len,
+        "seed": cfg.seed,
+        "sinks": cfg.sinks,
+        "recent": cfg.recent,
+        "trigger": cfg.trigger.value,
+        "engine": cfg.engine,
+        "workers": cfg.workers,
+        "source": str(cfg.traces) if cfg.traces else "synthetic",
+        **tally.summary(),
+        "seconds": round(seconds, 3),
+    }
+    return out, tally
+
+
+def _merge(into: SimTally, part: SimTally) -> None:
+    into.requests += part.requests
+    into.packing_per_step_sum += part.packing_per_step_sum
+    into.live_per_step_sum += part.live_per_step_sum
+    for m, t in part.modes.items():
+        dst = into.modes[m]
+        dst.per_step_sum += t.per_step_sum
+        dst.peaks.extend(t.peaks)
+        dst.moves += t.moves
+        dst.moves_lower_bound += t.moves_lower_bound
