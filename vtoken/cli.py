@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from vtoken.models.cli import model_app, trace_app  # light: heavy deps are imported lazily
+from vtoken.sim.cli import simulate
 
 app = typer.Typer(
     name="vtoken",
@@ -30,6 +31,7 @@ def policies() -> None:
         typer.echo(f"{name:14s} {doc}")
 
 
+app.command("simulate")(simulate)
 app.add_typer(model_app, name="model")
 app.add_typer(trace_app, name="trace")
 

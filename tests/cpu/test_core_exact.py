@@ -170,7 +170,8 @@ def test_budget_parsing_and_tokens():
         ({"block_size": 24}, "power of two, got 24"),
         ({"block_size": 0}, "positive integer, got 0"),
         ({"sinks": -1}, "sinks must be a non-negative integer, got -1"),
-        ({"budget": "2.0"}, "budget fraction must be in (0, 1], got 2.0"),
+        ({"budget": "2.0"}, "invalid budget '2.0': give a fraction in (0, 1]"),
+        ({"budget": 0.0}, "budget fraction must be in (0, 1], got 0.0"),
     ],
 )
 def test_config_errors_name_the_value(kwargs, needle):

@@ -103,15 +103,13 @@ class Budget:
         if isinstance(value, float):
             return cls(fraction=value)
         text = str(value).strip()
-        if text.isdigit():
-            return cls(count=int(text))
         try:
-            fraction = float(text)
-        except ValueError:
+            return cls(count=int(text)) if text.lstrip("+-").isdigit() else cls(fraction=float(text))
+        except ValueError:  # also ConfigError from the range checks
             raise ConfigError(
-                f"invalid budget {value!r}: give a fraction in (0, 1] (e.g. 0.2) or a token count (e.g. 512)"
+                f"invalid budget {value!r}: give a fraction in (0, 1] (e.g. 0.2) or a positive token count "
+                "(e.g. 512)"
             ) from None
-        return cls(fraction=fraction)
 
     def tokens(self, seen: int) -> int:
         """Tokens a request that has seen ``seen`` tokens may keep (never more than ``seen``)."""

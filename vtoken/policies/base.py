@@ -92,7 +92,8 @@ class ScorerPolicy:
             victims[np.broadcast_to(rows[:, None], order.shape)[take], order[take]] = True
             return victims
         # the k-th smallest score per row, then everything below it and the oldest of its ties (O(n))
-        kth = np.partition(scores, k_max - 1, axis=1)[:, k_max - 1 : k_max]
+        kk = min(k_max, scores.shape[1])
+        kth = np.partition(scores, kk - 1, axis=1)[:, kk - 1 : kk]
         below = scores < kth
         ties = (scores == kth) & np.isfinite(scores)
         room = n[:, None] - below.sum(axis=1, keepdims=True)
