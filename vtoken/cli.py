@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from vtoken.models.cli import model_app, trace_app  # light: heavy deps are imported lazily
+from vtoken.bench.cli import bench_app
 from vtoken.sim.cli import simulate
 
 app = typer.Typer(
@@ -24,14 +25,21 @@ def _root() -> None:
 @app.command("policies")
 def policies() -> None:
     """List the registered eviction policies."""
+    import inspect
+
     from vtoken.policies import get_policy_class, policy_names
 
+    typer.echo(f"{'policy':14s} {'lines':>5s}  {'file':28s} summary")
     for name in policy_names():
-        doc = (get_policy_class(name).__doc__ or "").strip().splitlines()[0]
-        typer.echo(f"{name:14s} {doc}")
+        cls = get_policy_class(name)
+        path = inspect.getsourcefile(cls)
+        lines = len(open(path).read().splitlines())
+        doc = (cls.__doc__ or "").strip().splitlines()[0]
+        typer.echo(f"{name:14s} {lines:5d}  {'vtoken/policies/' + path.rsplit('/', 1)[-1]:28s} {doc}")
 
 
 app.command("simulate")(simulate)
+app.add_typer(bench_app, name="bench")
 app.add_typer(model_app, name="model")
 app.add_typer(trace_app, name="trace")
 
