@@ -6,6 +6,7 @@ import typer
 
 from vtoken.models.cli import model_app, trace_app  # light: heavy deps are imported lazily
 from vtoken.bench.cli import bench_app
+from vtoken.serve.cli import serve_app
 from vtoken.sim.cli import simulate
 
 app = typer.Typer(
@@ -42,6 +43,7 @@ app.command("simulate")(simulate)
 app.add_typer(bench_app, name="bench")
 app.add_typer(model_app, name="model")
 app.add_typer(trace_app, name="trace")
+app.add_typer(serve_app, name="serve")  # vtoken/serve/cli.py (Ray/vLLM imported only when it runs)
 
 
 def main() -> None:  # pragma: no cover - console entry

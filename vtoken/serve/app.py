@@ -1,0 +1,83 @@
+"""Build the Serve application from a ``ServeAppConfig`` (used by serve_app.py and ``vtoken serve``).
+
+::
+
+    ServeAppConfig ──deployment_options()──▶ @serve.deployment(VTokenReplica)
+                                              num_replicas | autoscaling_config (KVAutoscalingPolicy)
+                                              request_router_config (KVAwareRouter)
+                                              ray_actor_options, max_ongoing/queued_requests, health
+                   ──bind(cfg)────────────────▶ Application
+
+Everything that can fail on a bad config fails here, at build time (``serve run``/``serve build``/
+``vtoken serve``), not in a replica after minutes of restarts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vtoken.serve.config import ServeAppConfig
+
+ROUTER_CLASS = "vtoken.serve.router:KVAwareRouter"
+POLICY_CLASS = "vtoken.serve.autoscaling:KVAutoscalingPolicy"
+
+
+def deployment_options(cfg: ServeAppConfig) -> dict[str, Any]:
+    """Keyword arguments for ``serve.deployment`` (pure apart from importing Ray's config classes)."""
+    from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
+
+    d, a, r = cfg.deployment, cfg.autoscaling, cfg.router
+    opts: dict[str, Any] = dict(
+        name=d.name,
+        ray_actor_options={"num_cpus": d.num_cpus},
+        max_ongoing_requests=d.max_ongoing_requests,
+        max_queued_requests=d.max_queued_requests,
+        health_check_period_s=d.health_check_period_s,
+        health_check_timeout_s=d.health_check_timeout_s,
+        graceful_shutdown_timeout_s=d.graceful_shutdown_timeout_s,
+    )
+    if a.enabled:
+        policy = AutoscalingPolicy(policy_function=POLICY_CLASS, policy_kwargs={
+            "upscale_kv_utilization": a.upscale_kv_utilization,
+            "downscale_kv_utilization": a.downscale_kv_utilization,
+            "target_kv_utilization": a.target_kv_utilization,
+            "upscale_waiting_per_replica": a.upscale_waiting_per_replica,
+        })
+        opts["autoscaling_config"] = AutoscalingConfig(
+            min_replicas=a.min_replicas, max_replicas=a.max_replicas, initial_replicas=a.initial_replicas,
+            metrics_interval_s=a.metrics_interval_s, look_back_period_s=a.look_back_period_s,
+            upscale_delay_s=a.upscale_delay_s, downscale_delay_s=a.downscale_delay_s, policy=policy)
+    else:
+        opts["num_replicas"] = d.num_replicas
+    if r.enabled:
+        opts["request_router_config"] = RequestRouterConfig(
+            request_router_class=ROUTER_CLASS,
+            request_router_kwargs={"stale_after_s": r.stale_after_s,
+                                   "fragmentation_weight": r.fragmentation_weight,
+                                   "tokens_per_queued_request": r.tokens_per_queued_request,
+                                   "tie_tokens": r.tie_tokens},
+            request_routing_stats_period_s=r.stats_period_s,
+            request_routing_stats_timeout_s=r.stats_timeout_s,
+        )
+    return opts
+
+
+def build_app(cfg: ServeAppConfig | dict | None = None, user_config: dict | None = None):
+    """The bound Serve ``Application`` for ``cfg`` (a dict is validated into a ``ServeAppConfig``).
+
+    ``user_config`` is Serve's hot-reloadable replica config (only fault injection for tests uses it).
+    Raises pydantic ``ValidationError`` / ``VTokenUnavailableError`` for a config that cannot run.
+    """
+    from ray import serve
+
+    from vtoken.serve.engine import vtoken_engine_kwargs
+    from vtoken.serve.replica import VTokenReplica
+
+    if not isinstance(cfg, ServeAppConfig):
+        cfg = ServeAppConfig.model_validate(cfg or {})
+    vtoken_engine_kwargs(cfg.core)  # fail now if vToken is requested but not installed
+    opts = deployment_options(cfg)
+    if user_config is not None:
+        opts["user_config"] = user_config
+    deployment = serve.deployment(serve.ingress()(VTokenReplica), **opts)
+    return deployment.bind(cfg)

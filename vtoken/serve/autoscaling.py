@@ -1,0 +1,86 @@
+"""Autoscaling on KV utilization (and engine queue depth), with a hysteresis band.
+
+Replicas report ``record_autoscaling_stats()`` = ``{vtoken:kv_utilization, vllm:num_requests_waiting,
+vllm:num_requests_running}``; Serve averages each over ``look_back_period_s`` and calls the policy every
+control-loop tick with ``ctx.aggregated_metrics[name][replica_id]``::
+
+    mean_kv ≥ upscale_kv_utilization  or  Σ waiting ≥ upscale_waiting_per_replica · n
+        → max(n + 1, ⌈n · mean_kv / target_kv_utilization⌉)                       scale up
+    mean_kv ≤ downscale_kv_utilization  and  Σ waiting = 0
+        → min(n − 1, ⌈n · mean_kv / target_kv_utilization⌉)                       scale down
+    otherwise → n                                                                   hold (the band)
+
+The result is clamped to [min_replicas, max_replicas] (capacity-adjusted, as Serve passes them); Serve
+then applies ``upscale_delay_s`` / ``downscale_delay_s`` (a decision must persist that long), the second
+half of the hysteresis. Replicas that have not reported yet are left out of the mean; when none has,
+the policy holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vtoken.serve.stats import KV_UTILIZATION, NUM_WAITING
+
+
+@dataclass(frozen=True)
+class ScalingParams:
+    upscale_kv_utilization: float = 0.75
+    downscale_kv_utilization: float = 0.25
+    target_kv_utilization: float = 0.5
+    upscale_waiting_per_replica: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.downscale_kv_utilization < self.upscale_kv_utilization <= 1.0:
+            raise ValueError("need 0 <= downscale_kv_utilization < upscale_kv_utilization <= 1, got "
+                             f"{self.downscale_kv_utilization}, {self.upscale_kv_utilization}")
+        if not 0.0 < self.target_kv_utilization <= 1.0:
+            raise ValueError(f"target_kv_utilization must be in (0, 1], got {self.target_kv_utilization}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    desired: int
+    reason: str  # "up" | "down" | "hold" | "no-metrics"
+    mean_kv: float | None
+    waiting: float
+
+
+def decide(current: int, kv: Mapping[Any, float], waiting: Mapping[Any, float], params: ScalingParams,
+           lo: int, hi: int) -> Decision:
+    """The replica count for ``current`` running replicas and their averaged metrics (pure)."""
+    total_waiting = float(sum(waiting.values()))
+    if current <= 0:
+        return Decision(max(lo, min(hi, 1 if total_waiting > 0 else lo)), "hold", None, total_waiting)
+    values = [float(v) for v in kv.values() if v is not None and math.isfinite(float(v))]
+    if not values:
+        return Decision(max(lo, min(hi, current)), "no-metrics", None, total_waiting)
+    mean_kv = sum(values) / len(values)
+    sized = math.ceil(current * mean_kv / params.target_kv_utilization - 1e-9)
+    if mean_kv >= params.upscale_kv_utilization or total_waiting >= params.upscale_waiting_per_replica * current:
+        desired, reason = max(current + 1, sized), "up"
+    elif mean_kv <= params.downscale_kv_utilization and total_waiting == 0:
+        desired, reason = min(current - 1, sized), "down"
+    else:
+        desired, reason = current, "hold"
+    return Decision(max(lo, min(hi, desired)), reason, mean_kv, total_waiting)
+
+
+class KVAutoscalingPolicy:
+    """Serve ``AutoscalingPolicy`` callable (``policy_function`` = this class, ``policy_kwargs`` = the
+    fields of ``ScalingParams``). Serve instantiates it once per deployment and calls it every tick."""
+
+    def __init__(self, **kwargs: float) -> None:
+        self.params = ScalingParams(**kwargs)
+
+    def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
+        metrics = ctx.aggregated_metrics or {}
+        running = set(ctx.running_replicas)
+        kv = {r: v for r, v in (metrics.get(KV_UTILIZATION) or {}).items() if r in running}
+        waiting = {r: v for r, v in (metrics.get(NUM_WAITING) or {}).items() if r in running}
+        d = decide(ctx.current_num_replicas, kv, waiting, self.params,
+                   ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas)
+        return d.desired, {"vtoken": {"reason": d.reason, "mean_kv": d.mean_kv, "waiting": d.waiting}}

@@ -1,0 +1,98 @@
+"""Engine construction for one replica: model path, CPU binding, ``AsyncEngineArgs`` with vToken on.
+
+``engine_args`` is pure (config in, kwargs out); ``bind_cpus`` is the one function that mutates the
+process environment, and says so. vToken is switched on by the integration's own
+``vtoken.vllm.engine_kwargs(VTokenConfig)`` — the serving layer does not know vLLM's hook names.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vtoken.core.config import VTokenConfig
+from vtoken.serve.config import ServeAppConfig
+
+
+class VTokenUnavailableError(RuntimeError):
+    """vToken reclamation was requested but the vLLM integration (``vtoken.vllm``) is not installed."""
+
+
+def vtoken_engine_kwargs(cfg: VTokenConfig) -> dict[str, Any]:
+    """Extra ``AsyncEngineArgs`` kwargs that turn vToken on; ``{}`` for mode ``none``.
+
+    Raises ``VTokenUnavailableError`` when an evicting mode is configured without the integration.
+    """
+    if not cfg.mode.evicts:
+        return {}
+    try:
+        from vtoken.vllm import engine_kwargs
+    except ImportError as exc:
+        raise VTokenUnavailableError(
+            f"vToken mode {cfg.mode.value!r} needs vtoken.vllm.engine_kwargs, which is not available "
+            f"({exc}); use vtoken.mode='none' to serve vanilla vLLM") from None
+    return dict(engine_kwargs(cfg))
+
+
+def resolve_model_path(spec: str) -> str:
+    """A local checkpoint directory for ``spec`` ('default', 'tiny-llama', a directory, or an HF id).
+
+    Side effect: may build/convert the model into the vToken cache on first use.
+    """
+    from vtoken.models.default import resolve_model
+
+    try:
+        return str(resolve_model(spec))
+    except (ValueError, FileNotFoundError):
+        if os.path.isdir(spec):
+            raise
+        return spec  # a Hugging Face id: vLLM resolves it (HF_HUB_OFFLINE decides if that may download)
+
+
+def engine_args(cfg: ServeAppConfig, model_path: str) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.engine.arg_utils.AsyncEngineArgs`` (pure)."""
+    e = cfg.engine
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        served_model_name=[cfg.model_name],
+        dtype=e.dtype,
+        enforce_eager=e.enforce_eager,
+        block_size=cfg.vtoken.block_size,
+        max_model_len=e.max_model_len,
+        max_num_seqs=e.max_num_seqs,
+        disable_log_stats=False,  # the stat-logger path feeds routing, autoscaling and metrics
+    )
+    if e.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = e.max_num_batched_tokens
+    if e.enable_prefix_caching is not None:
+        kwargs["enable_prefix_caching"] = e.enable_prefix_caching
+    if e.kv_cache_blocks is not None:
+        kwargs["num_gpu_blocks_override"] = e.kv_cache_blocks
+        kwargs["kv_cache_memory_bytes"] = max(64 << 20, int(e.kv_cache_gib * (1 << 30)) // 16)
+    else:
+        kwargs["kv_cache_memory_bytes"] = int(e.kv_cache_gib * (1 << 30))
+    kwargs.update(vtoken_engine_kwargs(cfg.core))
+    return kwargs
+
+
+def cpu_binding(cfg: ServeAppConfig, local_rank: int, ncpu: int | None = None) -> str:
+    """The ``VLLM_CPU_OMP_THREADS_BIND`` list for the replica with ``local_rank`` (pure).
+
+    Without ``engine.threads_per_replica`` the node's cores are split evenly between the most replicas
+    the deployment may run (vLLM's default ``auto`` pins every replica's worker to core 0).
+    """
+    ncpu = ncpu or os.cpu_count() or 1
+    most = cfg.autoscaling.max_replicas if cfg.autoscaling.enabled else cfg.deployment.num_replicas
+    per = cfg.engine.threads_per_replica or max(1, (ncpu - cfg.engine.cpu_offset) // max(1, most))
+    first = (cfg.engine.cpu_offset + local_rank * per) % ncpu
+    last = min(ncpu - 1, first + per - 1)
+    return str(first) if first == last else f"{first}-{last}"
+
+
+def bind_cpus(cfg: ServeAppConfig, local_rank: int) -> str:
+    """Set ``VLLM_CPU_OMP_THREADS_BIND`` for the engine this process will spawn (mutates
+    ``os.environ``) unless the operator set it explicitly. Returns the binding in effect."""
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(cfg, local_rank)
+    return os.environ["VLLM_CPU_OMP_THREADS_BIND"]

@@ -1,0 +1,162 @@
+"""Run the application on this machine: a private single-node Ray cluster bound to loopback.
+
+``LocalCluster`` is shared by ``vtoken serve`` and the integration tests::
+
+    with LocalCluster(http_port=8000) as cluster:      # ray.init + serve.start (≈10 s)
+        cluster.deploy(cfg)                             # build_app + serve.run, waits until ready
+        ...                                             # http://127.0.0.1:8000/v1
+    # serve.shutdown() stops every replica and its engine processes, then ray.shutdown()
+
+Side effects (documented because Ray's workers inherit them): ``__enter__`` sets the environment
+variables in ``serving_env()`` in this process before ``ray.init`` — Serve's proxy needs the failover
+callback and the engines need the private RPC/temp paths — and creates a private temp directory, removed
+on exit. The Ray dashboard is off unless ``dashboard=True`` (then bound to 127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from vtoken.serve.config import ServeAppConfig
+from vtoken.serve.failover import CALLBACK_ENV, CALLBACK_PATH
+
+
+def serving_env(tmp: Path) -> dict[str, str]:
+    """Environment the Ray processes need (pure). Existing values of the caller are kept."""
+    rpc = tmp / "rpc"
+    return {
+        CALLBACK_ENV: CALLBACK_PATH,
+        "RAY_AUTH_MODE": "disabled",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_RPC_BASE_PATH": str(rpc),
+        "TMPDIR": str(tmp / "tmp"),
+        "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1.0",
+    }
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LocalCluster:
+    """A private Ray + Serve instance (context manager). Not thread-safe; one per process."""
+
+    def __init__(self, http_host: str = "127.0.0.1", http_port: int = 8000, num_cpus: int | None = None,
+                 object_store_bytes: int = 256 << 20, dashboard: bool = False,
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.http_host = http_host
+        self.http_port = http_port
+        self.num_cpus = num_cpus or os.cpu_count() or 2
+        self.object_store_bytes = object_store_bytes
+        self.dashboard = dashboard
+        self.extra_env = dict(extra_env or {})
+        self.tmp: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.http_host}:{self.http_port}"
+
+    def __enter__(self) -> LocalCluster:
+        import ray
+        from ray import serve
+
+        self.tmp = Path(tempfile.mkdtemp(prefix="vtr-", dir="/tmp"))  # short: Ray's socket paths are limited
+        env = {**serving_env(self.tmp), **self.extra_env}
+        for key, value in env.items():
+            if key in self.extra_env or key not in os.environ or key == CALLBACK_ENV:
+                os.environ[key] = value
+        for sub in ("rpc", "tmp", "ray"):
+            (self.tmp / sub).mkdir(exist_ok=True)
+        ray.init(num_cpus=self.num_cpus, object_store_memory=self.object_store_bytes,
+                 include_dashboard=self.dashboard, dashboard_host="127.0.0.1",
+                 _temp_dir=str(self.tmp / "ray"), _node_ip_address="127.0.0.1",
+                 configure_logging=True, logging_level="WARNING", log_to_driver=False)
+        serve.start(proxy_location="HeadOnly", http_options={"host": self.http_host, "port": self.http_port})
+        return self
+
+    def deploy(self, cfg: ServeAppConfig, user_config: dict | None = None):
+        """Build and run ``cfg`` (replaces an app of the same name); returns when it is RUNNING."""
+        from ray import serve
+
+        from vtoken.serve.app import build_app
+
+        app = build_app(cfg, user_config=user_config)
+        return serve.run(app, name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
+
+    def __exit__(self, *exc: Any) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            if ray.is_initialized():
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+            if self.tmp is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def banner(cfg: ServeAppConfig, url: str, metrics_host: str | None, metrics_port: int | None) -> str:
+    """What ``vtoken serve`` prints once the app answers (pure)."""
+    model = cfg.model_name
+    key = cfg.limits.resolved_api_key()
+    auth = ' -H "Authorization: Bearer $VTOKEN_API_KEY"' if key else ""
+    api_key = 'os.environ["VTOKEN_API_KEY"]' if key else '"EMPTY"'
+    body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}], '
+            '"max_tokens": 32}' % model)
+    lines = [
+        f"vToken is serving {model!r} at {url}/v1 (mode {cfg.vtoken.mode}, policy {cfg.vtoken.policy}, "
+        f"budget {cfg.vtoken.budget})",
+        "",
+        "  curl:",
+        f"    curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'",
+        "",
+        "  openai (Python):",
+        "    python - <<'EOF'",
+        "    import os",
+        "    from openai import OpenAI",
+        f"    client = OpenAI(base_url=\"{url}/v1\", api_key={api_key})",
+        f"    r = client.chat.completions.create(model=\"{model}\", max_tokens=32,",
+        "        messages=[{\"role\": \"user\", \"content\": \"What is the capital of France?\"}])",
+        "    print(r.choices[0].message.content)",
+        "    EOF",
+        "",
+        f"  routes: {url}/v1/completions, /v1/chat/completions, /v1/models, /health, /ready",
+    ]
+    if metrics_port is not None:
+        lines.append(f"  metrics: http://{metrics_host}:{metrics_port}/metrics (first replica; see docs/metrics.md)")
+    lines += ["", "Ctrl-C to stop."]
+    return "\n".join(lines)
+
+
+def run_local(cfg: ServeAppConfig, host: str = "127.0.0.1", port: int = 8000, dashboard: bool = False,
+              echo=print) -> None:
+    """Start, print the banner, block until SIGINT/SIGTERM, then stop everything (no stray process)."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    started = time.monotonic()
+    try:
+        with LocalCluster(http_host=host, http_port=port, dashboard=dashboard) as cluster:
+            echo(f"starting Ray Serve on {cluster.url} (model {cfg.model}; first start converts/loads it) …")
+            cluster.deploy(cfg)
+            echo(f"ready in {time.monotonic() - started:.0f} s\n")
+            echo(banner(cfg, cluster.url, cfg.metrics.host, cfg.metrics.port))
+            while not stop.wait(0.5):
+                pass
+            echo("\nstopping (serve.shutdown, ray.shutdown) …")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    echo("stopped.")

@@ -1,0 +1,173 @@
+"""Prometheus exposition of one replica: ``vtoken:*`` next to vLLM's own ``vllm:*``, names unchanged.
+
+Each replica serves ``http://<metrics.host>:<metrics.port + local rank>/metrics`` (loopback by default)
+with a plain ``prometheus_client`` HTTP server. Every sample — vLLM's, vToken's, the process
+collector's — carries the labels ``application``, ``deployment`` and ``replica`` added at scrape time,
+so series from different replicas never collide. We do not go through Ray's metrics export port:
+it would rename everything to ``ray_vtoken_*`` / ``ray_vllm_*`` (colons are not allowed there) and
+ARCHITECTURE §6 keeps vLLM's names unchanged. The exact scraped names are listed in docs/metrics.md.
+
+Gauges and the cumulative vToken counters are read from the latest ``KVSnapshot`` when scraped (no
+work per engine step); the SLA counters and latency histograms are updated once per finished request.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import REGISTRY, Collector
+
+from vtoken.serve.sla import RequestLatency, SloTargets, meets_slo
+from vtoken.serve.stats import KVSnapshot, StatsSink
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+REPACK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+
+class KVCollector(Collector):
+    """The ``vtoken:*`` gauges and cumulative counters, from ``sink.latest`` at scrape time."""
+
+    def __init__(self, sink: StatsSink, policy: str, mode: str) -> None:
+        self._sink = sink
+        self._policy = policy
+        self._mode = mode
+
+    def collect(self) -> Iterable[Metric]:
+        snap = self._sink.latest
+        gauges = {
+            "vtoken:live_tokens": ("Live (not evicted) tokens held in the KV cache", snap.live_tokens),
+            "vtoken:held_blocks": ("KV blocks held by requests", snap.held_blocks),
+            "vtoken:packing_bound_blocks": ("Sum over requests of ceil(live/B)", snap.packing_bound_blocks),
+            "vtoken:naive_blocks": ("Blocks the paired Naive-Evict accounting would hold", snap.naive_blocks),
+            "vtoken:pool_blocks": ("KV blocks in the pool (without vLLM's null block)", snap.pool_blocks),
+            "vtoken:free_kv_tokens": ("Free KV slots after reclamation: (pool - held) * B",
+                                      snap.free_kv_tokens),
+            "vtoken:fragmentation_ratio": ("1 - live / (held * B)", snap.fragmentation_ratio),
+            "vtoken:kv_utilization": ("held / pool", snap.kv_utilization),
+            "vtoken:stats_age_seconds": ("Seconds since the engine step these KV numbers come from",
+                                         max(0.0, time.time() - snap.at) if snap.at else float("nan")),
+        }
+        for name, (doc, value) in gauges.items():
+            fam = GaugeMetricFamily(name, doc, labels=["mode"])
+            fam.add_metric([self._mode], float(value))
+            yield fam
+        evicted = CounterMetricFamily("vtoken:evicted_tokens", "Tokens evicted by the policy", labels=["policy"])
+        evicted.add_metric([self._policy], float(snap.evicted_tokens_total))
+        yield evicted
+        for name, doc, value in (
+            ("vtoken:reclaimed_blocks", "Blocks returned to the pool by vToken", snap.reclaimed_blocks_total),
+            ("vtoken:repack_moves", "KV slot moves executed by repacks", snap.repack_moves_total),
+            ("vtoken:repack_plans", "Repack plans executed", snap.num_plans),
+        ):
+            fam = CounterMetricFamily(name, doc)
+            fam.add_metric([], float(value))
+            yield fam
+
+
+class LabelledView(Collector):
+    """Every sample of ``sources`` with ``labels`` added (read-only view; used only for exposition)."""
+
+    def __init__(self, sources: Iterable[CollectorRegistry], labels: dict[str, str]) -> None:
+        self._sources = list(sources)
+        self._labels = dict(labels)
+
+    def collect(self) -> Iterable[Metric]:
+        for source in self._sources:
+            for fam in source.collect():
+                out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                for s in fam.samples:
+                    out.add_sample(s.name, {**s.labels, **self._labels}, s.value, s.timestamp, s.exemplar)
+                yield out
+
+
+class ReplicaMetrics:
+    """The replica's own registry plus the exposition view (no module-level state).
+
+    ``observe(lat)`` updates the SLA series (mutates counters); ``on_snapshot`` feeds the repack
+    histogram from counter deltas (the engine reports total repack time and plan count, so each plan in
+    an interval is observed at that interval's mean duration).
+    """
+
+    def __init__(self, sink: StatsSink, slo: SloTargets, policy: str, mode: str,
+                 labels: dict[str, str], include_process_registry: bool = True) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(KVCollector(sink, policy, mode))
+        self._slo = slo
+        self.requests = Counter("vtoken:requests", "Finished requests judged against the SLO",
+                                registry=self.registry)
+        self.slo_met = Counter("vtoken:slo_met", "Finished requests that met both TTFT and TPOT SLOs",
+                               registry=self.registry)
+        self.ttft = Histogram("vtoken:ttft_seconds", "Time to first token of finished requests",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("vtoken:tpot_seconds", "Mean time per output token of finished requests",
+                              buckets=TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("vtoken:e2e_seconds", "End-to-end latency of finished requests",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.repack = Histogram("vtoken:repack_seconds", "Duration of one repack plan (interval mean)",
+                                buckets=REPACK_BUCKETS, registry=self.registry)
+        sources = [self.registry] + ([REGISTRY] if include_process_registry else [])
+        self.view = CollectorRegistry(auto_describe=False)
+        self.view.register(LabelledView(sources, labels))
+        sink.subscribe(on_finished=self.observe, on_snapshot=self._on_snapshot)
+
+    def set_slo(self, slo: SloTargets) -> None:
+        self._slo = slo
+
+    def observe(self, lat: RequestLatency) -> None:
+        self.requests.inc()
+        if meets_slo(lat, self._slo):
+            self.slo_met.inc()
+        if lat.ttft_s is not None:
+            self.ttft.observe(lat.ttft_s)
+        if lat.tpot_s is not None:
+            self.tpot.observe(lat.tpot_s)
+        self.e2e.observe(lat.e2e_s)
+
+    def _on_snapshot(self, previous: KVSnapshot, snap: KVSnapshot) -> None:
+        plans = snap.num_plans - previous.num_plans
+        if plans <= 0:
+            return
+        mean = max(0.0, snap.repack_seconds_total - previous.repack_seconds_total) / plans
+        for _ in range(min(plans, 64)):
+            self.repack.observe(mean)
+
+
+def start_metrics_server(registry: CollectorRegistry, host: str, base_port: int, local_rank: int,
+                         span: int, wait_s: float = 10.0):
+    """Serve ``registry`` on ``host:base_port+local_rank`` (HTTP, its own thread). Returns
+    ``(server, port)`` or ``(None, None)`` if every port in the span is busy.
+
+    If the preferred port is busy (a replica being replaced may still hold it), retries it for
+    ``wait_s`` seconds, then tries the next ``span`` ports. Side effect: a daemon thread per server;
+    call ``server.shutdown()`` to stop it.
+    """
+    from prometheus_client import start_http_server
+
+    preferred = base_port + local_rank
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            server, _thread = start_http_server(preferred, addr=host, registry=registry)
+            return server, preferred
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    for port in range(base_port, base_port + local_rank + span + 1):
+        if port == preferred:
+            continue
+        try:
+            server, _thread = start_http_server(port, addr=host, registry=registry)
+            return server, port
+        except OSError:
+            continue
+    logger.warning("no free metrics port in %s..%s on %s", base_port, base_port + local_rank + span, host)
+    return None, None

@@ -1,0 +1,249 @@
+"""vLLM's own OpenAI-compatible FastAPI app, built around a running engine, behind a small guard.
+
+Routes, request/response models, validation and error bodies are vLLM's (``vllm serve`` builds the very
+same app with ``build_app`` + ``init_app_state``): ``/v1/completions``, ``/v1/chat/completions``
+(SSE when ``stream: true``), ``/v1/models``, ``/health``, ``/tokenize``, … The ``RequestGuard`` in front
+adds only what vLLM lacks for a shared endpoint::
+
+    client ─▶ RequestGuard ─────────────────────────────────▶ vLLM FastAPI app ─▶ AsyncLLM
+              │ 401  missing/wrong Bearer key (if configured)
+              │ 413  body larger than limits.max_body_bytes
+              │ 400  max_tokens / n / prompt chars over the limits
+              │ GET /ready → replica + KV snapshot (JSON)
+              └ adds header x-vtoken-replica to every response
+
+All guard errors use vLLM's ``ErrorResponse`` model (``{"error": {"message", "type", "param", "code"}}``).
+A request without ``max_tokens`` gets ``limits.max_tokens`` as its default through vLLM's own
+``--override-generation-config '{"max_new_tokens": N}'``.
+"""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+from typing import Any, Callable
+
+from vtoken.serve.config import ServeAppConfig
+
+GUARD_EXEMPT = ("/health", "/ready", "/ping")  # liveness/readiness probes need no key
+_LIMITED_BODIES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+
+
+def vllm_cli_args(cfg: ServeAppConfig, model_path: str) -> list[str]:
+    """The ``vllm serve`` flags that shape the app (the engine itself is built from AsyncEngineArgs)."""
+    return [
+        "--model", model_path,
+        "--served-model-name", cfg.model_name,
+        "--max-model-len", str(cfg.engine.max_model_len),
+        "--override-generation-config", json.dumps({"max_new_tokens": cfg.limits.max_tokens}),
+        "--disable-uvicorn-access-log",
+    ]
+
+
+async def build_vllm_app(engine: Any, cfg: ServeAppConfig, model_path: str):
+    """vLLM's FastAPI app wired to ``engine`` (an ``AsyncLLM``); same calls as ``vllm serve``."""
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_cli_args(cfg, model_path))
+    supported_tasks = await engine.get_supported_tasks()
+    app = build_app(args, supported_tasks, engine.model_config)
+    await init_app_state(engine, app.state, args, supported_tasks)
+    return app
+
+
+def error_body(message: str, status: HTTPStatus, err_type: str | None = None, param: str | None = None) -> bytes:
+    """An OpenAI-format error body, built with vLLM's own ``ErrorResponse`` model."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+
+    info = ErrorInfo(message=message, type=err_type or status.phrase.replace(" ", "") + "Error",
+                     param=param, code=int(status))
+    return ErrorResponse(error=info).model_dump_json().encode()
+
+
+def limit_violation(path: str, body: Any, cfg: ServeAppConfig) -> tuple[str, str] | None:
+    """``(message, param)`` if a JSON request body exceeds a configured limit, else None (pure).
+
+    Only well-typed fields are checked; anything malformed is left to vLLM's own validation.
+    """
+    if not isinstance(body, dict) or not path.startswith(_LIMITED_BODIES):
+        return None
+    lim = cfg.limits
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > lim.max_tokens:
+            return f"{key} {value} exceeds this server's limit of {lim.max_tokens}", key
+    n = body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > lim.max_n:
+        return f"n {n} exceeds this server's limit of {lim.max_n}", "n"
+    chars = _prompt_chars(body)
+    if chars > lim.max_prompt_chars:
+        return f"prompt has {chars} characters; this server's limit is {lim.max_prompt_chars}", "prompt"
+    return None
+
+
+def _prompt_chars(body: dict) -> int:
+    total = 0
+    for key in ("prompt", "input"):
+        total += _text_len(body.get(key))
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for msg in messages:
+            if isinstance(msg, dict):
+                total += _text_len(msg.get("content"))
+    return total
+
+
+def _text_len(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(_text_len(v) if isinstance(v, (str, list)) else _text_len(v.get("text"))
+                   if isinstance(v, dict) else 0 for v in value)
+    return 0
+
+
+class RequestGuard:
+    """Pure ASGI middleware: API key, body/parameter limits, ``/ready``, replica header.
+
+    ``ready_info`` is called for ``GET /ready`` and must return a JSON-serialisable dict. Stateless per
+    request; the body is read once (bounded) and replayed to the inner app.
+    """
+
+    def __init__(self, app, cfg: ServeAppConfig, api_key: str | None, replica_tag: str,
+                 ready_info: Callable[[], dict]) -> None:
+        from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+        self.app = app
+        self.cfg = cfg
+        self._auth = AuthenticationMiddleware(app, [api_key]) if api_key else None  # reuse its check
+        self._tag = replica_tag.encode()
+        self._ready_info = ready_info
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        send = self._tagging(_openai_errors(send))
+        path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
+        if scope.get("method") != "OPTIONS" and self._auth is not None and not path.startswith(GUARD_EXEMPT):
+            from starlette.datastructures import Headers
+
+            if not self._auth.verify_token(Headers(scope=scope)):
+                await _reply(send, HTTPStatus.UNAUTHORIZED, "missing or invalid API key (Authorization: "
+                             "Bearer <key>)", "AuthenticationError", extra=[(b"www-authenticate", b"Bearer")])
+                return
+        if path == "/ready" and scope.get("method") == "GET":
+            await _reply_json(send, HTTPStatus.OK, json.dumps(self._ready_info()).encode())
+            return
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        body = await _read_body(scope, receive, self.cfg.limits.max_body_bytes)
+        if body is None:
+            await _reply(send, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                         f"request body exceeds {self.cfg.limits.max_body_bytes} bytes", "BadRequestError")
+            return
+        violation = None
+        try:
+            violation = limit_violation(path, json.loads(body), self.cfg)
+        except (ValueError, RecursionError):
+            pass  # not JSON: vLLM answers with its own 400
+        if violation is not None:
+            await _reply(send, HTTPStatus.BAD_REQUEST, violation[0], "BadRequestError", param=violation[1])
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    def _tagging(self, send):
+        tag = self._tag
+
+        async def tagged(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": list(message.get("headers", [])) + [(b"x-vtoken-replica", tag)]}
+            await send(message)
+
+        return tagged
+
+
+def _openai_errors(send):
+    """Rewrite framework error bodies (``{"detail": ...}``, e.g. FastAPI's 404/405) into the OpenAI
+    format; every other response passes through untouched."""
+    held: dict[str, Any] = {}
+
+    async def wrapped(message) -> None:
+        if message["type"] == "http.response.start":
+            headers = dict(message.get("headers", []))
+            if message["status"] >= 400 and headers.get(b"content-type", b"").startswith(b"application/json"):
+                held["start"], held["body"] = message, b""
+                return
+        elif message["type"] == "http.response.body" and "start" in held:
+            held["body"] += message.get("body", b"")
+            if message.get("more_body", False):
+                return
+            start, body = held.pop("start"), held.pop("body")
+            try:
+                parsed = json.loads(body)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict) and "detail" in parsed and "error" not in parsed:
+                status = HTTPStatus(start["status"])
+                body = error_body(str(parsed["detail"]), status)
+                start = {**start, "headers": [(k, v) for k, v in start.get("headers", [])
+                                              if k != b"content-length"]
+                         + [(b"content-length", str(len(body)).encode())]}
+            await send(start)
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        await send(message)
+
+    return wrapped
+
+
+async def _read_body(scope, receive, limit: int) -> bytes | None:
+    """The whole request body, or None once it exceeds ``limit`` bytes (Content-Length checked first)."""
+    for name, value in scope.get("headers", []):
+        if name == b"content-length":
+            try:
+                if int(value) > limit:
+                    return None
+            except ValueError:
+                pass
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # after the body: wait for the client's disconnect, as Starlette expects
+
+    return replay
+
+
+async def _reply(send, status: HTTPStatus, message: str, err_type: str, param: str | None = None,
+                 extra: list | None = None) -> None:
+    await _reply_json(send, status, error_body(message, status, err_type, param), extra)
+
+
+async def _reply_json(send, status: HTTPStatus, payload: bytes, extra: list | None = None) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": int(status), "headers": headers + (extra or [])})
+    await send({"type": "http.response.body", "body": payload, "more_body": False})

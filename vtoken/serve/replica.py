@@ -1,0 +1,138 @@
+"""The Serve replica: vLLM's ``AsyncLLM`` (multiprocess engine, as in ``vllm serve``) with vToken on,
+vLLM's OpenAI app as the ASGI ingress, KV stats for the router and the autoscaler, Prometheus metrics.
+
+::
+
+    Serve proxy ─HTTP─▶ VTokenReplica (this actor)                       EngineCore proc ─ Worker proc
+                        RequestGuard → vLLM FastAPI app → AsyncLLM ═ZMQ═▶ scheduler (+ vToken)
+                        ReplicaStatLogger ◀── SchedulerStats/IterationStats every step
+                          └▶ StatsSink ─▶ record_routing_stats()      (router, every stats_period_s)
+                                       ─▶ record_autoscaling_stats()  (controller, metrics_interval_s)
+                                       ─▶ /metrics on metrics.port + local rank (Prometheus)
+
+The deployment options (replicas, autoscaling, router) are attached in ``vtoken.serve.app``; this
+module is only the class. The engine class is injectable (``engine_factory``) so a test can pass a
+different real engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from ray import serve
+
+from vtoken.serve.config import ServeAppConfig
+from vtoken.serve.sla import SloTargets
+from vtoken.serve.stats import (
+    KV_UTILIZATION,
+    NUM_RUNNING,
+    NUM_WAITING,
+    POLLED_AT,
+    StatsSink,
+    make_stat_logger_class,
+    routing_stats,
+)
+
+logger = logging.getLogger("ray.serve")
+
+class VTokenReplica:
+    """One model replica. ``user_config`` (Serve's hot-reloadable config) carries fault injection for
+    chaos tests only: ``{"stats_fault": {"ranks": [1], "mode": "stale" | "missing"}}``."""
+
+    async def __init__(self, cfg: ServeAppConfig, engine_factory: Callable[..., Any] | None = None) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from vtoken.serve.engine import bind_cpus, engine_args, resolve_model_path
+        from vtoken.serve.metrics import ReplicaMetrics, start_metrics_server
+        from vtoken.serve.openai_app import RequestGuard, build_vllm_app
+
+        self._engine = None
+        self._metrics_server = None
+        self.cfg = cfg
+        ctx = serve.get_replica_context()
+        rank = getattr(ctx, "rank", 0)
+        self._rank = int(getattr(rank, "rank", rank) or 0)
+        self._local_rank = int(getattr(rank, "local_rank", self._rank) or 0)
+        self._replica_id = ctx.replica_id.unique_id
+        self._fault: dict[str, Any] = {}
+        binding = bind_cpus(cfg, self._local_rank)
+        model_path = resolve_model_path(cfg.model)
+
+        self._sink = StatsSink(block_size=cfg.vtoken.block_size)
+        labels = {"application": ctx.app_name or "", "deployment": ctx.deployment, "replica": self._replica_id}
+        self._metrics = ReplicaMetrics(self._sink, SloTargets.from_ms(cfg.slo.ttft_ms, cfg.slo.tpot_ms),
+                                       cfg.vtoken.policy, cfg.vtoken.mode, labels)
+        started = time.monotonic()
+        factory = engine_factory or AsyncLLM.from_engine_args
+        self._engine = factory(AsyncEngineArgs(**engine_args(cfg, model_path)),
+                               stat_loggers=[make_stat_logger_class(self._sink)])
+        api_key = cfg.limits.resolved_api_key()
+        vllm_app = await build_vllm_app(self._engine, cfg, model_path)
+        self._asgi = RequestGuard(vllm_app, cfg, api_key, self._replica_id, self._ready_info)
+        if cfg.metrics.port is not None:
+            self._metrics_server, self.metrics_port = start_metrics_server(
+                self._metrics.view, cfg.metrics.host, cfg.metrics.port, self._local_rank, cfg.metrics.port_span)
+        else:
+            self.metrics_port = None
+        logger.info("vToken replica %s (rank %d, cpus %s) ready in %.1f s; model %s, mode %s, metrics port %s",
+                    self._replica_id, self._rank, binding, time.monotonic() - started, cfg.model_name,
+                    cfg.vtoken.mode, self.metrics_port)
+
+    async def __serve_build_asgi_app__(self):
+        # Serve calls this once after __init__; the returned ASGI app is the replica's ingress.
+        return self._asgi
+
+    def reconfigure(self, user_config: dict | None) -> None:
+        """Apply Serve's ``user_config`` (mutates the fault-injection state only)."""
+        self._fault = dict((user_config or {}).get("stats_fault") or {})
+
+    def _faulty(self) -> str | None:
+        if self._fault and self._rank in set(self._fault.get("ranks", [])):
+            return str(self._fault.get("mode", "stale"))
+        return None
+
+    def record_routing_stats(self) -> dict[str, float]:
+        """Called by Serve every ``router.stats_period_s``; reads the latest snapshot (no engine call)."""
+        stats = routing_stats(self._sink.latest, time.time())
+        fault = self._faulty()
+        if fault == "missing":
+            return {}
+        if fault == "stale":
+            stats[POLLED_AT] -= 3600.0
+        return stats
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Called by Serve every ``autoscaling.metrics_interval_s``; numbers only (Serve drops others)."""
+        snap = self._sink.latest
+        return {KV_UTILIZATION: snap.kv_utilization, NUM_WAITING: float(snap.num_waiting),
+                NUM_RUNNING: float(snap.num_running)}
+
+    def _ready_info(self) -> dict[str, Any]:
+        snap = self._sink.latest
+        return {"status": "ready", "replica": self._replica_id, "rank": self._rank, "model": self.cfg.model_name,
+                "mode": self.cfg.vtoken.mode, "policy": self.cfg.vtoken.policy,
+                "metrics_port": self.metrics_port, **routing_stats(snap, time.time())}
+
+    async def check_health(self) -> None:
+        """Serve's health probe: raises if the engine died (Serve then replaces the replica)."""
+        if self._engine is None:
+            raise RuntimeError("engine not started")
+        await self._engine.check_health()
+
+    def __del__(self) -> None:
+        # Serve drops the replica on shutdown/scale-down/health failure: stop the engine processes and
+        # the metrics thread so no child process or port outlives the actor.
+        if getattr(self, "_metrics_server", None) is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
+        if getattr(self, "_engine", None) is not None:
+            try:
+                self._engine.shutdown()
+            except Exception:  # noqa: BLE001 - best effort during teardown
+                logger.exception("engine shutdown failed")
+            self._engine = None
+

@@ -1,0 +1,136 @@
+"""KV-aware request router: send a request where the KV cache has the most usable room.
+
+Each replica publishes ``record_routing_stats()`` (``vtoken.serve.replica.routing_stats``); Serve polls
+it every ``router.stats_period_s`` and hands it to every router as ``replica.routing_stats``. Ranking::
+
+    effective_free = free_kv_tokens · (1 − fragmentation_weight · fragmentation_ratio)
+                     − pending · tokens_per_queued_request
+    pending        = max(engine-waiting requests, router's queue length − engine-running requests)
+
+``free_kv_tokens`` is (pool − held) · B *after* vToken reclamation, so a replica whose repacks freed
+blocks ranks higher than a Naive-Evict one holding the same live tokens. Fragmentation discounts the
+free room by how densely the replica currently fills it; ``pending`` charges requests already sent
+there but not yet admitted by the engine (the stats lag one poll behind a burst).
+
+Replicas are sorted by ``effective_free``; those within ``tie_tokens`` of a rank's best share the
+rank, and Serve picks the one with the shortest queue inside it (the queue-length tie-break). Replicas
+with missing or stale stats go into a last rank. When no replica has fresh stats the router degrades
+to power-of-two-choices (two random replicas in one rank → the shorter queue wins).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from vtoken.serve.stats import (
+    BLOCK_SIZE,
+    FRAGMENTATION,
+    FREE_KV_TOKENS,
+    NUM_RUNNING,
+    NUM_WAITING,
+    POLLED_AT,
+    STATS_AGE,
+)
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class RouterParams:
+    """Hyperparameters (documented in ``KVAwareRouter.initialize_state``)."""
+
+    stale_after_s: float = 5.0
+    fragmentation_weight: float = 0.5
+    tokens_per_queued_request: int = 256
+    tie_tokens: int = 64
+
+
+def effective_free_tokens(stats: Mapping[str, Any], queue_len: int | None, params: RouterParams,
+                          now: float) -> float | None:
+    """The ranking score of one replica, or None if its stats are missing or stale (pure)."""
+    try:
+        polled_at = float(stats[POLLED_AT])
+        free = float(stats[FREE_KV_TOKENS])
+        frag = float(stats[FRAGMENTATION])
+        waiting = float(stats[NUM_WAITING])
+        running = float(stats[NUM_RUNNING])
+        age = float(stats.get(STATS_AGE, 0.0))
+        float(stats[BLOCK_SIZE])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if now - polled_at > params.stale_after_s or age > params.stale_after_s:
+        return None
+    pending = max(waiting, float(queue_len or 0) - running)
+    frag = min(1.0, max(0.0, frag))
+    return free * (1.0 - params.fragmentation_weight * frag) - pending * params.tokens_per_queued_request
+
+
+def rank_by_kv(scores: Sequence[tuple[Any, float | None]], tie_tokens: float) -> list[list[Any]] | None:
+    """Group ``(replica, score)`` pairs into ranks, best first (pure).
+
+    Scored replicas are sorted by score; a new rank starts when a score falls more than ``tie_tokens``
+    below the current rank's best. Unscored (None) replicas form the last rank. Returns None when no
+    replica has a score (the caller falls back to power-of-two-choices).
+    """
+    scored = sorted(((s, i, r) for i, (r, s) in enumerate(scores) if s is not None), key=lambda t: (-t[0], t[1]))
+    if not scored:
+        return None
+    ranks: list[list[Any]] = []
+    best = None
+    for score, _, replica in scored:
+        if best is None or best - score > tie_tokens:
+            ranks.append([])
+            best = score
+        ranks[-1].append(replica)
+    unscored = [r for r, s in scores if s is None]
+    if unscored:
+        ranks.append(unscored)
+    return ranks
+
+
+class KVAwareRouter(RequestRouter):
+    """Ranks replicas by free KV capacity after vToken reclamation (see the module docstring)."""
+
+    def initialize_state(self, stale_after_s: float = 5.0, fragmentation_weight: float = 0.5,
+                         tokens_per_queued_request: int = 256, tie_tokens: int = 64, **_: Any) -> None:
+        """Hyperparameters (``request_router_kwargs``; ``router.*`` in ServeAppConfig):
+
+        - ``stale_after_s`` (5.0): stats whose poll time, or whose engine step of a busy replica, is
+          older than this are ignored; set it to a few ``stats_period_s``. A replica in a long prefill
+          step goes stale and drops to the last rank until its next step.
+        - ``fragmentation_weight`` (0.5): in [0, 1]; 1 discounts free room fully by the replica's
+          fragmentation ratio, 0 ignores fragmentation.
+        - ``tokens_per_queued_request`` (256): KV tokens charged per request queued at a replica but not
+          yet running in its engine (roughly prompt + expected output of a typical request).
+        - ``tie_tokens`` (64): replicas within this many effective free tokens of a rank's best share
+          the rank; Serve then picks the shortest queue among them. 0 = strict KV order.
+        """
+        self.params = RouterParams(stale_after_s, fragmentation_weight, tokens_per_queued_request, tie_tokens)
+        self.fallbacks = 0
+        self.kv_routed = 0
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: List[RunningReplica],
+        pending_request: Optional[PendingRequest] = None,
+    ) -> List[List[RunningReplica]]:
+        params = getattr(self, "params", RouterParams())
+        now = time.time()
+        cache = self.replica_queue_len_cache
+        scores = [(r, effective_free_tokens(r.routing_stats or {}, cache.get(r.replica_id), params, now))
+                  for r in candidate_replicas]
+        ranks = rank_by_kv(scores, params.tie_tokens)
+        if ranks is not None:
+            self.kv_routed += 1
+            return ranks
+        self.fallbacks += 1
+        if len(candidate_replicas) <= 2:
+            return [list(candidate_replicas)]
+        return [random.sample(list(candidate_replicas), 2)]

@@ -1,0 +1,195 @@
+"""KV statistics of one replica, read for free from vLLM's stat-logger path.
+
+vLLM's ``AsyncLLM`` hands every engine step's ``SchedulerStats`` (and ``IterationStats``) to each stat
+logger's ``record()`` in the replica process. ``ReplicaStatLogger`` turns them into a frozen
+``KVSnapshot`` and stores it in a ``StatsSink``; the router, the autoscaler and the Prometheus collector
+read the sink's latest snapshot. No RPC to the engine, no engine stall: the cost is one small object
+per engine step.
+
+Where the numbers come from::
+
+    vToken on  (vtoken.vllm.stats.vtoken_stats_from(scheduler_stats) -> VTokenStats)
+        live / held / packing-bound / naive blocks, pool, evictions, repack moves and time
+    vToken off (mode "none", or the integration not installed)
+        held = round(kv_cache_usage · pool); live ≈ held · B (vanilla paging: no holes are tracked)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from vtoken.serve.sla import RequestLatency, latency_of
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """One engine step's KV state as seen by the replica (block counts exclude vLLM's null block)."""
+
+    live_tokens: int
+    held_blocks: int
+    packing_bound_blocks: int
+    naive_blocks: int
+    pool_blocks: int
+    block_size: int
+    num_running: int = 0
+    num_waiting: int = 0
+    evicted_tokens_total: int = 0
+    reclaimed_blocks_total: int = 0
+    repack_moves_total: int = 0
+    repack_seconds_total: float = 0.0
+    num_plans: int = 0
+    source: str = "vllm"  # "vtoken" when the numbers come from vToken's own accounting
+    at: float = field(default_factory=time.time)  # wall-clock time of the engine step
+
+    @property
+    def free_blocks(self) -> int:
+        return max(0, self.pool_blocks - self.held_blocks)
+
+    @property
+    def free_kv_tokens(self) -> int:
+        """Slots a new request can get right now (after vToken reclamation): free blocks · B."""
+        return self.free_blocks * self.block_size
+
+    @property
+    def fragmentation_ratio(self) -> float:
+        """1 − live / (held · B): share of held slots that hold no live token (0 when nothing held)."""
+        slots = self.held_blocks * self.block_size
+        return 0.0 if slots <= 0 else max(0.0, 1.0 - self.live_tokens / slots)
+
+    @property
+    def kv_utilization(self) -> float:
+        """held / pool, in [0, 1]."""
+        return 0.0 if self.pool_blocks <= 0 else min(1.0, self.held_blocks / self.pool_blocks)
+
+
+# Keys of record_routing_stats() / record_autoscaling_stats(): the scraped metric names (docs/metrics.md).
+FREE_KV_TOKENS = "vtoken:free_kv_tokens"
+KV_UTILIZATION = "vtoken:kv_utilization"
+FRAGMENTATION = "vtoken:fragmentation_ratio"
+HELD_BLOCKS = "vtoken:held_blocks"
+POOL_BLOCKS = "vtoken:pool_blocks"
+LIVE_TOKENS = "vtoken:live_tokens"
+NUM_WAITING = "vllm:num_requests_waiting"
+NUM_RUNNING = "vllm:num_requests_running"
+BLOCK_SIZE = "block_size"
+POLLED_AT = "polled_at"  # wall-clock time the replica answered the poll
+STATS_AGE = "stats_age_s"  # seconds since the engine step the numbers describe (0 when idle)
+
+
+def routing_stats(snap: KVSnapshot, now: float) -> dict[str, float]:
+    """The router's view of ``snap`` (pure). An idle engine's numbers never go stale."""
+    busy = snap.num_running + snap.num_waiting > 0
+    return {
+        FREE_KV_TOKENS: float(snap.free_kv_tokens),
+        KV_UTILIZATION: snap.kv_utilization,
+        FRAGMENTATION: snap.fragmentation_ratio,
+        HELD_BLOCKS: float(snap.held_blocks),
+        POOL_BLOCKS: float(snap.pool_blocks),
+        LIVE_TOKENS: float(snap.live_tokens),
+        NUM_WAITING: float(snap.num_waiting),
+        NUM_RUNNING: float(snap.num_running),
+        BLOCK_SIZE: float(snap.block_size),
+        POLLED_AT: now,
+        STATS_AGE: max(0.0, now - snap.at) if busy and snap.at else 0.0,
+    }
+
+
+def snapshot_from(scheduler_stats: Any, pool_blocks: int, block_size: int,
+                  vtoken_reader: Callable[[Any], Any] | None = None) -> KVSnapshot:
+    """Build a snapshot from one ``SchedulerStats`` (pure). ``vtoken_reader`` is
+    ``vtoken.vllm.stats.vtoken_stats_from`` when available; it returns None when vToken is off."""
+    running = int(getattr(scheduler_stats, "num_running_reqs", 0))
+    waiting = int(getattr(scheduler_stats, "num_waiting_reqs", 0))
+    vt = vtoken_reader(scheduler_stats) if vtoken_reader is not None else None
+    if vt is not None:
+        return KVSnapshot(
+            live_tokens=int(vt.live_tokens), held_blocks=int(vt.held_blocks),
+            packing_bound_blocks=int(vt.packing_bound_blocks), naive_blocks=int(vt.naive_blocks),
+            pool_blocks=int(vt.pool_blocks), block_size=int(vt.block_size), num_running=running,
+            num_waiting=waiting, evicted_tokens_total=int(vt.evicted_tokens_total),
+            reclaimed_blocks_total=int(vt.reclaimed_blocks_total),
+            repack_moves_total=int(vt.repack_moves_total), repack_seconds_total=float(vt.repack_seconds_total),
+            num_plans=int(vt.num_plans), source="vtoken")
+    held = int(round(float(getattr(scheduler_stats, "kv_cache_usage", 0.0)) * pool_blocks))
+    return KVSnapshot(live_tokens=held * block_size, held_blocks=held, packing_bound_blocks=held,
+                      naive_blocks=held, pool_blocks=pool_blocks, block_size=block_size,
+                      num_running=running, num_waiting=waiting)
+
+
+class StatsSink:
+    """Latest ``KVSnapshot`` plus finished-request latencies of one replica (thread-safe).
+
+    Written by ``ReplicaStatLogger.record`` (vLLM's output-handler task), read by the replica's
+    ``record_routing_stats``/``record_autoscaling_stats`` and the metrics collector (any thread).
+    ``on_finished`` callbacks run inline in ``record`` and must be cheap.
+    """
+
+    def __init__(self, pool_blocks: int = 0, block_size: int = 32) -> None:
+        self._lock = threading.Lock()
+        self._latest = KVSnapshot(0, 0, 0, 0, pool_blocks, block_size, at=0.0)
+        self._on_finished: list[Callable[[RequestLatency], None]] = []
+        self._on_snapshot: list[Callable[[KVSnapshot, KVSnapshot], None]] = []
+
+    @property
+    def latest(self) -> KVSnapshot:
+        with self._lock:
+            return self._latest
+
+    def subscribe(self, on_finished: Callable[[RequestLatency], None] | None = None,
+                  on_snapshot: Callable[[KVSnapshot, KVSnapshot], None] | None = None) -> None:
+        """Register callbacks (mutates the sink): per finished request; per (previous, new) snapshot."""
+        if on_finished is not None:
+            self._on_finished.append(on_finished)
+        if on_snapshot is not None:
+            self._on_snapshot.append(on_snapshot)
+
+    def put(self, snap: KVSnapshot) -> None:
+        """Replace the latest snapshot (mutates the sink) and notify ``on_snapshot`` subscribers."""
+        with self._lock:
+            previous, self._latest = self._latest, snap
+        for callback in self._on_snapshot:
+            callback(previous, snap)
+
+    def finished(self, latency: RequestLatency) -> None:
+        for callback in self._on_finished:
+            callback(latency)
+
+
+def make_stat_logger_class(sink: StatsSink) -> type:
+    """A ``StatLoggerBase`` subclass bound to ``sink`` (vLLM instantiates it as ``cls(vllm_config, idx)``).
+
+    A class, not a closure over a module global: each replica builds its own. Importing vLLM here keeps
+    this module importable without vLLM (router/autoscaler unit tests).
+    """
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    try:
+        from vtoken.vllm.stats import vtoken_stats_from as reader
+    except ImportError:  # the vLLM integration is not installed: vanilla accounting
+        reader = None
+
+    class ReplicaStatLogger(StatLoggerBase):
+        """Feeds ``sink`` from every engine step; cheap (no engine call)."""
+
+        def __init__(self, vllm_config, engine_index: int = 0) -> None:
+            self._cache = vllm_config.cache_config
+            self._engine_index = engine_index
+
+        def _pool(self) -> int:
+            # vLLM keeps one null block out of the pool (ARCHITECTURE §4, invariant 2).
+            return max(0, int(self._cache.num_gpu_blocks or 0) - 1)
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                sink.put(snapshot_from(scheduler_stats, self._pool(), int(self._cache.block_size), reader))
+            if iteration_stats is not None:
+                for fin in iteration_stats.finished_requests:
+                    sink.finished(latency_of(fin))
+
+        def log_engine_initialized(self) -> None:
+            sink.put(KVSnapshot(0, 0, 0, 0, self._pool(), int(self._cache.block_size)))
+
+    return ReplicaStatLogger
