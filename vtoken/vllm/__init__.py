@@ -1,0 +1,60 @@
+"""vToken inside vLLM (out of tree). The vLLM internals it relies on are listed, with reasons, in
+``vtoken.vllm.internals`` (pinned to vLLM 0.32.0).
+
+Python::
+
+    from vllm import LLM
+    from vtoken.core.config import VTokenConfig
+    from vtoken.vllm import engine_kwargs
+
+    llm = LLM(model="...", **engine_kwargs(VTokenConfig(policy="h2o", budget=0.2, mode="repack", block_size=32)))
+
+Command line (what ``engine_kwargs`` expands to)::
+
+    vllm serve MODEL --block-size 32 \\
+        --scheduler-cls vtoken.vllm.scheduler.VTokenScheduler \\
+        --worker-cls vtoken.vllm.worker.VTokenCPUWorker \\
+        --additional-config '{"vtoken": {"policy": "h2o", "budget": 0.2, "mode": "repack"}}'
+
+The settings (``vtoken.vllm.config``) are validated when the engine starts; a bad value fails start-up with
+a message naming it and the valid values. Per-request overrides go in
+``SamplingParams(extra_args={"vtoken": {...}})`` (``vllm_xargs`` in the OpenAI API).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vtoken.core.config import VTokenConfig
+from vtoken.vllm.config import EngineSettings
+
+SCHEDULER_CLS = "vtoken.vllm.scheduler.VTokenScheduler"
+WORKER_CLS = "vtoken.vllm.worker.VTokenCPUWorker"
+
+
+def engine_kwargs(
+    cfg: VTokenConfig | None = None,
+    *,
+    scores: str = "auto",
+    trace_dir: str | None = None,
+    check: bool = False,
+) -> dict[str, Any]:
+    """Extra keyword arguments for ``LLM(...)`` / ``EngineArgs`` / ``AsyncEngineArgs`` that turn vToken on.
+
+    Returns ``scheduler_cls``, ``worker_cls``, ``additional_config`` and ``block_size``. With
+    ``cfg.mode == "none"`` it returns only ``block_size`` (vanilla vLLM, no hooks). Raises ``ConfigError``
+    for invalid settings (before any engine starts).
+    """
+    cfg = cfg if cfg is not None else VTokenConfig()
+    settings = EngineSettings(cfg=cfg, scores=scores, trace_dir=trace_dir, check=check)
+    if not settings.enabled:
+        return {"block_size": cfg.block_size}
+    return {
+        "scheduler_cls": SCHEDULER_CLS,
+        "worker_cls": WORKER_CLS,
+        "additional_config": {"vtoken": settings.to_additional_config()},
+        "block_size": cfg.block_size,
+    }
+
+
+__all__ = ["engine_kwargs", "SCHEDULER_CLS", "WORKER_CLS"]

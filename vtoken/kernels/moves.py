@@ -1,0 +1,69 @@
+"""KV slot moves: copy whole tokens (K and V, every kv head, every layer) between physical slots.
+
+A repack plan is a list of ``(src_slot, dst_slot)`` physical slots (``block_id * block_size + offset``).
+The sources and destinations of one step are disjoint (sources are live tokens at or beyond ``live``,
+destinations are holes below it), so a gather of every source followed by a scatter to every destination
+is exact whatever the order of the pairs. That is what ``TorchSlotMover`` does, per layer tensor.
+
+``SlotMover`` is the interface the vLLM worker uses; the GPU Triton kernel (a later issue) implements the
+same ``move`` on the GPU layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from vtoken.kernels.layout import TokenLayout
+
+
+class SlotMover(Protocol):
+    def move(self, kv_caches: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy token ``src[i]`` onto ``dst[i]`` in every tensor of ``kv_caches`` (mutates them)."""
+
+
+def gather_tokens(kv_cache: torch.Tensor, layout: TokenLayout, slots: torch.Tensor) -> torch.Tensor:
+    """All elements of the tokens at ``slots``: ``[n, 2*head_dim, num_kv_heads]`` (K channels then V)."""
+    nb, nkv = kv_cache.shape[0], kv_cache.shape[1]
+    flat = kv_cache.view(nb, nkv, layout.region)
+    blocks = torch.div(slots, layout.block_size, rounding_mode="floor")
+    offsets = slots - blocks * layout.block_size
+    return flat[blocks.unsqueeze(1), :, layout.index[offsets]]
+
+
+def scatter_tokens(kv_cache: torch.Tensor, layout: TokenLayout, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """Inverse of ``gather_tokens`` (mutates ``kv_cache``)."""
+    nb, nkv = kv_cache.shape[0], kv_cache.shape[1]
+    flat = kv_cache.view(nb, nkv, layout.region)
+    blocks = torch.div(slots, layout.block_size, rounding_mode="floor")
+    offsets = slots - blocks * layout.block_size
+    flat[blocks.unsqueeze(1), :, layout.index[offsets]] = values
+
+
+def read_kv(kv_cache: torch.Tensor, layout: TokenLayout, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the tokens at ``slots``, each ``[n, num_kv_heads, head_dim]`` (pure)."""
+    vals = gather_tokens(kv_cache, layout, slots).permute(0, 2, 1)
+    return vals[..., : layout.head_dim], vals[..., layout.head_dim :]
+
+
+class TorchSlotMover:
+    """Reference mover for any layout ``probe_layout`` can describe (CPU now; also runs on CUDA tensors)."""
+
+    def __init__(self, layout: TokenLayout) -> None:
+        self.layout = layout
+
+    def move(self, kv_caches: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+        if src.numel() == 0:
+            return
+        if src.shape != dst.shape:
+            raise ValueError(f"move: {src.numel()} sources but {dst.numel()} destinations")
+        seen: set[int] = set()
+        for kv in kv_caches:
+            if kv.data_ptr() in seen:  # layers sharing one cache tensor are moved once
+                continue
+            seen.add(kv.data_ptr())
+            layout = self.layout if self.layout.index.device == kv.device else self.layout.to(kv.device)
+            s, d = src.to(kv.device), dst.to(kv.device)
+            scatter_tokens(kv, layout, d, gather_tokens(kv, layout, s))

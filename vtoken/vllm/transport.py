@@ -1,0 +1,101 @@
+"""What travels between the vToken scheduler (engine core) and the vToken worker, and how.
+
+Scheduler → worker: a ``StepPlan`` in a declared field of ``VTokenSchedulerOutput`` (a dataclass subclass
+of vLLM's ``SchedulerOutput``; the scheduler switches the output object's class). Worker → scheduler: a
+``StepResult`` in a declared field of ``VTokenModelRunnerOutput``. Both ride the paths vLLM already uses
+for ``SchedulerOutput`` / ``ModelRunnerOutput``:
+
+* multiprocess executor (CPU always; GPU with TP/PP > 1): pickled through the shared-memory
+  ``MessageQueue``; plain dataclasses and numpy arrays pickle cheaply, and a declared dataclass field also
+  survives ``dataclasses.replace`` (which the V1 runner applies to the scheduler output for ngram-GPU
+  speculative decoding), unlike an ad-hoc attribute;
+* uni-process executor (GPU, TP = 1): the same objects, by reference — a plan is never mutated after it
+  is attached.
+
+The changed block-ID contract (vLLM's rows are append-only): ``StepPlan.truncate[req_id] = n`` tells the
+worker to cut the request's block row to its first ``n`` blocks *before* this step's ``new_block_ids``
+are appended. The scheduler has already returned the cut blocks to vLLM's BlockPool, and the moves in
+``StepPlan`` (which read from those blocks) run before anything else in the step can write them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import ModelRunnerOutput
+
+
+@dataclass
+class RequestStep:
+    """Worker instructions for one scheduled request (physical = logical - ``offset``)."""
+
+    offset: int  # tokens ever seen minus live tokens after this step's placement: seq_len_phys = seq_len - offset
+    slots: np.ndarray | None = None  # row-relative slots of the new tokens when not simply appended (reuse)
+    scores: bool = False  # collect attention scores over the live keys
+    key_norm: bool = False  # collect the new keys' L2 norms
+
+
+@dataclass
+class StepPlan:
+    """Everything the worker must do for vToken this step (immutable once attached)."""
+
+    src: np.ndarray  # int64 [k] physical source slots of this step's moves (all requests)
+    dst: np.ndarray  # int64 [k] physical destination slots
+    truncate: dict[str, int] = field(default_factory=dict)  # req_id -> blocks kept (before appends)
+    requests: dict[str, RequestStep] = field(default_factory=dict)  # scheduled requests with a token table
+
+    @property
+    def num_moves(self) -> int:
+        return int(self.src.shape[0])
+
+    def __bool__(self) -> bool:
+        return bool(self.num_moves or self.truncate or self.requests)
+
+
+@dataclass
+class StepResult:
+    """What the worker hands back: per-request score payloads and the time its moves took."""
+
+    scores: dict[str, dict] = field(default_factory=dict)  # see vtoken.kernels.scores.ScoreAccumulator.finish
+    move_seconds: float = 0.0
+    num_moves: int = 0
+
+
+@dataclass
+class VTokenSchedulerOutput(SchedulerOutput):
+    vtoken: StepPlan | None = None
+
+
+@dataclass
+class VTokenModelRunnerOutput(ModelRunnerOutput):
+    vtoken: StepResult | None = None
+
+
+def attach_plan(out: SchedulerOutput, plan: StepPlan) -> SchedulerOutput:
+    """Attach ``plan`` to the scheduler output (switches its class; mutates ``out``)."""
+    if type(out) is SchedulerOutput:
+        out.__class__ = VTokenSchedulerOutput
+    out.vtoken = plan  # type: ignore[attr-defined]
+    return out
+
+
+def plan_of(out: SchedulerOutput) -> StepPlan | None:
+    return getattr(out, "vtoken", None)
+
+
+def attach_result(out: ModelRunnerOutput, result: StepResult) -> ModelRunnerOutput:
+    """Attach ``result`` (switches the class; never touches vLLM's shared EMPTY_MODEL_RUNNER_OUTPUT)."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    if out is EMPTY_MODEL_RUNNER_OUTPUT:
+        out = ModelRunnerOutput(**{f: getattr(out, f) for f in out.__dataclass_fields__})
+    if type(out) is ModelRunnerOutput:
+        out.__class__ = VTokenModelRunnerOutput
+    out.vtoken = result  # type: ignore[attr-defined]
+    return out
+
+
+def result_of(out: ModelRunnerOutput) -> StepResult | None:
+    return getattr(out, "vtoken", None)
