@@ -79,3 +79,14 @@ def show_config(ctx: typer.Context) -> None:
     import yaml
 
     typer.echo(yaml.safe_dump(ctx.obj.model_dump(mode="json"), sort_keys=False))
+
+
+@serve_app.command("build-config")
+def build_config(ctx: typer.Context,
+                 output: Path = typer.Option(Path("deploy/serve_config.yaml"), "--output", "-o")) -> None:
+    """Write the Serve config YAML (``serve build serve_app:app`` + app name, env) for serve deploy/KubeRay."""
+    from vtoken.serve.deploy import serve_build_yaml
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(serve_build_yaml(ctx.obj))
+    typer.echo(f"wrote {output}")

@@ -19,15 +19,16 @@ class VTokenUnavailableError(RuntimeError):
 
 
 def vtoken_engine_kwargs(cfg: VTokenConfig) -> dict[str, Any]:
-    """Extra ``AsyncEngineArgs`` kwargs that turn vToken on; ``{}`` for mode ``none``.
+    """Extra ``AsyncEngineArgs`` kwargs from ``vtoken.vllm.engine_kwargs`` (scheduler/worker classes,
+    ``additional_config``, block size; only the block size for mode ``none``).
 
     Raises ``VTokenUnavailableError`` when an evicting mode is configured without the integration.
     """
-    if not cfg.mode.evicts:
-        return {}
     try:
         from vtoken.vllm import engine_kwargs
     except ImportError as exc:
+        if not cfg.mode.evicts:
+            return {"block_size": cfg.block_size}
         raise VTokenUnavailableError(
             f"vToken mode {cfg.mode.value!r} needs vtoken.vllm.engine_kwargs, which is not available "
             f"({exc}); use vtoken.mode='none' to serve vanilla vLLM") from None

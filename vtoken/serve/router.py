@@ -72,14 +72,18 @@ def effective_free_tokens(stats: Mapping[str, Any], queue_len: int | None, param
     return free * (1.0 - params.fragmentation_weight * frag) - pending * params.tokens_per_queued_request
 
 
-def rank_by_kv(scores: Sequence[tuple[Any, float | None]], tie_tokens: float) -> list[list[Any]] | None:
-    """Group ``(replica, score)`` pairs into ranks, best first (pure).
+def rank_by_kv(scores: Sequence[tuple[Any, float | None]], tie_tokens: float,
+               rng: random.Random | None = None) -> list[list[Any]] | None:
+    """Group ``(replica, score)`` pairs into ranks, best first (pure apart from ``rng``).
 
-    Scored replicas are sorted by score; a new rank starts when a score falls more than ``tie_tokens``
-    below the current rank's best. Unscored (None) replicas form the last rank. Returns None when no
-    replica has a score (the caller falls back to power-of-two-choices).
+    Scored replicas are sorted by score (equal scores in random order: Serve breaks queue-length ties
+    by list order, so a fixed order would pin idle traffic on one replica); a new rank starts when a
+    score falls more than ``tie_tokens`` below the current rank's best. Unscored (None) replicas form
+    the last rank. Returns None when no replica has a score (caller falls back to power of two).
     """
-    scored = sorted(((s, i, r) for i, (r, s) in enumerate(scores) if s is not None), key=lambda t: (-t[0], t[1]))
+    rng = rng or random
+    keyed = [(s, rng.random(), r) for r, s in scores if s is not None]
+    scored = sorted(keyed, key=lambda t: (-t[0], t[1]))
     if not scored:
         return None
     ranks: list[list[Any]] = []
@@ -131,6 +135,4 @@ class KVAwareRouter(RequestRouter):
             self.kv_routed += 1
             return ranks
         self.fallbacks += 1
-        if len(candidate_replicas) <= 2:
-            return [list(candidate_replicas)]
-        return [random.sample(list(candidate_replicas), 2)]
+        return [random.sample(list(candidate_replicas), min(2, len(candidate_replicas)))]

@@ -1,0 +1,123 @@
+"""ServeAppConfig: validation through vtoken.core.config at build time, overrides, Serve options, YAML."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from vtoken.serve.config import ServeAppConfig
+
+
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        ({"vtoken": {"policy": "lru"}}, "unknown policy 'lru'"),
+        ({"vtoken": {"budget": 1.5}}, "budget fraction must be in (0, 1], got 1.5"),
+        ({"vtoken": {"budget": 0}}, "budget count must be a positive integer, got 0"),
+        ({"vtoken": {"budget": "lots"}}, "invalid budget 'lots'"),
+        ({"vtoken": {"block_size": 48}}, "block size must be a power of two, got 48"),
+        ({"vtoken": {"block_size": 16}}, "multiple of 32"),
+        ({"vtoken": {"mode": "compact"}}, "unknown reclamation mode 'compact'"),
+        ({"vtoken": {"trigger": "often"}}, "unknown repack trigger 'often'"),
+        ({"vtoken": {"sinks": -1}}, "sinks must be a non-negative integer"),
+        ({"vtokn": {}}, "Extra inputs are not permitted"),
+        ({"engine": {"max_model_len": 512}}, "limits.max_tokens 1024 must be below engine.max_model_len 512"),
+        ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "min_replicas 3 > max_replicas 2"),
+        ({"autoscaling": {"upscale_kv_utilization": 0.3, "downscale_kv_utilization": 0.5}}, "hysteresis"),
+        ({"route_prefix": "v1"}, "route_prefix must start with '/'"),
+    ],
+)
+def test_bad_config_names_the_value(bad, needle):
+    with pytest.raises(ValidationError) as err:
+        ServeAppConfig.model_validate(bad)
+    assert needle in str(err.value)
+
+
+def test_bad_config_fails_when_the_app_is_built():
+    from vtoken.serve.app import build_app
+
+    with pytest.raises(ValidationError, match="unknown policy 'nope'"):
+        build_app({"vtoken": {"policy": "nope"}})
+
+
+def test_merged_accepts_nested_and_dotted_overrides_and_revalidates():
+    base = ServeAppConfig()
+    cfg = base.merged({"vtoken": {"mode": "none"}, "engine.kv_cache_blocks": "64"}, **{"slo.ttft_ms": 500})
+    assert (cfg.vtoken.mode, cfg.vtoken.policy, cfg.engine.kv_cache_blocks, cfg.slo.ttft_ms) == ("none", "h2o", 64, 500)
+    assert base.vtoken.mode == "repack"  # pure
+    with pytest.raises(ValidationError, match="unknown reclamation mode"):
+        base.merged({"vtoken.mode": "bogus"})
+
+
+def test_load_from_inline_json_yaml_file_and_env(tmp_path, monkeypatch):
+    assert ServeAppConfig.load('{"model": "tiny-llama"}').model == "tiny-llama"
+    path = tmp_path / "serve.yaml"
+    path.write_text("model: tiny-llama\nvtoken:\n  policy: tova\n  budget: 128\n")
+    cfg = ServeAppConfig.load(path)
+    assert (cfg.vtoken.policy, cfg.core.budget.count) == ("tova", 128)
+    monkeypatch.setenv("VTOKEN_SERVE_CONFIG", json.dumps({"vtoken": {"mode": "naive"}}))
+    assert ServeAppConfig.load().vtoken.mode == "naive"
+
+
+def test_api_key_from_env_or_config():
+    cfg = ServeAppConfig()
+    assert cfg.limits.resolved_api_key({}) is None
+    assert cfg.limits.resolved_api_key({"VTOKEN_API_KEY": "k1"}) == "k1"
+    cfg = ServeAppConfig.model_validate({"limits": {"api_key": "k2"}})
+    assert cfg.limits.resolved_api_key({"VTOKEN_API_KEY": "k1"}) == "k2"
+    assert "k2" not in cfg.model_dump_json()
+
+
+def test_deployment_options_router_autoscaling_and_serve_schema():
+    from ray.serve.schema import ServeDeploySchema
+
+    from vtoken.serve.app import POLICY_CLASS, ROUTER_CLASS, deployment_options
+
+    cfg = ServeAppConfig.model_validate({"autoscaling": {"enabled": True, "min_replicas": 1, "max_replicas": 3},
+                                         "router": {"stale_after_s": 3.0}})
+    opts = deployment_options(cfg)
+    assert "num_replicas" not in opts
+    auto = opts["autoscaling_config"]
+    assert (auto.min_replicas, auto.max_replicas, auto.policy.policy_function) == (1, 3, POLICY_CLASS)
+    assert auto.policy.policy_kwargs["upscale_kv_utilization"] == 0.75
+    router = opts["request_router_config"]
+    assert router.request_router_class == ROUTER_CLASS and router.request_router_kwargs["stale_after_s"] == 3.0
+    fixed = deployment_options(ServeAppConfig.model_validate({"deployment": {"num_replicas": 2},
+                                                              "router": {"enabled": False}}))
+    assert fixed["num_replicas"] == 2 and "request_router_config" not in fixed
+    ServeDeploySchema.model_validate({"applications": [{"name": "vtoken", "import_path": "serve_app:app"}]})
+
+
+def test_engine_args_and_cpu_binding():
+    from vtoken.serve.engine import cpu_binding, engine_args
+
+    cfg = ServeAppConfig.model_validate({"vtoken": {"mode": "repack", "budget": 64},
+                                         "engine": {"kv_cache_blocks": 64}})
+    kw = engine_args(cfg, "/models/x")
+    assert kw["num_gpu_blocks_override"] == 64 and kw["block_size"] == 32 and not kw["disable_log_stats"]
+    assert kw["scheduler_cls"].startswith("vtoken.vllm") and kw["additional_config"]["vtoken"]["budget"] == 64
+    none = engine_args(cfg.merged({"vtoken.mode": "none"}), "/models/x")
+    assert "scheduler_cls" not in none
+    two = ServeAppConfig.model_validate({"deployment": {"num_replicas": 2}})
+    assert [cpu_binding(two, r, ncpu=2) for r in (0, 1)] == ["0", "1"]
+    assert cpu_binding(ServeAppConfig(), 0, ncpu=2) == "0-1"
+    assert [cpu_binding(two, r, ncpu=8) for r in (0, 1)] == ["0-3", "4-7"]
+
+
+def test_checked_in_serve_build_yaml_matches_the_default_config():
+    """deploy/serve_config.yaml is `serve build serve_app:app` output: valid, and in sync with the code."""
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    path = Path(__file__).resolve().parents[2] / "deploy" / "serve_config.yaml"
+    doc = yaml.safe_load(path.read_text())
+    ServeDeploySchema.model_validate(doc)
+    app = doc["applications"][0]
+    assert app["import_path"] == "serve_app:app"
+    dep = app["deployments"][0]
+    assert dep["name"] == ServeAppConfig().deployment.name
+    assert dep["request_router_config"]["request_router_class"] == "vtoken.serve.router:KVAwareRouter"

@@ -1,0 +1,144 @@
+"""KV-aware router ranking and the autoscaling policy's decisions, on synthetic stats and contexts.
+
+Unit tests of the pure decision functions; the behaviour with real engines is in test_serve_e2e.py and
+test_serve_autoscale.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from vtoken.serve.autoscaling import KVAutoscalingPolicy, ScalingParams, decide
+from vtoken.serve.router import KVAwareRouter, RouterParams, effective_free_tokens, rank_by_kv
+from vtoken.serve.stats import KVSnapshot, routing_stats
+
+NOW = 1_000_000.0
+P = RouterParams(stale_after_s=5.0, fragmentation_weight=0.5, tokens_per_queued_request=256, tie_tokens=64)
+
+
+def stats(held: int, live: int | None = None, pool: int = 63, running: int = 0, waiting: int = 0,
+          at: float = NOW, polled: float = NOW) -> dict:
+    snap = KVSnapshot(live if live is not None else held * 32, held, held, held, pool, 32, running, waiting, at=at)
+    return routing_stats(snap, polled)
+
+
+def test_more_free_kv_ranks_first_and_fragmentation_discounts():
+    a, b = stats(held=40, running=1), stats(held=10, running=1)
+    assert effective_free_tokens(a, 1, P, NOW) == (63 - 40) * 32
+    ranks = rank_by_kv([("a", effective_free_tokens(a, 1, P, NOW)), ("b", effective_free_tokens(b, 1, P, NOW))], 64)
+    assert ranks == [["b"], ["a"]]
+    # same free blocks; c packs its held blocks half full (fragmentation 0.5) -> 25% less usable room
+    c = stats(held=20, live=320, running=1)
+    d = stats(held=20, running=1)
+    assert effective_free_tokens(c, 1, P, NOW) == pytest.approx(43 * 32 * 0.75)
+    assert rank_by_kv([("c", effective_free_tokens(c, 1, P, NOW)),
+                       ("d", effective_free_tokens(d, 1, P, NOW))], 64) == [["d"], ["c"]]
+
+
+def test_queued_requests_are_charged_and_ties_share_a_rank():
+    idle = stats(held=0)
+    # 3 requests already sent to "busy" but not running yet: charged 3 * 256 tokens
+    assert effective_free_tokens(idle, 3, P, NOW) == 63 * 32 - 3 * 256
+    assert effective_free_tokens(stats(held=0, waiting=2), 0, P, NOW) == 63 * 32 - 2 * 256
+    near = [("x", 2000.0), ("y", 1990.0), ("z", 1000.0)]
+    ranks = rank_by_kv(near, tie_tokens=64, rng=random.Random(0))
+    assert sorted(ranks[0]) == ["x", "y"] and ranks[1] == ["z"]
+    assert rank_by_kv(near, tie_tokens=0) == [["x"], ["y"], ["z"]]
+
+
+def test_equal_scores_are_shuffled_so_idle_traffic_spreads():
+    firsts = {rank_by_kv([("a", 5.0), ("b", 5.0)], 0, rng=random.Random(seed))[0][0] for seed in range(20)}
+    assert firsts == {"a", "b"}
+
+
+def test_missing_or_stale_stats_go_last_or_trigger_fallback():
+    fresh = stats(held=30)
+    stale_poll = stats(held=0, polled=NOW - 60)
+    stuck_engine = stats(held=0, running=1, at=NOW - 60)  # busy engine whose last step is a minute old
+    assert effective_free_tokens({}, 0, P, NOW) is None
+    assert effective_free_tokens({"vtoken:free_kv_tokens": "x"}, 0, P, NOW) is None
+    assert effective_free_tokens(stale_poll, 0, P, NOW) is None
+    assert effective_free_tokens(stuck_engine, 0, P, NOW) is None
+    idle_old = stats(held=0, at=NOW - 600)  # idle engine: old step, still accurate
+    assert effective_free_tokens(idle_old, 0, P, NOW) == 63 * 32
+    scores = [("fresh", effective_free_tokens(fresh, 0, P, NOW)), ("stale", None), ("none", None)]
+    assert rank_by_kv(scores, 64) == [["fresh"], ["stale", "none"]]
+    assert rank_by_kv([("a", None), ("b", None)], 64) is None
+
+
+class FakeReplica(SimpleNamespace):
+    pass
+
+
+def make_router(queue: dict) -> KVAwareRouter:
+    router = object.__new__(KVAwareRouter)  # the ranking does not need Serve's constructor
+    router._replica_queue_len_cache = SimpleNamespace(get=lambda rid: queue.get(rid))
+    router.initialize_state(stale_after_s=5.0, tie_tokens=64)
+    return router
+
+
+def test_choose_replicas_kv_first_then_power_of_two_fallback(monkeypatch):
+    monkeypatch.setattr("vtoken.serve.router.time.time", lambda: NOW)
+    loaded = FakeReplica(replica_id="A", routing_stats=stats(held=50, running=2))
+    empty = FakeReplica(replica_id="B", routing_stats=stats(held=2, running=1))
+    router = make_router({"A": 2, "B": 1})
+    ranks = asyncio.run(router.choose_replicas([loaded, empty]))
+    assert [[r.replica_id for r in rank] for rank in ranks] == [["B"], ["A"]]
+    assert router.kv_routed == 1
+    unknown = [FakeReplica(replica_id=i, routing_stats={}) for i in "CDE"]
+    ranks = asyncio.run(router.choose_replicas(unknown))
+    assert len(ranks) == 1 and len(ranks[0]) == 2 and router.fallbacks == 1
+
+
+# ---------------------------------------------------------------- autoscaling policy
+S = ScalingParams(upscale_kv_utilization=0.75, downscale_kv_utilization=0.25, target_kv_utilization=0.5,
+                  upscale_waiting_per_replica=2.0)
+
+
+@pytest.mark.parametrize(
+    "current, kv, waiting, expect, reason",
+    [
+        (1, {"a": 0.9}, {"a": 0}, 2, "up"),          # KV pressure
+        (1, {"a": 0.3}, {"a": 3}, 2, "up"),          # queue pressure
+        (2, {"a": 0.95, "b": 0.95}, {}, 4, "up"),   # ceil(2 * 0.95 / 0.5) = 4, clamped below
+        (2, {"a": 0.5, "b": 0.6}, {}, 2, "hold"),   # inside the hysteresis band
+        (2, {"a": 0.1, "b": 0.0}, {}, 1, "down"),
+        (2, {"a": 0.1, "b": 0.0}, {"a": 1}, 2, "hold"),  # waiting requests block a scale-down
+        (3, {}, {}, 3, "no-metrics"),
+    ],
+)
+def test_decide(current, kv, waiting, expect, reason):
+    d = decide(current, kv, waiting, S, lo=1, hi=4)
+    assert (d.desired, d.reason) == (expect, reason)
+
+
+def test_decide_clamps_to_min_and_max():
+    assert decide(2, {"a": 1.0, "b": 1.0}, {}, S, lo=1, hi=2).desired == 2
+    assert decide(3, {"a": 0.0}, {}, S, lo=2, hi=4).desired == 2
+    assert decide(1, {"a": 0.0}, {}, S, lo=1, hi=4).desired == 1
+
+
+def test_hysteresis_band_prevents_flapping():
+    """Utilization oscillating inside (downscale, upscale) never changes the replica count."""
+    for kv in (0.3, 0.5, 0.7, 0.26, 0.74):
+        assert decide(2, {"a": kv, "b": kv}, {}, S, 1, 4).reason == "hold"
+
+
+def test_params_are_validated():
+    with pytest.raises(ValueError, match="downscale_kv_utilization < upscale_kv_utilization"):
+        ScalingParams(upscale_kv_utilization=0.3, downscale_kv_utilization=0.5)
+
+
+def test_policy_callable_reads_serve_context_and_ignores_departed_replicas():
+    policy = KVAutoscalingPolicy(upscale_kv_utilization=0.75, downscale_kv_utilization=0.25)
+    ctx = SimpleNamespace(
+        aggregated_metrics={"vtoken:kv_utilization": {"r1": 0.9, "gone": 0.0},
+                            "vllm:num_requests_waiting": {"r1": 0.0}},
+        running_replicas=["r1"], current_num_replicas=1, capacity_adjusted_min_replicas=1,
+        capacity_adjusted_max_replicas=2)
+    desired, state = policy(ctx)
+    assert desired == 2 and state["vtoken"]["reason"] == "up" and state["vtoken"]["mean_kv"] == 0.9
