@@ -18,7 +18,8 @@ Engine level (``--additional-config '{"vtoken": {...}}'`` or ``LLM(additional_co
 
 Per request (``SamplingParams(extra_args={"vtoken": {...}})``, ``vllm_xargs`` in the OpenAI API):
 ``policy``, ``budget``, ``mode``, ``sinks``, ``recent``, ``trigger``, ``seed`` override the engine's values
-for that request, and ``trace_id`` names its trace file. Unknown keys and invalid values raise
+for that request, ``trace_id`` names its trace file and ``salt`` (int) seeds its randomness (requests
+with equal salts and settings take identical decisions: that is how paired naive/repack runs are made). Unknown keys and invalid values raise
 ``ConfigError`` naming the value and the valid ones: at engine start-up for the engine settings; for a
 request, the request is aborted and the error logged (the engine keeps serving).
 """
@@ -35,7 +36,7 @@ from vtoken.core.config import Budget, ConfigError, Mode, Trigger, VTokenConfig
 KEY = "vtoken"
 POLICY_KEYS = ("policy", "budget", "mode", "sinks", "recent", "trigger", "seed")
 ENGINE_KEYS = (*POLICY_KEYS, "block_size", "scores", "trace_dir", "check")
-REQUEST_KEYS = (*POLICY_KEYS, "trace_id")
+REQUEST_KEYS = (*POLICY_KEYS, "trace_id", "salt")
 SCORE_MODES = ("auto", "always", "never")
 
 
@@ -127,6 +128,7 @@ class RequestSettings:
 
     cfg: VTokenConfig
     trace_id: str | None = None
+    salt: int | None = None  # seeds per-request randomness; equal salts ⇒ paired (identical) decisions
 
 
 def request_settings(engine: EngineSettings, extra_args: Mapping[str, Any] | None) -> RequestSettings:
@@ -153,4 +155,7 @@ def request_settings(engine: EngineSettings, extra_args: Mapping[str, Any] | Non
 
         if get_policy_class(cfg.policy).uses_attention:
             raise ConfigError(f"policy {cfg.policy!r} needs attention scores; this engine runs with scores='never'")
-    return RequestSettings(cfg, trace_id)
+    salt = raw.get("salt")
+    if salt is not None and (isinstance(salt, bool) or not isinstance(salt, int) or salt < 0):
+        raise ConfigError(f"salt must be a non-negative integer, got {salt!r}")
+    return RequestSettings(cfg, trace_id, salt)

@@ -157,7 +157,7 @@ class VTokenScheduler(Scheduler):
             self._vt_reqs[request.request_id] = _Req(
                 settings=rs,
                 policy=policy,
-                salt=request_salt(request.request_id if rs.trace_id is None else rs.trace_id),
+                salt=rs.salt if rs.salt is not None else request_salt(request.request_id),
                 want_scores=(self.vt.scores == "always") or (evicts and uses_attention and self.vt.scores == "auto"),
                 want_key_norm=(self.vt.scores == "always") or (evicts and rs.cfg.policy == "knorm"),
             )
@@ -167,8 +167,6 @@ class VTokenScheduler(Scheduler):
         super()._preempt_request(request, timestamp, drop_stale_output)
         st = self._vt_reqs.get(request.request_id)
         if st is not None and st.table is not None:
-            if st.trace is not None:
-                st.trace.evicted += 0  # counters are kept across epochs
             st.table = None
             st.preplaced = None
             st.pending = None
