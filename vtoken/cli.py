@@ -8,6 +8,7 @@ from vtoken.models.cli import model_app, trace_app  # light: heavy deps are impo
 from vtoken.bench.cli import bench_app
 from vtoken.serve.cli import serve_app
 from vtoken.sim.cli import simulate
+from vtoken.vllm.verify import verify
 
 app = typer.Typer(
     name="vtoken",
@@ -40,6 +41,7 @@ def policies() -> None:
 
 
 app.command("simulate")(simulate)
+app.command("verify")(verify)  # vtoken/vllm/verify.py (vLLM/transformers imported only when it runs)
 app.add_typer(bench_app, name="bench")
 app.add_typer(model_app, name="model")
 app.add_typer(trace_app, name="trace")
