@@ -95,3 +95,20 @@ def test_record_rejects_short_prompt(tmp_path: Path, tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match=r"prompt 0 has \d+ tokens, fewer than prompt_len=4096"):
         record_traces(tiny_llama, ["short"], 4, tmp_path / "x.npz", prompt_len=4096)
     assert not (tmp_path / "x.npz").exists()
+
+
+def test_committed_real_traces_are_realistic() -> None:
+    """The packaged SmolLM2 traces: 6 × (384 + 128) tokens with a sink and heavy hitters (not uniform)."""
+    from importlib import resources
+
+    path = resources.files("vtoken.sim").joinpath("traces/smollm2_prose.npz")
+    traces = load_traces(path)
+    meta = load_metadata(path)
+    assert len(traces) == meta["count"] == 6 and "SmolLM2" in meta["model"] and meta["gen_len"] == 128
+    for t in traces:
+        assert t.prompt_len == 384 and t.attn.shape == (512, 512) and t.key_norm.shape == (512,)
+        assert np.all(np.triu(t.attn, 1) == 0)
+        np.testing.assert_allclose(t.attn.sum(axis=1), 1.0, atol=2e-3)  # float16 storage
+        last = np.sort(t.attn[-1])[::-1]
+        assert last[:51].sum() > 0.6  # top 10% of keys hold most of the mass (random weights: ~0.14)
+        assert t.attn[-1, :4].sum() > 0.1  # attention sink on the first tokens

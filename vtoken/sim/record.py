@@ -130,6 +130,7 @@ def record_traces(
     try:
         with os.fdopen(fd, "wb") as fh:
             np.savez_compressed(fh, **arrays)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
