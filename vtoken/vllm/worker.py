@@ -21,6 +21,16 @@ class VTokenCPUModelRunner(VTokenRunnerMixin, CPUModelRunner):
 class VTokenCPUWorker(CPUWorker):
     """vLLM's CPU worker running ``VTokenCPUModelRunner``."""
 
+    def __init__(self, vllm_config, *args, **kwargs) -> None:
+        from vtoken.vllm.config import EngineSettings
+        from vtoken.vllm.internals import check_vllm_version
+
+        check_vllm_version()
+        # Validate the settings here too: the worker starts before the model loads, so a bad value fails
+        # start-up in seconds (the scheduler, which owns them, is built after the KV cache is sized).
+        EngineSettings.from_additional_config(vllm_config.additional_config, vllm_config.cache_config.block_size)
+        super().__init__(vllm_config, *args, **kwargs)
+
     def init_device(self) -> None:
         super().init_device()
         if self.use_v2_model_runner or type(self.model_runner) is not CPUModelRunner:

@@ -1,0 +1,115 @@
+"""vtoken.vllm without an engine: pinned version, config surface, engine_kwargs, stats transport."""
+
+from __future__ import annotations
+
+import pytest
+
+from vtoken.core.config import ConfigError, VTokenConfig
+from vtoken.vllm import SCHEDULER_CLS, WORKER_CLS, engine_kwargs
+from vtoken.vllm.config import EngineSettings, request_settings
+from vtoken.vllm.internals import (
+    PINNED_VLLM_VERSION,
+    VLLMVersionError,
+    check_vllm_version,
+    installed_vllm_version,
+    is_vtoken_worker,
+)
+from vtoken.vllm.stats import VTokenStats, decode, encode, encode_stats, vtoken_stats_from
+
+
+def test_installed_vllm_is_the_pinned_version():
+    """vToken relies on vLLM internals (vtoken/vllm/internals.py): any other version must fail loudly."""
+    import vllm
+
+    assert installed_vllm_version().startswith("0.32."), (
+        f"vLLM {installed_vllm_version()} installed, vToken is pinned to {PINNED_VLLM_VERSION}"
+    )
+    assert str(vllm.__version__).startswith("0.32.")
+    assert check_vllm_version() == installed_vllm_version()
+    with pytest.raises(VLLMVersionError, match="0.33.0"):
+        check_vllm_version("0.33.0")
+
+
+def test_plugin_entry_point_is_registered():
+    from importlib.metadata import entry_points
+
+    eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert eps.get("vtoken") == "vtoken.vllm.plugin:register"
+    from vtoken.vllm.plugin import register
+
+    register()  # safe to call any number of times, in any process
+
+
+def test_engine_kwargs_shape():
+    cfg = VTokenConfig(policy="tova", budget=0.25, mode="reuse+repack", block_size=64, sinks=2, recent=8)
+    kw = engine_kwargs(cfg)
+    assert kw["scheduler_cls"] == SCHEDULER_CLS and kw["worker_cls"] == WORKER_CLS and kw["block_size"] == 64
+    vt = kw["additional_config"]["vtoken"]
+    assert vt["policy"] == "tova" and vt["budget"] == 0.25 and vt["mode"] == "reuse+repack" and vt["recent"] == 8
+    back = EngineSettings.from_additional_config(kw["additional_config"], 64)
+    assert back.cfg == cfg
+    assert engine_kwargs(VTokenConfig(mode="none", block_size=32)) == {"block_size": 32}
+    assert is_vtoken_worker(WORKER_CLS) and not is_vtoken_worker("vllm.v1.worker.cpu_worker.CPUWorker")
+
+
+@pytest.mark.parametrize(
+    "raw,needle",
+    [
+        ({"policy": "lru"}, "'lru'; valid policies: h2o"),
+        ({"mode": "pack"}, "'pack'; valid modes: none, naive, repack, reuse+repack"),
+        ({"budget": 1.5}, "1.5"),
+        ({"budget": "lots"}, "'lots'"),
+        ({"trigger": "often"}, "'often'; valid triggers: step, block"),
+        ({"sinks": -1}, "sinks must be a non-negative integer, got -1"),
+        ({"block_size": 64}, "block_size 64 differs from vLLM's block size 32"),
+        ({"polcy": "h2o"}, "'polcy'; valid settings: policy, budget"),
+        ({"scores": "sometimes"}, "'sometimes'; valid values: auto, always, never"),
+        ({"scores": "never", "policy": "h2o"}, "cannot run with scores='never'"),
+    ],
+)
+def test_bad_engine_settings_name_the_value_and_the_valid_ones(raw, needle):
+    with pytest.raises(ConfigError) as e:
+        EngineSettings.from_additional_config({"vtoken": raw}, 32)
+    assert needle in str(e.value)
+
+
+def test_request_overrides():
+    eng = EngineSettings.from_additional_config({"vtoken": {"policy": "h2o", "budget": 0.5}}, 32)
+    assert request_settings(eng, None).cfg == eng.cfg
+    rs = request_settings(eng, {"vtoken": {"policy": "random", "mode": "naive", "budget": 100, "salt": 7,
+                                            "trace_id": "a"}})
+    assert rs.cfg.policy == "random" and rs.cfg.mode.value == "naive" and rs.cfg.budget.count == 100
+    assert rs.salt == 7 and rs.trace_id == "a" and rs.cfg.block_size == 32
+    with pytest.raises(ConfigError, match="'bogus'"):
+        request_settings(eng, {"vtoken": {"policy": "bogus"}})
+    with pytest.raises(ConfigError, match="'block_size'"):
+        request_settings(eng, {"vtoken": {"block_size": 64}})
+
+
+def _stats(**kw) -> VTokenStats:
+    base = dict(live_tokens=100, held_blocks=5, packing_bound_blocks=4, naive_blocks=7, pool_blocks=99,
+                block_size=32, evicted_tokens_total=50, reclaimed_blocks_total=3, repack_moves_total=40,
+                repack_seconds_total=0.0123, num_plans=9, free_blocks=94, num_requests=2, policy="h2o",
+                mode="repack")
+    base.update(kw)
+    return VTokenStats(**base)
+
+
+def test_stats_survive_vllm_msgspec_transport():
+    """The front end sees exactly what the engine core encoded (EngineCoreOutputs msgspec round trip)."""
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    s = SchedulerStats(num_running_reqs=2)
+    st = _stats()
+    encode_stats(s, st)
+    back = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=s)))
+    got = vtoken_stats_from(back.scheduler_stats)
+    assert got is not None
+    assert got == _stats(repack_seconds_total=round(0.0123 * 1e6) / 1e6)
+    assert got.fragmentation_ratio == pytest.approx(1 - 100 / 160)
+    assert got.kv_utilization == pytest.approx(5 / 99)
+    assert vtoken_stats_from(SchedulerStats()) is None and vtoken_stats_from(None) is None
+    assert decode({"lora-a": 1}) is None
+    assert all(isinstance(v, int) for v in encode(st).values())
