@@ -27,7 +27,8 @@ def setup(request, tiny_llama: Path, tiny_qwen2: Path):
     path = tiny_llama if request.param == "llama" else tiny_qwen2
     prompt = AutoTokenizer.from_pretrained(path)(PROMPT)["input_ids"]
     model = load_reference_model(path)
-    plain = model.generate(torch.tensor([prompt]), max_new_tokens=M, do_sample=False)[0, len(prompt):].tolist()
+    plain = model.generate(torch.tensor([prompt]), max_new_tokens=M, do_sample=False)
+    plain = plain[0, len(prompt) :].tolist()
     return model, prompt, plain
 
 

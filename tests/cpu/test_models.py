@@ -54,7 +54,8 @@ def test_tiny_model_deterministic_and_idempotent(tmp_path: Path, model_cache_dir
     b = tiny_model("llama", tmp_path / "b")
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert _sha(a / name) == _sha(b / name)
-    assert _sha(tiny_model("llama", tmp_path / "b", seed=1) / "model.safetensors") != _sha(a / "model.safetensors")
+    other_seed = tiny_model("llama", tmp_path / "b", seed=1)
+    assert _sha(other_seed / "model.safetensors") != _sha(a / "model.safetensors")
     assert _sha(tiny_model("llama", model_cache_dir) / "model.safetensors") == _sha(a / "model.safetensors")
 
 
@@ -91,7 +92,8 @@ _VLLM_CHECK = textwrap.dedent(
         for path in paths:
             tok = AutoTokenizer.from_pretrained(path)
             ids = [tok(p)["input_ids"] for p in ["It is a truth universally acknowledged", "Paris is"]]
-            hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+            hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                            attn_implementation="eager")
             hf = [hf_model.generate(torch.tensor([x]), max_new_tokens=n, do_sample=False)[0, len(x):].tolist()
                   for x in ids]
             llm = LLM(model=path, dtype="float32", block_size=32, enforce_eager=True, max_model_len=2048)
@@ -109,7 +111,8 @@ _VLLM_CHECK = textwrap.dedent(
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_tiny_models_load_in_vllm_and_match_hf_greedy(tmp_path: Path, tiny_llama: Path, tiny_qwen2: Path) -> None:
+def test_tiny_models_load_in_vllm_and_match_hf_greedy(tmp_path: Path, tiny_llama: Path,
+                                                      tiny_qwen2: Path) -> None:
     script = tmp_path / "check_vllm.py"
     script.write_text(_VLLM_CHECK)
     proc = subprocess.run(
@@ -136,7 +139,8 @@ def test_default_model_answers_paris(default_model: Path) -> None:
     assert "quantization_config" not in cfg
     tok = AutoTokenizer.from_pretrained(default_model)
     assert tok.chat_template and tok.eos_token == "<|im_end|>"
-    model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32,
+                                                 attn_implementation="eager")
     enc = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True, return_tensors="pt", return_dict=True,
@@ -163,7 +167,8 @@ def test_resolve_model_names_and_dirs(tmp_path: Path, model_cache_dir: Path) -> 
         resolve_model(str(tmp_path / "missing"), tmp_path)
 
 
-def test_default_model_missing_package_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_model_missing_package_is_a_clear_error(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
     from vtoken.models import default
@@ -220,4 +225,5 @@ def test_cli_trace_record_tiny(tmp_path: Path) -> None:
                "--prompt-len", "16", "--num-prompts", "2", "--cache-dir", str(tmp_path))
     assert res.exit_code == 0, res.output
     traces = load_traces(out)
-    assert [t.attn.shape for t in traces] == [(19, 19), (19, 19)] and load_metadata(out)["model"] == "tiny-llama"
+    assert [t.attn.shape for t in traces] == [(19, 19), (19, 19)]
+    assert load_metadata(out)["model"] == "tiny-llama"

@@ -72,7 +72,8 @@ def test_rows_equal_incremental_decode_and_knorm_equals_pre_rope(recorded, tiny_
     np.testing.assert_allclose(trace.attn[-1], row, atol=1e-6)
     assert ids.shape[1] == p + GEN
     d = model.config.hidden_size // model.config.num_attention_heads
-    keys = [torch.cat([a, b], dim=1)[0].view(p + GEN, -1, d) for a, b in zip(pre[: len(pre) // 2], pre[len(pre) // 2 :])]
+    half = len(pre) // 2  # k_proj outputs: prefill of T-1 tokens per layer, then the last token per layer
+    keys = [torch.cat([a, b], dim=1)[0].view(p + GEN, -1, d) for a, b in zip(pre[:half], pre[half:])]
     knorm = torch.stack([k.norm(dim=-1).mean(dim=1) for k in keys]).mean(0).numpy()
     np.testing.assert_allclose(trace.key_norm, knorm, rtol=1e-5)
 

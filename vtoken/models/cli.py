@@ -30,7 +30,9 @@ def prepare_model(spec: str | None, cache_dir: Path | None = None) -> Path:
     from vtoken.models.default import DEFAULT_ALIASES, ModelUnavailableError, is_converted, resolve_model
 
     slow = spec is None or (spec in DEFAULT_ALIASES and not is_converted(cache_dir))
-    label = "Converting SmolLM2-135M-Instruct (GGUF → safetensors, ~30 s, once)" if slow else f"Preparing {spec}"
+    label = f"Preparing {spec}"
+    if slow:
+        label = "Converting SmolLM2-135M-Instruct (GGUF → safetensors, ~25 s, once)"
     try:
         with Console(stderr=True).status(label, spinner="dots"):
             return resolve_model(spec, cache_dir)
@@ -41,7 +43,9 @@ def prepare_model(spec: str | None, cache_dir: Path | None = None) -> Path:
 @model_app.command("prepare")
 def prepare(
     model: str = typer.Option("default", "--model", "-m", help=MODEL_HELP),
-    cache_dir: Path = typer.Option(None, "--cache-dir", help="Cache root (default $VTOKEN_CACHE_DIR or ~/.cache/vtoken)."),
+    cache_dir: Path = typer.Option(
+        None, "--cache-dir", help="Cache root (default $VTOKEN_CACHE_DIR or ~/.cache/vtoken)."
+    ),
 ) -> None:
     """Build or convert MODEL if needed and print its checkpoint directory."""
     typer.echo(str(prepare_model(model, cache_dir)))
@@ -53,8 +57,8 @@ def record(
     model: str = typer.Option("default", "--model", "-m", help=MODEL_HELP),
     gen_len: int = typer.Option(128, "--gen-len", help="Greedy tokens generated per prompt."),
     prompt_len: int = typer.Option(384, "--prompt-len", help="Prompt tokens kept per text."),
-    num_prompts: int = typer.Option(None, "--num-prompts", help="Use the first N embedded texts (default all)."),
-    dtype: str = typer.Option("float16", "--dtype", help="Storage type of the attention matrices: float16 | float32."),
+    num_prompts: int = typer.Option(None, "--num-prompts", help="First N embedded texts (default: all)"),
+    dtype: str = typer.Option("float16", "--dtype", help="Storage type of attention: float16 | float32."),
     cache_dir: Path = typer.Option(None, "--cache-dir", help="Cache root for named models."),
 ) -> None:
     """Record full-cache attention (mean over heads and layers) on the embedded prose texts."""

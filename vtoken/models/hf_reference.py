@@ -48,7 +48,8 @@ class LiveTrace:
         if p == 0 or m == 0:
             raise ValueError(f"LiveTrace needs a prompt and outputs, got {p} prompt / {m} output ids")
         if len(self.live_at_step) != m:
-            raise ValueError(f"live_at_step has {len(self.live_at_step)} entries, expected one per output ({m})")
+            n = len(self.live_at_step)
+            raise ValueError(f"live_at_step has {n} entries, expected one per output ({m})")
         for s, keys in enumerate(self.live_at_step):
             keys, q = np.asarray(keys), p + s - 1
             if keys.ndim != 1 or keys.size == 0 or keys.min() < 0 or keys.max() > q or q not in keys:
@@ -56,7 +57,7 @@ class LiveTrace:
         if self.prefill_visible is not None:
             v = np.asarray(self.prefill_visible, dtype=bool)
             if v.shape != (p, p) or np.triu(v, 1).any() or not np.diag(v).all():
-                raise ValueError(f"prefill_visible must be a lower-triangular bool [{p}, {p}] with a true diagonal")
+                raise ValueError(f"prefill_visible must be lower-triangular bool [{p}, {p}], true diagonal")
 
     @property
     def num_steps(self) -> int:
@@ -118,7 +119,8 @@ def masked_logprobs(model, input_ids, visible: np.ndarray, position_ids=None) ->
     t = ids.shape[1]
     if visible.shape != (t, t):
         raise ValueError(f"visibility must be [{t}, {t}] for {t} tokens, got {list(visible.shape)}")
-    pos = torch.arange(t)[None] if position_ids is None else torch.as_tensor(position_ids, dtype=torch.long)[None]
+    pos = torch.arange(t) if position_ids is None else torch.as_tensor(position_ids, dtype=torch.long)
+    pos = pos[None]
     out = model(input_ids=ids, attention_mask=additive_mask(visible), position_ids=pos, use_cache=False)
     return torch.log_softmax(out.logits[0].float(), dim=-1)
 
@@ -153,7 +155,8 @@ def greedy_replay(model, trace: LiveTrace) -> list[int]:
     tokens = [int(out.logits[0, -1].argmax())]
     for s in range(1, m):
         q = p + s - 1
-        out = model(input_ids=torch.tensor([[tokens[-1]]]), attention_mask=additive_mask(vis[q : q + 1, : q + 1]),
+        mask = additive_mask(vis[q : q + 1, : q + 1])
+        out = model(input_ids=torch.tensor([[tokens[-1]]]), attention_mask=mask,
                     position_ids=torch.tensor([[q]]), past_key_values=cache, use_cache=True)
         tokens.append(int(out.logits[0, -1].argmax()))
     return tokens

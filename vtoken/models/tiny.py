@@ -27,8 +27,10 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 # Bump when the recipe (shapes, init, tokenizer) changes: old cache entries are then simply unused.
 RECIPE_VERSION = 1
@@ -76,10 +78,10 @@ class TinySpec:
         return self.hidden // self.heads
 
 
-TINY_SPECS: dict[str, TinySpec] = {
+TINY_SPECS: Mapping[str, TinySpec] = MappingProxyType({  # read-only
     "llama": TinySpec("llama", "llama", "LlamaForCausalLM", 2, 128, 4, 2, 256, 10_000.0, False),
     "qwen2": TinySpec("qwen2", "qwen2", "Qwen2ForCausalLM", 3, 192, 6, 1, 384, 1_000_000.0, True),
-}
+})
 
 
 def default_cache_dir() -> Path:

@@ -6,7 +6,7 @@ every request has T = prompt + gen_len tokens), then run one eager fp32 forward 
 had during generation, so one forward records all T query rows at once::
 
     attn[i, j]   = mean over layers and heads of softmax(q_i · k_j / √d)   (i ≥ j; 0 above the diagonal)
-    key_norm[j]  = mean over layers and KV heads of ‖k_j‖₂   (post-RoPE; RoPE is a rotation, so = pre-RoPE)
+    key_norm[j]  = mean over layers and KV heads of ‖k_j‖₂  (post-RoPE; RoPE is a rotation, so = pre-RoPE)
 
 File format (one compressed ``.npz``, no pickles): ``attn_<i>`` [T_i, T_i], ``knorm_<i>`` [T_i],
 ``prompt_len_<i>`` (0-d int) for i = 0 .. n-1, and ``meta`` (0-d str, JSON: model, date, source, gen_len,
@@ -72,7 +72,8 @@ def record_trace(model, prompt_ids: list[int], gen_len: int) -> AttentionTrace:
         )
         out = model(input_ids=ids, output_attentions=True, use_cache=True)
         attn = torch.stack([a[0].float().mean(dim=0) for a in out.attentions]).mean(dim=0)
-        knorm = torch.stack([layer.keys[0].float().norm(dim=-1).mean(dim=0) for layer in out.past_key_values.layers])
+        layers = out.past_key_values.layers
+        knorm = torch.stack([layer.keys[0].float().norm(dim=-1).mean(dim=0) for layer in layers])
     return AttentionTrace(attn.numpy().astype(np.float32), knorm.mean(dim=0).numpy().astype(np.float32),
                           len(prompt_ids))
 
@@ -91,7 +92,8 @@ def record_traces(
 
     ``prompt_len`` truncates every tokenized prompt to that many tokens (a shorter prompt raises
     ``ValueError`` naming it); None keeps full prompts. ``dtype`` ("float16" | "float32") is the storage
-    type of ``attn``; ``model_name`` goes to the metadata (default: the path). Side effects: loads the model, writes ``out`` atomically (temp file + rename).
+    type of ``attn``; ``model_name`` goes to the metadata (default: the path). Side effects: loads the
+    model, writes ``out`` atomically (temp file + rename).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -101,7 +103,8 @@ def record_traces(
     if not prompts:
         raise ValueError("no prompts to record")
     tok = AutoTokenizer.from_pretrained(str(model_path))
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32,
+                                                 attn_implementation="eager")
     model.eval()
     arrays: dict[str, np.ndarray] = {}
     for i, text in enumerate(prompts):
