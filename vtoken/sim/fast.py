@@ -25,6 +25,7 @@ from vtoken.core.config import VTokenConfig
 from vtoken.core.eviction import eviction_count
 from vtoken.core.manager import request_salt
 from vtoken.policies.base import EvictionContext
+from vtoken.sim import jit
 from vtoken.sim.exact import request_name
 from vtoken.sim.result import SimTally
 
@@ -138,12 +139,37 @@ class _Columns:
             setattr(self, name, new)
         self.width = n_keep
 
-    def attention(self, source, n: int) -> np.ndarray:
-        keys = self.view("logical")
-        if hasattr(source, "w"):
-            band_start = max(0, self.width - source.band)
-            return source._attn(self.view("w"), source.Z[:, n : n + 1], n, keys, band_start)
-        return source.attention(n, keys)
+    def observe(self, source, n: int, needs: frozenset[str]) -> None:
+        """Fold query ``n``'s attention over every column into the statistics ``needs`` names."""
+        need_acc, need_last, need_bits = ("accumulated" in needs, "last" in needs, "unimportant" in needs)
+        if hasattr(source, "w"):  # synthetic: one fused pass (bit-identical to SyntheticSource._attn)
+            jit.synthetic_step(self.w, np.ascontiguousarray(source.Z[:, n]), self.logical, self.width, n,
+                               source.decay, source.band, 1.0 - source.cfg.recency_weight,
+                               max(0, self.width - source.band), self.acc, self.last, self.bits,
+                               need_acc, need_last, need_bits, 1.0 / (n + 1))
+            return
+        a = source.attention(n, self.view("logical"))
+        if need_acc:
+            self.view("acc")[:] += a
+        if need_last:
+            self.view("last")[:] = a
+        if need_bits:
+            bits = self.view("bits")
+            bits[:] = (bits << np.uint64(1)) | (a < 1.0 / (n + 1)).astype(np.uint64)
+
+
+def _select(policy, ctx: EvictionContext, k: int, candidate: np.ndarray) -> np.ndarray:
+    """Victim mask: a fused argmin loop for the usual handful per step, the policy's batched partition
+    otherwise (both: lowest score first, then the oldest)."""
+    if k > 4:
+        return policy.select_batch(ctx, np.full(candidate.shape[0], k), candidate)
+    scores = np.asarray(policy.score(ctx), dtype=np.float64)
+    if scores.shape != candidate.shape:
+        scores = np.ascontiguousarray(np.broadcast_to(scores, candidate.shape))
+    victims = np.zeros(candidate.shape, bool)
+    if not jit.lowest_k(scores, candidate, k, victims):
+        raise ValueError(f"policy {policy.name!r} returned non-finite scores")
+    return victims
 
 
 def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, first_request: int = 0,
@@ -174,7 +200,7 @@ def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, firs
             ctx = EvictionContext(logical=cols.view("logical", lo, hi), accumulated=cols.view("acc", lo, hi),
                                   last=cols.view("last", lo, hi), unimportant_bits=cols.view("bits", lo, hi),
                                   key_norm=cols.view("knorm", lo, hi), seen=n, salt=salt)
-            vmask = policy.select_batch(ctx, np.full(R, k), cols.view("alive", lo, hi))
+            vmask = _select(policy, ctx, k, cols.view("alive", lo, hi))
             k = int(vmask[0].sum())
             victims = ctx.logical[vmask].reshape(R, k)
             cols.view("alive", lo, hi)[vmask] = False
@@ -190,14 +216,7 @@ def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, firs
             cols.compact(room=M - d)
         cols.append(n, source)
         if scored:
-            a = cols.attention(source, n)
-            if "accumulated" in needs:
-                cols.view("acc")[:] += a
-            if "last" in needs:
-                cols.view("last")[:] = a
-            if "unimportant" in needs:
-                bits = cols.view("bits")
-                bits[:] = (bits << np.uint64(1)) | (a < 1.0 / (n + 1)).astype(np.uint64)
+            cols.observe(source, n, needs)
         packing = math.ceil(live / B)
         naive = np.maximum(packing, np.count_nonzero(orig_live, axis=1))
         retained = {"none": np.full(R, math.ceil((n + 1) / B)), "naive": naive,
