@@ -27,6 +27,7 @@ from vtoken.serve.config import ServeAppConfig
         ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "min_replicas 3 > max_replicas 2"),
         ({"autoscaling": {"upscale_kv_utilization": 0.3, "downscale_kv_utilization": 0.5}}, "hysteresis"),
         ({"route_prefix": "v1"}, "route_prefix must start with '/'"),
+        ({"engine": {"kv_cache_blocks": 64}}, "engine.kv_cache_blocks 64 hold 2016 tokens"),
     ],
 )
 def test_bad_config_names_the_value(bad, needle):
@@ -44,8 +45,8 @@ def test_bad_config_fails_when_the_app_is_built():
 
 def test_merged_accepts_nested_and_dotted_overrides_and_revalidates():
     base = ServeAppConfig()
-    cfg = base.merged({"vtoken": {"mode": "none"}, "engine.kv_cache_blocks": "64"}, **{"slo.ttft_ms": 500})
-    assert (cfg.vtoken.mode, cfg.vtoken.policy, cfg.engine.kv_cache_blocks, cfg.slo.ttft_ms) == ("none", "h2o", 64, 500)
+    cfg = base.merged({"vtoken": {"mode": "none"}, "engine.kv_cache_blocks": "65"}, **{"slo.ttft_ms": 500})
+    assert (cfg.vtoken.mode, cfg.vtoken.policy, cfg.engine.kv_cache_blocks, cfg.slo.ttft_ms) == ("none", "h2o", 65, 500)
     assert base.vtoken.mode == "repack"  # pure
     with pytest.raises(ValidationError, match="unknown reclamation mode"):
         base.merged({"vtoken.mode": "bogus"})
@@ -94,9 +95,9 @@ def test_engine_args_and_cpu_binding():
     from vtoken.serve.engine import cpu_binding, engine_args
 
     cfg = ServeAppConfig.model_validate({"vtoken": {"mode": "repack", "budget": 64},
-                                         "engine": {"kv_cache_blocks": 64}})
+                                         "engine": {"kv_cache_blocks": 65}})
     kw = engine_args(cfg, "/models/x")
-    assert kw["num_gpu_blocks_override"] == 64 and kw["block_size"] == 32 and not kw["disable_log_stats"]
+    assert kw["num_gpu_blocks_override"] == 65 and kw["block_size"] == 32 and not kw["disable_log_stats"]
     assert kw["scheduler_cls"].startswith("vtoken.vllm") and kw["additional_config"]["vtoken"]["budget"] == 64
     none = engine_args(cfg.merged({"vtoken.mode": "none"}), "/models/x")
     assert "scheduler_cls" not in none

@@ -42,7 +42,8 @@ def run(coro):
 
 
 def guarded(api_key=None):
-    return RequestGuard(echo_app, CFG, api_key, "rep-1", lambda: {"status": "ready"})
+    return RequestGuard(echo_app, CFG, api_key, {"x-vtoken-replica": "rep-1", "x-vtoken-rank": "0"},
+                        lambda: {"status": "ready"})
 
 
 def assert_openai_error(resp, status: int) -> dict:

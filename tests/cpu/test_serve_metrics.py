@@ -49,8 +49,16 @@ def test_latency_and_slo_rules():
     assert aborted.ttft_s is None and not meets_slo(aborted, SloTargets.from_ms(1e9, 1e9))
 
 
+# What Prometheus 2.x sends: it prefers OpenMetrics, for which prometheus_client would rewrite ':' to '_'
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+                     "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
 def scrape(port: int) -> dict:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    r = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Accept": PROMETHEUS_ACCEPT}, timeout=5)
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    text = r.text
+    assert "vtoken_" not in text  # names keep their colons on the sample lines too
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:

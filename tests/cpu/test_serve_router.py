@@ -31,12 +31,20 @@ def test_more_free_kv_ranks_first_and_fragmentation_discounts():
     assert effective_free_tokens(a, 1, P, NOW) == (63 - 40) * 32
     ranks = rank_by_kv([("a", effective_free_tokens(a, 1, P, NOW)), ("b", effective_free_tokens(b, 1, P, NOW))], 64)
     assert ranks == [["b"], ["a"]]
-    # same free blocks; c packs its held blocks half full (fragmentation 0.5) -> 25% less usable room
+    # same free blocks; c fills its 20 held blocks half (320 wasted slots, charged at weight 0.5)
     c = stats(held=20, live=320, running=1)
     d = stats(held=20, running=1)
-    assert effective_free_tokens(c, 1, P, NOW) == pytest.approx(43 * 32 * 0.75)
+    assert effective_free_tokens(c, 1, P, NOW) == pytest.approx(43 * 32 - 0.5 * 320)
     assert rank_by_kv([("c", effective_free_tokens(c, 1, P, NOW)),
                        ("d", effective_free_tokens(d, 1, P, NOW))], 64) == [["d"], ["c"]]
+
+
+def test_one_short_request_does_not_make_a_replica_look_full():
+    """A 3-token request in one block is 90% 'fragmented', but wastes only 29 slots of 2016."""
+    short = stats(held=1, live=3, running=1)
+    long_ = stats(held=12, live=368, running=1)
+    s_short, s_long = effective_free_tokens(short, 1, P, NOW), effective_free_tokens(long_, 1, P, NOW)
+    assert s_short == pytest.approx(62 * 32 - 0.5 * 29) and s_short - s_long > 64
 
 
 def test_queued_requests_are_charged_and_ties_share_a_rank():

@@ -62,10 +62,9 @@ def deployment_options(cfg: ServeAppConfig) -> dict[str, Any]:
     return opts
 
 
-def build_app(cfg: ServeAppConfig | dict | None = None, user_config: dict | None = None):
+def build_app(cfg: ServeAppConfig | dict | None = None):
     """The bound Serve ``Application`` for ``cfg`` (a dict is validated into a ``ServeAppConfig``).
 
-    ``user_config`` is Serve's hot-reloadable replica config (only fault injection for tests uses it).
     Raises pydantic ``ValidationError`` / ``VTokenUnavailableError`` for a config that cannot run.
     """
     from ray import serve
@@ -76,8 +75,5 @@ def build_app(cfg: ServeAppConfig | dict | None = None, user_config: dict | None
     if not isinstance(cfg, ServeAppConfig):
         cfg = ServeAppConfig.model_validate(cfg or {})
     vtoken_engine_kwargs(cfg.core)  # fail now if vToken is requested but not installed
-    opts = deployment_options(cfg)
-    if user_config is not None:
-        opts["user_config"] = user_config
-    deployment = serve.deployment(serve.ingress()(VTokenReplica), **opts)
+    deployment = serve.deployment(serve.ingress()(VTokenReplica), **deployment_options(cfg))
     return deployment.bind(cfg)

@@ -193,6 +193,11 @@ class ServeAppConfig(_Section):
         if self.limits.max_tokens >= self.engine.max_model_len:
             raise ValueError(f"limits.max_tokens {self.limits.max_tokens} must be below "
                              f"engine.max_model_len {self.engine.max_model_len}")
+        blocks = self.engine.kv_cache_blocks
+        if blocks is not None and (blocks - 1) * self.vtoken.block_size < self.engine.max_model_len:
+            raise ValueError(
+                f"engine.kv_cache_blocks {blocks} hold {(blocks - 1) * self.vtoken.block_size} tokens (one block "
+                f"is vLLM's null block), less than engine.max_model_len {self.engine.max_model_len}")
         return self
 
     @property

@@ -10,7 +10,7 @@
 Side effects (documented because Ray's workers inherit them): ``__enter__`` sets the environment
 variables in ``serving_env()`` in this process before ``ray.init`` — Serve's proxy needs the failover
 callback and the engines need the private RPC/temp paths — and creates a private temp directory, removed
-on exit. The Ray dashboard is off unless ``dashboard=True`` (then bound to 127.0.0.1).
+on exit (the variables are restored too). The Ray dashboard is off unless ``dashboard=True`` (then bound to 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -74,8 +74,9 @@ class LocalCluster:
 
         self.tmp = Path(tempfile.mkdtemp(prefix="vtr-", dir="/tmp"))  # short: Ray's socket paths are limited
         env = {**serving_env(self.tmp), **self.extra_env}
+        self._saved_env = {key: os.environ.get(key) for key in env}
         for key, value in env.items():
-            if key in self.extra_env or key not in os.environ or key == CALLBACK_ENV:
+            if key in self.extra_env or key not in os.environ or key in (CALLBACK_ENV, "TMPDIR"):
                 os.environ[key] = value
         for sub in ("rpc", "tmp", "ray"):
             (self.tmp / sub).mkdir(exist_ok=True)
@@ -86,13 +87,13 @@ class LocalCluster:
         serve.start(proxy_location="HeadOnly", http_options={"host": self.http_host, "port": self.http_port})
         return self
 
-    def deploy(self, cfg: ServeAppConfig, user_config: dict | None = None):
+    def deploy(self, cfg: ServeAppConfig):
         """Build and run ``cfg`` (replaces an app of the same name); returns when it is RUNNING."""
         from ray import serve
 
         from vtoken.serve.app import build_app
 
-        app = build_app(cfg, user_config=user_config)
+        app = build_app(cfg)
         return serve.run(app, name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
 
     def __exit__(self, *exc: Any) -> None:
@@ -104,6 +105,11 @@ class LocalCluster:
                 serve.shutdown()
         finally:
             ray.shutdown()
+            for key, value in getattr(self, "_saved_env", {}).items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
             if self.tmp is not None:
                 shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -143,20 +149,24 @@ def banner(cfg: ServeAppConfig, url: str, metrics_host: str | None, metrics_port
 
 def run_local(cfg: ServeAppConfig, host: str = "127.0.0.1", port: int = 8000, dashboard: bool = False,
               echo=print) -> None:
-    """Start, print the banner, block until SIGINT/SIGTERM, then stop everything (no stray process)."""
+    """Start, print the banner, block until SIGINT/SIGTERM, then stop everything (no stray process).
+
+    The signal handlers are installed after ``ray.init`` (which installs its own SIGTERM handler) and
+    restored on exit.
+    """
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
-    try:
-        with LocalCluster(http_host=host, http_port=port, dashboard=dashboard) as cluster:
-            echo(f"starting Ray Serve on {cluster.url} (model {cfg.model}; first start converts/loads it) …")
+    with LocalCluster(http_host=host, http_port=port, dashboard=dashboard) as cluster:
+        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            echo(f"starting Ray Serve on {cluster.url} (model {cfg.model}; the first start prepares it) …")
             cluster.deploy(cfg)
             echo(f"ready in {time.monotonic() - started:.0f} s\n")
             echo(banner(cfg, cluster.url, cfg.metrics.host, cfg.metrics.port))
             while not stop.wait(0.5):
                 pass
             echo("\nstopping (serve.shutdown, ray.shutdown) …")
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     echo("stopped.")

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import REGISTRY, Collector
 
@@ -140,6 +142,40 @@ class ReplicaMetrics:
             self.repack.observe(mean)
 
 
+class _TextFormatHandler(BaseHTTPRequestHandler):
+    """GET /metrics → the registry in Prometheus' classic text format (0.0.4), whatever the Accept header.
+
+    Not prometheus_client's own handler: for a scraper that prefers OpenMetrics (Prometheus does),
+    prometheus_client 0.26 writes sample names with ':' replaced by '_' while keeping ':' in HELP/TYPE,
+    so ``vtoken:kv_utilization`` would be stored as ``vtoken_kv_utilization``. The text format keeps the
+    names exactly (checked against Prometheus 2.42 in test_serve_e2e.py).
+    """
+
+    registry: CollectorRegistry  # set on the per-server subclass
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server API
+        if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+            self.send_error(404)
+            return
+        body = generate_latest(self.registry)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:  # scrapes every second: keep the replica log quiet
+        pass
+
+
+def _serve(registry: CollectorRegistry, host: str, port: int) -> ThreadingHTTPServer:
+    handler = type("MetricsHandler", (_TextFormatHandler,), {"registry": registry})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name=f"vtoken-metrics-{port}", daemon=True).start()
+    return server
+
+
 def start_metrics_server(registry: CollectorRegistry, host: str, base_port: int, local_rank: int,
                          span: int, wait_s: float = 10.0):
     """Serve ``registry`` on ``host:base_port+local_rank`` (HTTP, its own thread). Returns
@@ -147,16 +183,13 @@ def start_metrics_server(registry: CollectorRegistry, host: str, base_port: int,
 
     If the preferred port is busy (a replica being replaced may still hold it), retries it for
     ``wait_s`` seconds, then tries the next ``span`` ports. Side effect: a daemon thread per server;
-    call ``server.shutdown()`` to stop it.
+    call ``server.shutdown()`` and ``server.server_close()`` to stop it.
     """
-    from prometheus_client import start_http_server
-
     preferred = base_port + local_rank
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            server, _thread = start_http_server(preferred, addr=host, registry=registry)
-            return server, preferred
+            return _serve(registry, host, preferred), preferred
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
                 break
@@ -165,8 +198,7 @@ def start_metrics_server(registry: CollectorRegistry, host: str, base_port: int,
         if port == preferred:
             continue
         try:
-            server, _thread = start_http_server(port, addr=host, registry=registry)
-            return server, port
+            return _serve(registry, host, port), port
         except OSError:
             continue
     logger.warning("no free metrics port in %s..%s on %s", base_port, base_port + local_rank + span, host)

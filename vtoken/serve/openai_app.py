@@ -10,7 +10,7 @@ adds only what vLLM lacks for a shared endpoint::
               │ 413  body larger than limits.max_body_bytes
               │ 400  max_tokens / n / prompt chars over the limits
               │ GET /ready → replica + KV snapshot (JSON)
-              └ adds header x-vtoken-replica to every response
+              └ adds headers x-vtoken-replica / x-vtoken-rank to every response
 
 All guard errors use vLLM's ``ErrorResponse`` model (``{"error": {"message", "type", "param", "code"}}``).
 A request without ``max_tokens`` gets ``limits.max_tokens`` as its default through vLLM's own
@@ -112,21 +112,21 @@ class RequestGuard:
     request; the body is read once (bounded) and replayed to the inner app.
     """
 
-    def __init__(self, app, cfg: ServeAppConfig, api_key: str | None, replica_tag: str,
+    def __init__(self, app, cfg: ServeAppConfig, api_key: str | None, replica_headers: dict[str, str],
                  ready_info: Callable[[], dict]) -> None:
         from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
         self.app = app
         self.cfg = cfg
         self._auth = AuthenticationMiddleware(app, [api_key]) if api_key else None  # reuse its check
-        self._tag = replica_tag.encode()
+        self._headers = [(k.lower().encode(), str(v).encode()) for k, v in replica_headers.items()]
         self._ready_info = ready_info
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        send = self._tagging(_openai_errors(send))
+        send = self._tagging(_sse_errors(_openai_errors(send)))
         path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
         if scope.get("method") != "OPTIONS" and self._auth is not None and not path.startswith(GUARD_EXEMPT):
             from starlette.datastructures import Headers
@@ -157,14 +157,65 @@ class RequestGuard:
         await self.app(scope, _replay(body, receive), send)
 
     def _tagging(self, send):
-        tag = self._tag
+        extra = self._headers
 
         async def tagged(message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": list(message.get("headers", [])) + [(b"x-vtoken-replica", tag)]}
+                message = {**message, "headers": list(message.get("headers", [])) + extra}
             await send(message)
 
         return tagged
+
+
+def _sse_errors(send):
+    """A stream whose *first* event is an error (vLLM validates some parameters only after the SSE
+    response started, e.g. out-of-vocabulary token ids) becomes a plain HTTP error with that body, so
+    clients see a 4xx instead of ``200`` + an error event. Streams that produced output pass through."""
+    state: dict[str, Any] = {"mode": "pass"}
+
+    async def wrapped(message) -> None:
+        kind, mode = message["type"], state["mode"]
+        if mode == "drop":
+            return
+        if kind == "http.response.start":
+            headers = dict(message.get("headers", []))
+            if message["status"] == 200 and headers.get(b"content-type", b"").startswith(b"text/event-stream"):
+                state["mode"], state["start"] = "hold", message
+                return
+        elif kind == "http.response.body" and mode == "hold":
+            chunk, more = message.get("body", b""), message.get("more_body", False)
+            if not chunk and more:
+                return
+            error = _leading_error_event(chunk)
+            if error is None:
+                state["mode"] = "pass"
+                await send(state.pop("start"))
+                await send(message)
+                return
+            status, payload = error
+            start = state.pop("start")
+            headers = [(k, v) for k, v in start.get("headers", []) if k not in (b"content-type", b"content-length")]
+            headers += [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+            state["mode"] = "drop" if more else "pass"
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": payload, "more_body": False})
+            return
+        await send(message)
+
+    return wrapped
+
+
+def _leading_error_event(chunk: bytes) -> tuple[int, bytes] | None:
+    """``(status, body)`` if ``chunk`` starts with an SSE ``data: {"error": {...}}`` event."""
+    if not chunk.startswith(b'data: {"error"'):
+        return None
+    event = chunk[len(b"data: "):].split(b"\n\n", 1)[0]
+    try:
+        err = json.loads(event)["error"]
+        code = int(err.get("code", 500))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return (code if 400 <= code < 600 else 500), json.dumps({"error": err}).encode()
 
 
 def _openai_errors(send):

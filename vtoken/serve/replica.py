@@ -17,7 +17,9 @@ different real engine.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from typing import Any, Callable
 
@@ -37,9 +39,16 @@ from vtoken.serve.stats import (
 
 logger = logging.getLogger("ray.serve")
 
+FAULT_FILE_ENV = "VTOKEN_FAULT_FILE"
+
+
 class VTokenReplica:
-    """One model replica. ``user_config`` (Serve's hot-reloadable config) carries fault injection for
-    chaos tests only: ``{"stats_fault": {"ranks": [1], "mode": "stale" | "missing"}}``."""
+    """One model replica.
+
+    Chaos hook (tests only): if ``$VTOKEN_FAULT_FILE`` names a file holding
+    ``{"stats_fault": {"ranks": [1], "mode": "stale" | "missing"}}``, the replicas of those ranks report
+    stale (polled an hour ago) or no routing stats. Read at most once per poll, only when set.
+    """
 
     async def __init__(self, cfg: ServeAppConfig, engine_factory: Callable[..., Any] | None = None) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -57,7 +66,8 @@ class VTokenReplica:
         self._rank = int(getattr(rank, "rank", rank) or 0)
         self._local_rank = int(getattr(rank, "local_rank", self._rank) or 0)
         self._replica_id = ctx.replica_id.unique_id
-        self._fault: dict[str, Any] = {}
+        self._fault_file = os.environ.get(FAULT_FILE_ENV) or None
+        self._fault: tuple[float, dict[str, Any]] = (0.0, {})
         binding = bind_cpus(cfg, self._local_rank)
         model_path = resolve_model_path(cfg.model)
 
@@ -71,7 +81,9 @@ class VTokenReplica:
                                stat_loggers=[make_stat_logger_class(self._sink)])
         api_key = cfg.limits.resolved_api_key()
         vllm_app = await build_vllm_app(self._engine, cfg, model_path)
-        self._asgi = RequestGuard(vllm_app, cfg, api_key, self._replica_id, self._ready_info)
+        self._asgi = RequestGuard(vllm_app, cfg, api_key,
+                                  {"x-vtoken-replica": self._replica_id, "x-vtoken-rank": str(self._rank)},
+                                  self._ready_info)
         if cfg.metrics.port is not None:
             self._metrics_server, self.metrics_port = start_metrics_server(
                 self._metrics.view, cfg.metrics.host, cfg.metrics.port, self._local_rank, cfg.metrics.port_span)
@@ -85,13 +97,20 @@ class VTokenReplica:
         # Serve calls this once after __init__; the returned ASGI app is the replica's ingress.
         return self._asgi
 
-    def reconfigure(self, user_config: dict | None) -> None:
-        """Apply Serve's ``user_config`` (mutates the fault-injection state only)."""
-        self._fault = dict((user_config or {}).get("stats_fault") or {})
-
     def _faulty(self) -> str | None:
-        if self._fault and self._rank in set(self._fault.get("ranks", [])):
-            return str(self._fault.get("mode", "stale"))
+        """The injected stats fault for this replica's rank, if any (re-reads the file when it changed)."""
+        if self._fault_file is None:
+            return None
+        try:
+            mtime = os.stat(self._fault_file).st_mtime
+            if mtime != self._fault[0]:
+                with open(self._fault_file) as f:
+                    self._fault = (mtime, dict(json.load(f).get("stats_fault") or {}))
+        except (OSError, ValueError):
+            self._fault = (0.0, {})
+        fault = self._fault[1]
+        if fault and self._rank in set(fault.get("ranks", [])):
+            return str(fault.get("mode", "stale"))
         return None
 
     def record_routing_stats(self) -> dict[str, float]:

@@ -3,14 +3,17 @@
 Each replica publishes ``record_routing_stats()`` (``vtoken.serve.replica.routing_stats``); Serve polls
 it every ``router.stats_period_s`` and hands it to every router as ``replica.routing_stats``. Ranking::
 
-    effective_free = free_kv_tokens · (1 − fragmentation_weight · fragmentation_ratio)
+    effective_free = free_kv_tokens
+                     − fragmentation_weight · fragmentation_ratio · held_blocks · B     (wasted slots)
                      − pending · tokens_per_queued_request
     pending        = max(engine-waiting requests, router's queue length − engine-running requests)
 
 ``free_kv_tokens`` is (pool − held) · B *after* vToken reclamation, so a replica whose repacks freed
-blocks ranks higher than a Naive-Evict one holding the same live tokens. Fragmentation discounts the
-free room by how densely the replica currently fills it; ``pending`` charges requests already sent
-there but not yet admitted by the engine (the stats lag one poll behind a burst).
+blocks ranks higher than a Naive-Evict one holding the same live tokens. The fragmentation term charges
+the slots its held blocks waste (holes a packing replica would have returned; with ``repack`` they are
+at most one partial block per request); it is absolute, so one short request in a mostly empty pool
+costs a few slots, not a share of the pool. ``pending`` charges requests already sent there but not
+yet admitted by the engine (the stats lag one poll behind a burst).
 
 Replicas are sorted by ``effective_free``; those within ``tie_tokens`` of a rank's best share the
 rank, and Serve picks the one with the shortest queue inside it (the queue-length tie-break). Replicas
@@ -33,6 +36,7 @@ from vtoken.serve.stats import (
     BLOCK_SIZE,
     FRAGMENTATION,
     FREE_KV_TOKENS,
+    HELD_BLOCKS,
     NUM_RUNNING,
     NUM_WAITING,
     POLLED_AT,
@@ -59,17 +63,17 @@ def effective_free_tokens(stats: Mapping[str, Any], queue_len: int | None, param
         polled_at = float(stats[POLLED_AT])
         free = float(stats[FREE_KV_TOKENS])
         frag = float(stats[FRAGMENTATION])
+        held_slots = float(stats[HELD_BLOCKS]) * float(stats[BLOCK_SIZE])
         waiting = float(stats[NUM_WAITING])
         running = float(stats[NUM_RUNNING])
         age = float(stats.get(STATS_AGE, 0.0))
-        float(stats[BLOCK_SIZE])
     except (KeyError, TypeError, ValueError):
         return None
     if now - polled_at > params.stale_after_s or age > params.stale_after_s:
         return None
     pending = max(waiting, float(queue_len or 0) - running)
-    frag = min(1.0, max(0.0, frag))
-    return free * (1.0 - params.fragmentation_weight * frag) - pending * params.tokens_per_queued_request
+    wasted = min(1.0, max(0.0, frag)) * held_slots
+    return free - params.fragmentation_weight * wasted - pending * params.tokens_per_queued_request
 
 
 def rank_by_kv(scores: Sequence[tuple[Any, float | None]], tie_tokens: float,
@@ -109,8 +113,8 @@ class KVAwareRouter(RequestRouter):
         - ``stale_after_s`` (5.0): stats whose poll time, or whose engine step of a busy replica, is
           older than this are ignored; set it to a few ``stats_period_s``. A replica in a long prefill
           step goes stale and drops to the last rank until its next step.
-        - ``fragmentation_weight`` (0.5): in [0, 1]; 1 discounts free room fully by the replica's
-          fragmentation ratio, 0 ignores fragmentation.
+        - ``fragmentation_weight`` (0.5): KV tokens charged per slot wasted inside held blocks
+          (``fragmentation_ratio · held_blocks · B``); 0 ignores fragmentation.
         - ``tokens_per_queued_request`` (256): KV tokens charged per request queued at a replica but not
           yet running in its engine (roughly prompt + expected output of a typical request).
         - ``tie_tokens`` (64): replicas within this many effective free tokens of a rank's best share
