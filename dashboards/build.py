@@ -1,0 +1,207 @@
+"""vToken's Grafana dashboards, generated with grafana-foundation-sdk (the committed JSON is this output).
+
+    python dashboards/build.py          # rewrite dashboards/vtoken-kv.json and dashboards/vtoken-sla.json
+    python dashboards/build.py --check  # exit 1 if the committed JSON differs (tests/cpu/test_dashboards.py)
+
+Every query reads only series a replica exports (vtoken/serve/metrics.py, docs/metrics.md; the queue
+panel reads vLLM's own ``vllm:num_requests_*`` gauges, which the replica exposes unchanged) and filters
+every selector by the ``$deployment`` and ``$replica`` template variables. Import: Grafana → Dashboards →
+New → Import → upload the JSON, pick the Prometheus data source (docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from grafana_foundation_sdk.builders import common as cb
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders import prometheus as prom
+from grafana_foundation_sdk.builders import stat, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import (
+    LegendDisplayMode,
+    LegendPlacement,
+    SortOrder,
+    TooltipDisplayMode,
+)
+from grafana_foundation_sdk.models.dashboard import (
+    DataSourceRef,
+    Threshold,
+    ThresholdsMode,
+    VariableRefresh,
+    VariableSort,
+)
+
+OUT = Path(__file__).resolve().parent
+DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
+SEL = 'deployment=~"$deployment", replica=~"$replica"'
+RATE = "$__rate_interval"
+SLO_TARGET = 0.99  # = k8s/rules.py SLO_TARGET (checked by the test)
+KV_SATURATED = 0.95  # = k8s/rules.py KV_SATURATED
+FRAGMENTATION_MAX = 0.5  # = k8s/rules.py FRAGMENTATION_MAX
+QUANTILES = (0.5, 0.95, 0.99)
+
+
+def _q(expr: str, legend: str) -> prom.Dataquery:
+    return prom.Dataquery().expr(expr).legend_format(legend)
+
+
+def _thresholds(*steps: tuple[float | None, str]) -> db.ThresholdsConfig:
+    return db.ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps(
+        [Threshold(value=v, color=c) for v, c in steps])
+
+
+def _panel(kind, title: str, description: str, unit: str, targets: list[prom.Dataquery], span: int = 12):
+    panel = kind.Panel().title(title).description(description).unit(unit).datasource(DS).span(span).height(8)
+    for ref, target in zip("ABCDEFGH", targets):
+        panel = panel.with_target(target.ref_id(ref))
+    if kind is timeseries:
+        return (panel.legend(cb.VizLegendOptions().display_mode(LegendDisplayMode.LIST)
+                             .placement(LegendPlacement.BOTTOM).show_legend(True))
+                .tooltip(cb.VizTooltipOptions().mode(TooltipDisplayMode.MULTI).sort(SortOrder.DESCENDING)))
+    return panel.reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+
+
+def _quantiles(metric: str) -> list[prom.Dataquery]:
+    rate = f"rate({metric}_bucket{{{SEL}}}[{RATE}])"
+    return [_q(f"histogram_quantile({q}, sum by (le) ({rate}))", f"p{q * 100:g}") for q in QUANTILES]
+
+
+def _per_replica_rate(metric: str, by: str = "replica") -> prom.Dataquery:
+    return _q(f"sum by ({by}) (rate({metric}{{{SEL}}}[{RATE}]))", "{{" + by + "}}")
+
+
+def _dashboard(uid: str, title: str, description: str, rows: list[tuple[str, list]]) -> dict:
+    dash = (db.Dashboard(title).uid(uid).description(description).tags(["vtoken"]).editable().refresh("30s")
+            .time("now-1h", "now").timezone("browser")
+            .with_variable(db.DatasourceVariable("datasource").label("Data source").type("prometheus"))
+            .with_variable(db.QueryVariable("deployment").label("Deployment").datasource(DS)
+                           .query("label_values(vtoken:kv_utilization, deployment)")
+                           .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
+                           .multi(True).include_all(True).all_value(".*"))
+            .with_variable(db.QueryVariable("replica").label("Replica").datasource(DS)
+                           .query('label_values(vtoken:kv_utilization{deployment=~"$deployment"}, replica)')
+                           .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
+                           .multi(True).include_all(True).all_value(".*")))
+    next_id = 1
+    for row_title, panels in rows:
+        dash = dash.with_row(db.Row(row_title).id(next_id))
+        next_id += 1
+        for panel in panels:
+            dash = dash.with_panel(panel.id(next_id))
+            next_id += 1
+    return json.loads(json.dumps(dash.build(), cls=JSONEncoder))
+
+
+def kv_dashboard() -> dict:
+    held = f"sum(vtoken:held_blocks{{{SEL}}})"
+    naive = f"sum(vtoken:naive_blocks{{{SEL}}})"
+    savings = [
+        _panel(timeseries, "KV blocks: vToken vs Naive-Evict vs packing bound",
+               "Blocks held with repacking, what the paired Naive-Evict accounting would hold for the same "
+               "evictions, the lower bound sum(ceil(live/B)), and the pool.", "none",
+               [_q(held, "held (vToken)"), _q(naive, "naive (Naive-Evict)"),
+                _q(f"sum(vtoken:packing_bound_blocks{{{SEL}}})", "packing bound"),
+                _q(f"sum(vtoken:pool_blocks{{{SEL}}})", "pool")], span=16),
+        _panel(stat, "Blocks saved vs Naive-Evict", "1 - held / naive over the selected replicas.",
+               "percentunit",
+               [_q(f"1 - {held} / clamp_min({naive}, 1)", "saved")], span=8),
+        _panel(timeseries, "Live tokens and free KV slots",
+               "Live (not evicted) tokens; free slots = (pool - held) * B.", "short",
+               [_q(f"sum(vtoken:live_tokens{{{SEL}}})", "live tokens"),
+                _q(f"sum(vtoken:free_kv_tokens{{{SEL}}})", "free KV slots")], span=24),
+    ]
+    replicas = [
+        _panel(timeseries, "KV utilization per replica",
+               f"held / pool; VTokenKVSaturated fires above {KV_SATURATED:.0%} for 10 minutes.",
+               "percentunit",
+               [_q(f"vtoken:kv_utilization{{{SEL}}}", "{{replica}}")])
+        .min(0).max(1).thresholds(_thresholds((None, "green"), (KV_SATURATED, "red"))),
+        _panel(timeseries, "Fragmentation ratio per replica",
+               "1 - live / (held * B): share of held slots without a live token.", "percentunit",
+               [_q(f"vtoken:fragmentation_ratio{{{SEL}}}", "{{replica}}")])
+        .min(0).max(1).thresholds(_thresholds((None, "green"), (FRAGMENTATION_MAX, "orange"))),
+    ]
+    reclamation = [
+        _panel(timeseries, "Reclaimed blocks/s", "Blocks returned to vLLM's pool by vToken.", "short",
+               [_per_replica_rate("vtoken:reclaimed_blocks_total")]),
+        _panel(timeseries, "Repack moves/s", "KV slot moves executed by repack plans.", "short",
+               [_per_replica_rate("vtoken:repack_moves_total")]),
+        _panel(timeseries, "Repack latency", "Duration of one repack plan (p50/p95/p99).", "s",
+               _quantiles("vtoken:repack_seconds")),
+        _panel(timeseries, "Evicted tokens/s by policy", "Tokens the eviction policy removed.", "short",
+               [_per_replica_rate("vtoken:evicted_tokens_total", by="policy")]),
+    ]
+    return _dashboard("vtoken-kv", "vToken / KV cache", "KV savings and reclamation of vToken replicas.",
+                      [("KV savings", savings), ("Per replica", replicas), ("Reclamation", reclamation)])
+
+
+def sla_dashboard() -> dict:
+    met, total = "vtoken:slo_met_total", "vtoken:requests_total"
+    attainment = _thresholds((None, "red"), (SLO_TARGET, "green"))
+    sla = [
+        _panel(stat, "SLA attainment (time range)",
+               f"Finished requests meeting the TTFT and TPOT SLOs; target {SLO_TARGET:.0%}.", "percentunit",
+               [_q(f"sum(increase({met}{{{SEL}}}[$__range])) / sum(increase({total}{{{SEL}}}[$__range]))",
+                   "attainment")], span=6).thresholds(attainment),
+        _panel(timeseries, "SLA attainment, overall and per replica", "slo_met / requests.", "percentunit",
+               [_q(f"sum(rate({met}{{{SEL}}}[{RATE}])) / sum(rate({total}{{{SEL}}}[{RATE}]))", "overall"),
+                _q(f"sum by (replica) (rate({met}{{{SEL}}}[{RATE}]))"
+                   f" / sum by (replica) (rate({total}{{{SEL}}}[{RATE}]))", "{{replica}}")], span=18)
+        .min(0).max(1).thresholds(attainment),
+    ]
+    latency = [
+        _panel(timeseries, "Time to first token", "TTFT of finished requests (p50/p95/p99).", "s",
+               _quantiles("vtoken:ttft_seconds")),
+        _panel(timeseries, "Time per output token", "Mean TPOT of finished requests (p50/p95/p99).", "s",
+               _quantiles("vtoken:tpot_seconds")),
+    ]
+    load = [
+        _panel(timeseries, "Finished requests/s per replica", "Requests judged against the SLO.", "reqps",
+               [_per_replica_rate(total)]),
+        _panel(timeseries, "Queue per replica", "vLLM's waiting and running requests per engine.",
+               "short", [_q(f"sum by (replica) (vllm:num_requests_{s}{{{SEL}}})", f"{s} {{{{replica}}}}")
+                         for s in ("waiting", "running")]),
+    ]
+    return _dashboard("vtoken-sla", "vToken / SLA", "SLA attainment, latency and load of vToken replicas.",
+                      [("SLA attainment", sla), ("Latency", latency), ("Load", load)])
+
+
+def dashboards() -> dict[str, dict]:
+    """File name -> dashboard JSON model (pure, deterministic)."""
+    return {"vtoken-kv.json": kv_dashboard(), "vtoken-sla.json": sla_dashboard()}
+
+
+def dump(model: dict) -> str:
+    return json.dumps(model, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def panel_queries(model: dict) -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every target of every non-row panel."""
+    return [(p["title"], t["expr"]) for p in model["panels"] if p["type"] != "row"
+            for t in p.get("targets", [])]
+
+
+def concrete(expr: str, rate: str = "1m", range_: str = "5m", everything: str = ".*") -> str:
+    """``expr`` with Grafana's variables replaced as Grafana does with "All" selected (promtool, tests)."""
+    return (expr.replace("$__rate_interval", rate).replace("$__range", range_)
+            .replace("$deployment", everything).replace("$replica", everything))
+
+
+def main(argv: list[str]) -> int:
+    files = {name: dump(model) for name, model in dashboards().items()}
+    stale = [n for n, text in files.items() if not (OUT / n).is_file() or (OUT / n).read_text() != text]
+    if "--check" in argv:
+        if stale:
+            print(f"out of date (run python dashboards/build.py): {', '.join(stale)}", file=sys.stderr)
+        return 1 if stale else 0
+    for name, text in files.items():
+        (OUT / name).write_text(text)
+    print(f"wrote {', '.join(files)} in {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
