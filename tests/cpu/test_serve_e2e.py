@@ -16,13 +16,12 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from serve_support import PrometheusServer, free_port_block, malformed_cases
+from serve_support import PrometheusServer, free_port_block, malformed_cases, vllm_cli_command
 from vtoken.serve.config import ServeAppConfig
 from vtoken.serve.local import LocalCluster, free_port
 from vtoken.serve.replica import FAULT_FILE_ENV
@@ -230,24 +229,26 @@ def test_kv_pool_exhaustion_queues_or_preempts_and_every_request_completes(app):
     with ThreadPoolExecutor(24) as pool:
         results = list(pool.map(lambda _: app.http.post("/v1/completions", json=body, timeout=600), range(24)))
     assert [r.status_code for r in results] == [200] * 24
+    spread = sorted(Counter(r.headers["x-vtoken-replica"] for r in results).values())
     assert all(r.json()["usage"]["completion_tokens"] == 400 for r in results)
     metrics = "".join(httpx.get(f"http://127.0.0.1:{app.metrics_port + i}/metrics").text for i in range(2))
     preempted = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                     if line.startswith("vllm:num_preemptions_total"))
     waited = [line for line in metrics.splitlines() if line.startswith("vllm:request_queue_time_seconds_sum")]
     print(f"\n[kv] 24 x (≈{results[0].json()['usage']['prompt_tokens']}+400) tokens on 2 x 71 blocks: all done in "
-          f"{time.monotonic() - started:.1f} s, preemptions {preempted:.0f}, queue time {waited}")
+          f"{time.monotonic() - started:.1f} s, spread {spread}, preemptions {preempted:.0f}, "
+          f"engine queue time {[round(float(w.rsplit(' ', 1)[1]), 1) for w in waited]} s")
 
 
 def test_vllm_bench_serve_gets_completions(app):
     """`vllm bench serve` (vLLM's own load generator) pointed at the Serve app."""
     from vtoken.models.tiny import tiny_model
 
-    cmd = [str(Path(sys.executable).with_name("vllm")), "bench", "serve", "--backend", "openai",
+    cmd = vllm_cli_command(sys.executable, "bench", "serve", "--backend", "openai",
            "--base-url", app.url, "--endpoint", "/v1/completions", "--model", "tiny-llama",
            "--tokenizer", str(tiny_model("llama")), "--dataset-name", "random", "--random-input-len", "64",
            "--random-output-len", "16", "--num-prompts", "8", "--max-concurrency", "4", "--ignore-eos",
-           "--goodput", "ttft:2000", "tpot:200"]
+           "--goodput", "ttft:2000", "tpot:200")
     env = {**os.environ, "OPENAI_API_KEY": API_KEY}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     summary = [line for line in out.stdout.splitlines() if "Successful requests" in line or "goodput" in line.lower()
@@ -278,7 +279,7 @@ def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
                     outcome = "200" if last == "data: [DONE]" else (
                         "503-stream" if '"code": 503' in last else f"broken-stream:{r.status_code}:{last[:80]}")
                 else:
-                    r = c.post("/v1/completions", json=body)
+                    r = c.post(f"{app.url}/v1/completions", json=body)
                     outcome = str(r.status_code)
                     if r.status_code == 503:
                         assert r.json()["error"]["code"] == 503

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -66,11 +67,11 @@ def test_equal_scores_are_shuffled_so_idle_traffic_spreads():
 def test_missing_or_stale_stats_go_last_or_trigger_fallback():
     fresh = stats(held=30)
     stale_poll = stats(held=0, polled=NOW - 60)
-    stuck_engine = stats(held=0, running=1, at=NOW - 60)  # busy engine whose last step is a minute old
+    long_step = stats(held=30, running=1, at=NOW - 60)  # busy engine inside a minute-long step
     assert effective_free_tokens({}, 0, P, NOW) is None
     assert effective_free_tokens({"vtoken:free_kv_tokens": "x"}, 0, P, NOW) is None
     assert effective_free_tokens(stale_poll, 0, P, NOW) is None
-    assert effective_free_tokens(stuck_engine, 0, P, NOW) is None
+    assert effective_free_tokens(long_step, 0, P, NOW) == (63 - 30) * 32  # still counts what it holds
     idle_old = stats(held=0, at=NOW - 600)  # idle engine: old step, still accurate
     assert effective_free_tokens(idle_old, 0, P, NOW) == 63 * 32
     scores = [("fresh", effective_free_tokens(fresh, 0, P, NOW)), ("stale", None), ("none", None)]
@@ -100,6 +101,28 @@ def test_choose_replicas_kv_first_then_power_of_two_fallback(monkeypatch):
     unknown = [FakeReplica(replica_id=i, routing_stats={}) for i in "CDE"]
     ranks = asyncio.run(router.choose_replicas(unknown))
     assert len(ranks) == 1 and len(ranks[0]) == 2 and router.fallbacks == 1
+
+
+def test_concurrent_choices_are_spread_by_reservations(monkeypatch):
+    """Serve runs several routing tasks before any request is sent: the numbers they read are the
+    same, so without reservations a burst lands on one replica."""
+    monkeypatch.setattr("vtoken.serve.router.time.time", lambda: NOW)
+    a = FakeReplica(replica_id="A", routing_stats=stats(held=0))
+    b = FakeReplica(replica_id="B", routing_stats=stats(held=0))
+    router = make_router({})
+    firsts = []
+    for i in range(10):
+        pending = SimpleNamespace(metadata=SimpleNamespace(internal_request_id=f"r{i}"))
+        firsts.append(asyncio.run(router.choose_replicas([a, b], pending))[0][0].replica_id)
+    assert sorted(Counter(firsts).values()) == [5, 5]
+    # routed requests release their reservation (Serve's queue-length cache counts them from then on)
+    for i in range(10):
+        router.on_request_routed(SimpleNamespace(metadata=SimpleNamespace(internal_request_id=f"r{i}")), None, None)
+    assert not router._reservations
+    # expired reservations are dropped
+    pending = SimpleNamespace(metadata=SimpleNamespace(internal_request_id="late"))
+    asyncio.run(router.choose_replicas([a, b], pending))
+    assert router._reserved_counts(NOW + 60) == Counter()
 
 
 # ---------------------------------------------------------------- autoscaling policy

@@ -13,7 +13,9 @@ blocks ranks higher than a Naive-Evict one holding the same live tokens. The fra
 the slots its held blocks waste (holes a packing replica would have returned; with ``repack`` they are
 at most one partial block per request); it is absolute, so one short request in a mostly empty pool
 costs a few slots, not a share of the pool. ``pending`` charges requests already sent there but not
-yet admitted by the engine (the stats lag one poll behind a burst).
+yet admitted by the engine (the stats lag one poll behind a burst), plus requests this router ranked
+it first for and has not sent yet: Serve runs up to 2·replicas routing tasks at once, and without
+these reservations a burst all reads the same numbers and lands on one replica (measured: 22/2).
 
 Replicas are sorted by ``effective_free``; those within ``tie_tokens`` of a rank's best share the
 rank, and Serve picks the one with the shortest queue inside it (the queue-length tie-break). Replicas
@@ -26,6 +28,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, List, Optional
@@ -40,7 +43,6 @@ from vtoken.serve.stats import (
     NUM_RUNNING,
     NUM_WAITING,
     POLLED_AT,
-    STATS_AGE,
 )
 
 logger = logging.getLogger("ray.serve")
@@ -57,8 +59,10 @@ class RouterParams:
 
 
 def effective_free_tokens(stats: Mapping[str, Any], queue_len: int | None, params: RouterParams,
-                          now: float) -> float | None:
-    """The ranking score of one replica, or None if its stats are missing or stale (pure)."""
+                          now: float, reserved: int = 0) -> float | None:
+    """The ranking score of one replica, or None if its stats are missing or stale (pure).
+
+    ``reserved``: requests this router has just ranked first on the replica but not sent yet."""
     try:
         polled_at = float(stats[POLLED_AT])
         free = float(stats[FREE_KV_TOKENS])
@@ -66,12 +70,11 @@ def effective_free_tokens(stats: Mapping[str, Any], queue_len: int | None, param
         held_slots = float(stats[HELD_BLOCKS]) * float(stats[BLOCK_SIZE])
         waiting = float(stats[NUM_WAITING])
         running = float(stats[NUM_RUNNING])
-        age = float(stats.get(STATS_AGE, 0.0))
     except (KeyError, TypeError, ValueError):
         return None
-    if now - polled_at > params.stale_after_s or age > params.stale_after_s:
+    if now - polled_at > params.stale_after_s:
         return None
-    pending = max(waiting, float(queue_len or 0) - running)
+    pending = max(waiting, float(queue_len or 0) - running) + reserved
     wasted = min(1.0, max(0.0, frag)) * held_slots
     return free - params.fragmentation_weight * wasted - pending * params.tokens_per_queued_request
 
@@ -107,22 +110,50 @@ class KVAwareRouter(RequestRouter):
     """Ranks replicas by free KV capacity after vToken reclamation (see the module docstring)."""
 
     def initialize_state(self, stale_after_s: float = 5.0, fragmentation_weight: float = 0.5,
-                         tokens_per_queued_request: int = 256, tie_tokens: int = 64, **_: Any) -> None:
+                         tokens_per_queued_request: int = 256, tie_tokens: int = 64,
+                         reservation_ttl_s: float = 5.0, **_: Any) -> None:
         """Hyperparameters (``request_router_kwargs``; ``router.*`` in ServeAppConfig):
 
-        - ``stale_after_s`` (5.0): stats whose poll time, or whose engine step of a busy replica, is
-          older than this are ignored; set it to a few ``stats_period_s``. A replica in a long prefill
-          step goes stale and drops to the last rank until its next step.
+        - ``stale_after_s`` (5.0): stats whose poll is older than this (the replica stopped answering
+          ``record_routing_stats``) are ignored; set it to a few ``stats_period_s``. The age of the
+          engine step behind the numbers is *not* a reason to ignore them: a replica inside a long
+          prefill step still holds (at least) the KV it reported, and requests sent to it since are
+          charged through Serve's live queue-length cache. Dropping such a replica to the last rank
+          herds a burst onto the other replicas (measured: 22/2 split of 24 requests).
         - ``fragmentation_weight`` (0.5): KV tokens charged per slot wasted inside held blocks
           (``fragmentation_ratio · held_blocks · B``); 0 ignores fragmentation.
         - ``tokens_per_queued_request`` (256): KV tokens charged per request queued at a replica but not
-          yet running in its engine (roughly prompt + expected output of a typical request).
+          yet running in its engine (roughly prompt + expected output of a typical request), and per
+          reservation.
         - ``tie_tokens`` (64): replicas within this many effective free tokens of a rank's best share
           the rank; Serve then picks the shortest queue among them. 0 = strict KV order.
+        - ``reservation_ttl_s`` (5.0): a reservation (request ranked first on a replica, not yet routed)
+          is dropped after this long if Serve never reports the request as routed.
         """
         self.params = RouterParams(stale_after_s, fragmentation_weight, tokens_per_queued_request, tie_tokens)
+        self.reservation_ttl_s = reservation_ttl_s
+        self._reservations: dict[str, tuple[Any, float]] = {}  # request id -> (replica id, expiry)
         self.fallbacks = 0
         self.kv_routed = 0
+
+    def _reserved_counts(self, now: float) -> Counter:
+        reservations = getattr(self, "_reservations", {})
+        for rid in [k for k, (_, expiry) in reservations.items() if expiry < now]:
+            del reservations[rid]
+        return Counter(replica for replica, _ in reservations.values())
+
+    def _reserve(self, pending_request: Optional[PendingRequest], rank0: List[RunningReplica], now: float) -> None:
+        """Record the replica Serve will most likely pick from rank 0 (shortest cached queue)."""
+        if pending_request is None or not rank0 or not hasattr(self, "_reservations"):
+            return
+        cache = self.replica_queue_len_cache
+        target = min(rank0, key=lambda r: cache.get(r.replica_id) or 0)
+        self._reservations[pending_request.metadata.internal_request_id] = (
+            target.replica_id, now + self.reservation_ttl_s)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        # From here on Serve's queue-length cache counts the request: release the reservation.
+        getattr(self, "_reservations", {}).pop(pending_request.metadata.internal_request_id, None)
 
     async def choose_replicas(
         self,
@@ -132,11 +163,16 @@ class KVAwareRouter(RequestRouter):
         params = getattr(self, "params", RouterParams())
         now = time.time()
         cache = self.replica_queue_len_cache
-        scores = [(r, effective_free_tokens(r.routing_stats or {}, cache.get(r.replica_id), params, now))
+        if pending_request is not None:  # a retry re-ranks: do not count this request twice
+            getattr(self, "_reservations", {}).pop(pending_request.metadata.internal_request_id, None)
+        reserved = self._reserved_counts(now)
+        scores = [(r, effective_free_tokens(r.routing_stats or {}, cache.get(r.replica_id), params, now,
+                                            reserved[r.replica_id]))
                   for r in candidate_replicas]
         ranks = rank_by_kv(scores, params.tie_tokens)
         if ranks is not None:
             self.kv_routed += 1
+            self._reserve(pending_request, ranks[0], now)
             return ranks
         self.fallbacks += 1
         return [random.sample(list(candidate_replicas), min(2, len(candidate_replicas)))]
