@@ -159,7 +159,8 @@ def run_local(cfg: ServeAppConfig, host: str = "127.0.0.1", port: int = 8000, da
     with LocalCluster(http_host=host, http_port=port, dashboard=dashboard) as cluster:
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            echo(f"starting Ray Serve on {cluster.url} (model {cfg.model}; the first start prepares it) …")
+            echo(f"starting Ray Serve on {cluster.url} (model {cfg.model}; the first start prepares it; "
+                 f"temp dir {cluster.tmp}) …")
             cluster.deploy(cfg)
             echo(f"ready in {time.monotonic() - started:.0f} s\n")
             echo(banner(cfg, cluster.url, cfg.metrics.host, cfg.metrics.port))
