@@ -21,7 +21,8 @@ Per request (``SamplingParams(extra_args={"vtoken": {...}})``, ``vllm_xargs`` in
 for that request, ``trace_id`` names its trace file and ``salt`` (int) seeds its randomness (requests
 with equal salts and settings take identical decisions: that is how paired naive/repack runs are made). Unknown keys and invalid values raise
 ``ConfigError`` naming the value and the valid ones: at engine start-up for the engine settings; for a
-request, the request is aborted and the error logged (the engine keeps serving).
+request, the request finishes at once with finish reason ``error`` and the error is logged (the engine keeps
+serving).
 """
 
 from __future__ import annotations

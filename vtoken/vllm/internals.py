@@ -10,7 +10,9 @@ Scheduler side (engine-core process) — ``vtoken/vllm/scheduler.py``
   * ``vllm.v1.core.sched.scheduler.Scheduler`` — subclassed (``scheduler_cls``). Overridden:
       ``schedule`` (decide/evict/repack before ``super().schedule()``, place tokens after),
       ``update_from_output`` (fold the worker's scores into the tables),
-      ``add_request`` (per-request settings; invalid ones set ``Request.abort_immediately``),
+      ``add_request`` (per-request settings; a request with invalid ones is put in
+      ``grammar_compile_error_reqs``, the set vLLM finishes with ``FINISHED_ERROR`` — and an output to the
+      client — at the next ``update_from_output``),
       ``_preempt_request`` (drop the token table: recomputation is from logical tokens),
       ``_free_request`` (finished/aborted: drop state, write the trace),
       ``make_stats`` (attach vToken gauges to ``SchedulerStats``).

@@ -148,8 +148,10 @@ class VTokenScheduler(Scheduler):
                 rs = request_settings(self.vt, getattr(request.sampling_params, "extra_args", None))
             except ConfigError as e:
                 logger.error("vToken: request %s rejected: %s", request.request_id, e)
-                request.abort_immediately = True
                 super().add_request(request)
+                # finished with an error (and an output to the client) at the next update, by vLLM's own
+                # error path; it never gets vToken state, so until then it is plain vLLM
+                self.grammar_compile_error_reqs.add(request.request_id)
                 return
             policy = rs.cfg.make_policy()
             uses_attention = bool(getattr(policy, "uses_attention", True))
@@ -209,6 +211,8 @@ class VTokenScheduler(Scheduler):
             n_shared += 1
         if n_shared != t.shared_blocks:
             t.mark_shared(min(n_shared, t.seen // self.block_size))
+            if st.trace is not None:
+                st.trace.shared_blocks_max = max(st.trace.shared_blocks_max, t.shared_blocks)
         victims = choose_victims(t, st.policy, cfg, st.salt)
         if victims.size == 0:
             return
@@ -285,6 +289,7 @@ class VTokenScheduler(Scheduler):
                     st.table.place(computed_before)
                     if st.trace is not None:
                         st.trace.epochs[-1].place(0, computed_before, 0)
+                        st.trace.epochs[-1].hits = computed_before
             t = st.table
             if st.preplaced is not None:
                 if n != 1 or t.seen != computed_before + 1:
@@ -316,6 +321,7 @@ class VTokenScheduler(Scheduler):
                     st.trace.packing_bound.append(t.packing_bound())
                     st.trace.naive_blocks.append(t.naive_blocks())
                     st.trace.live_tokens.append(t.live)
+                    st.trace.engine_steps.append(self.current_step)
         src = np.concatenate(work.src) if work.src else np.zeros(0, np.int64)
         dst = np.concatenate(work.dst) if work.dst else np.zeros(0, np.int64)
         return StepPlan(src=src, dst=dst, truncate=work.truncate, requests=steps)
@@ -416,6 +422,9 @@ def _check_supported(vllm_config, kv_cache_config) -> None:
         raise ConfigError("vToken supports models with one full-attention KV cache group only")
     if vllm_config.speculative_config is not None:
         raise ConfigError("vToken does not support speculative decoding (drafters compute logical slots)")
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
+        raise ConfigError("vToken runs with tensor/pipeline parallel size 1 only (scores are not all-reduced yet)")
     if vllm_config.kv_transfer_config is not None:
         raise ConfigError("vToken does not support KV connectors (they assume append-only block rows)")
     from vtoken.vllm.internals import is_vtoken_worker

@@ -30,6 +30,7 @@ NEVER = -1
 @dataclass
 class Epoch:
     start: int
+    hits: int = 0  # prefix-cache hit tokens at the epoch's first step
     placed_round: list[int] = field(default_factory=list)
     evicted_round: list[int] = field(default_factory=list)
 
@@ -68,8 +69,10 @@ class RequestTrace:
     packing_bound: list[int] = field(default_factory=list)
     naive_blocks: list[int] = field(default_factory=list)
     live_tokens: list[int] = field(default_factory=list)
+    engine_steps: list[int] = field(default_factory=list)  # the engine's step counter at each round
     moves: int = 0
     evicted: int = 0
+    shared_blocks_max: int = 0  # most leading blocks shared with other requests at a decision
 
     def new_epoch(self, start: int) -> Epoch:
         ep = Epoch(start=start)

@@ -1,0 +1,148 @@
+"""``vtoken bench overhead``: what vToken's hooks cost per decode step, with no memory pressure.
+
+Three in-process engines on the same model, the same batch and the same prompts (a large KV pool, so
+nothing is ever preempted or queued):
+
+* ``none``       vanilla vLLM (no vToken hooks at all)
+* hooks engine, ``scores=never``: ``naive``, ``repack``, ``reuse+repack`` with the ``random`` policy
+  (query-free, so the three take identical eviction decisions and only the accounting / copies differ)
+* hooks engine, ``scores=always``: ``repack`` with ``random`` again — identical decisions and moves to the
+  run above, plus q·K score collection over every live key of every layer: the cost of score collection.
+
+A decode step is an ``LLMEngine.step()`` in which every request of the batch is past its prompt; its wall
+time includes the scheduler hook (policy, plan, block frees), the worker hook (moves, seq_len / slot
+mapping) and the forward. Each variant runs ``--repeats`` times; the median of the per-run means is
+reported. Prints JSON with the command that produced it (progress bar on stderr).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from typing import Annotated
+
+import numpy as np
+import typer
+
+VARIANTS = ("none", "naive", "repack", "reuse+repack", "repack+scores")
+
+
+def _engine(model: str, block_size: int, mode: str, scores: str, budget: float, max_model_len: int):
+    from vllm import LLM
+
+    from vtoken.core.config import VTokenConfig
+    from vtoken.vllm import engine_kwargs
+
+    cfg = VTokenConfig(policy="random", budget=budget, mode=mode, block_size=block_size, sinks=4, recent=16)
+    kw = engine_kwargs(cfg, scores=scores) if mode != "none" else {"block_size": block_size}
+    return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=0,
+               enable_prefix_caching=False, gpu_memory_utilization=0.5, **kw)
+
+
+def _decode_steps(llm, prompts: list[list[int]], gen_len: int, mode: str | None, tag: str, advance) -> list[float]:
+    from vllm import SamplingParams
+
+    eng = llm.llm_engine
+    sched = eng.engine_core.engine_core.scheduler
+    extra = {"vtoken": {"mode": mode, "policy": "random", "salt": 1}} if mode else None
+    for i, p in enumerate(prompts):
+        eng.add_request(f"{tag}-{i}", {"prompt_token_ids": p},
+                        SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True, extra_args=extra))
+    times: list[float] = []
+    while eng.has_unfinished_requests():
+        decode = len(sched.running) == len(prompts) and all(
+            r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running
+        )
+        t0 = time.perf_counter()
+        eng.step()
+        dt = time.perf_counter() - t0
+        if decode:
+            times.append(dt)
+            advance()
+    return times
+
+
+def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_len: int, budget: float,
+                 repeats: int) -> dict:
+    """Measure every variant; returns the JSON-able report (see the module docstring)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from rich.progress import Progress
+
+    from vtoken.models.default import resolve_model
+
+    path = str(resolve_model(model))
+    rng = np.random.default_rng(0)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    prompts = [rng.integers(10, min(vocab, 30000), prompt_len).tolist() for _ in range(batch)]
+    max_model_len = prompt_len + gen_len + 8
+    plan = [("none", "none", "never", [None]),
+            ("hooks", "repack", "never", ["naive", "repack", "reuse+repack"]),
+            ("scores", "repack", "always", ["repack"])]
+    per_run: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    moves: dict[str, int] = {}
+    total = sum(len(modes) for *_, modes in plan) * repeats * (gen_len - 1)
+    with Progress(transient=True, console=None) as progress:
+        task = progress.add_task("decode steps", total=total)
+        for label, mode, scores, modes in plan:
+            llm = _engine(path, block_size, mode, scores, budget, max_model_len)
+            sched = llm.llm_engine.engine_core.engine_core.scheduler
+            _decode_steps(llm, prompts[:2], 4, modes[0], f"warm-{label}", lambda: None)  # warm-up
+            for r in range(repeats):
+                for m in modes:
+                    name = "none" if m is None else ("repack+scores" if label == "scores" else m)
+                    before = sched.vtoken_stats().repack_moves_total if m else 0
+                    progress.update(task, description=f"{name} (run {r + 1}/{repeats})")
+                    t = _decode_steps(llm, prompts, gen_len, m, f"{name}-{r}", lambda: progress.advance(task))
+                    per_run[name].append(statistics.fmean(t) * 1e3)
+                    if m:
+                        moves[name] = sched.vtoken_stats().repack_moves_total - before
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+    ms = {v: statistics.median(per_run[v]) for v in VARIANTS}
+    base = ms["none"]
+    report = {
+        "command": "vtoken " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "model": path,
+        "block_size": block_size,
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "gen_len": gen_len,
+        "policy": "random",
+        "budget": budget,
+        "repeats": repeats,
+        "decode_step_ms": {v: round(ms[v], 3) for v in VARIANTS},
+        "decode_step_ms_runs": {v: [round(x, 3) for x in per_run[v]] for v in VARIANTS},
+        "moves_per_run": moves,
+        "overhead_vs_none_pct": {v: round(100 * (ms[v] / base - 1), 1) for v in VARIANTS if v != "none"},
+        "repack_vs_naive_pct": round(100 * (ms["repack"] / ms["naive"] - 1), 1),
+        "score_collection_pct": round(100 * (ms["repack+scores"] / ms["repack"] - 1), 1),
+    }
+    return report
+
+
+def overhead(
+    model: Annotated[str, typer.Option(help="default | tiny-llama | tiny-qwen2 | PATH")] = "tiny-llama",
+    block_size: Annotated[int, typer.Option("--block-size")] = 32,
+    batch: Annotated[int, typer.Option(help="concurrent requests")] = 8,
+    prompt_len: Annotated[int, typer.Option("--prompt-len")] = 256,
+    gen_len: Annotated[int, typer.Option("--gen-len")] = 64,
+    budget: Annotated[float, typer.Option(help="budget fraction for the evicting variants")] = 0.5,
+    repeats: Annotated[int, typer.Option(help="runs per variant (median reported)")] = 3,
+    out: Annotated[str | None, typer.Option(help="also write the JSON here")] = None,
+) -> None:
+    """Decode-step overhead of repack vs naive vs none (no memory pressure), and of score collection."""
+    report = run_overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats)
+    text = json.dumps(report, indent=2)
+    if out:
+        with open(out, "w") as fh:
+            fh.write(text + "\n")
+    typer.echo(text)
