@@ -44,3 +44,20 @@ def retained(
     from vtoken.bench.retained import run_retained
 
     run_retained(policies, budgets, block_sizes, prompt_len, gen_len, requests, traces, sinks, recent, markdown)
+
+
+@bench_app.command("overhead")
+def overhead_cmd(
+    model: str = typer.Option("tiny-llama", help="default | tiny-llama | tiny-qwen2 | PATH"),
+    block_size: int = typer.Option(32, "--block-size"),
+    batch: int = typer.Option(8, help="concurrent requests"),
+    prompt_len: int = typer.Option(256, "--prompt-len"),
+    gen_len: int = typer.Option(64, "--gen-len"),
+    budget: float = typer.Option(0.5, help="budget fraction for the evicting variants"),
+    repeats: int = typer.Option(3, help="runs per variant (median reported)"),
+    out: str = typer.Option(None, help="also write the JSON here"),
+) -> None:
+    """Decode-step overhead in vLLM: repack vs naive vs none (no memory pressure), score collection on/off."""
+    from vtoken.bench.overhead import overhead
+
+    overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats, out)
