@@ -206,9 +206,15 @@ class ServeAppConfig(_Section):
 
     @property
     def model_name(self) -> str:
-        """The name clients put in ``"model"``."""
-        return self.served_model_name or ("vtoken-" + Path(self.model).name if self.model.startswith("/")
-                                          else self.model)
+        """The name clients put in ``"model"``: ``served_model_name``, else the default model's name for
+        'default'/'smollm2', the directory name for a path, the spec itself otherwise."""
+        from vtoken.models.default import DEFAULT_ALIASES, DEFAULT_MODEL_DIRNAME
+
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model in DEFAULT_ALIASES:
+            return DEFAULT_MODEL_DIRNAME
+        return Path(self.model).name if "/" in self.model and Path(self.model).is_absolute() else self.model
 
     def merged(self, overrides: Mapping[str, Any] | None = None, **dotted: Any) -> ServeAppConfig:
         """A copy with ``overrides`` deep-merged and re-validated (pure). Keys may be nested dicts
