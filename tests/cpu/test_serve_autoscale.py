@@ -44,19 +44,30 @@ def wait_for(predicate, timeout_s: float, step_s: float = 0.5) -> float | None:
 
 
 def test_kv_pressure_scales_one_to_two_and_back():
-    cfg = ServeAppConfig.model_validate({
-        "model": "tiny-llama",
-        "vtoken": {"mode": "repack", "policy": "h2o", "budget": 0.5},
-        "engine": {"kv_cache_blocks": 40, "max_model_len": 1024, "max_num_seqs": 8},
-        "limits": {"max_tokens": 700},
-        "deployment": {"num_cpus": 0.5, "health_check_period_s": 2.0},
-        "autoscaling": {"enabled": True, "min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
-                        "upscale_kv_utilization": 0.6, "downscale_kv_utilization": 0.2,
-                        "target_kv_utilization": 0.5, "metrics_interval_s": 0.5, "look_back_period_s": 2.0,
-                        "upscale_delay_s": 1.0, "downscale_delay_s": 5.0},
-        "router": {"stats_period_s": 0.5},
-        "metrics": {"port": None},
-    })
+    cfg = ServeAppConfig.model_validate(
+        {
+            "model": "tiny-llama",
+            "vtoken": {"mode": "repack", "policy": "h2o", "budget": 0.5},
+            "engine": {"kv_cache_blocks": 40, "max_model_len": 1024, "max_num_seqs": 8},
+            "limits": {"max_tokens": 700},
+            "deployment": {"num_cpus": 0.5, "health_check_period_s": 2.0},
+            "autoscaling": {
+                "enabled": True,
+                "min_replicas": 1,
+                "max_replicas": 2,
+                "initial_replicas": 1,
+                "upscale_kv_utilization": 0.6,
+                "downscale_kv_utilization": 0.2,
+                "target_kv_utilization": 0.5,
+                "metrics_interval_s": 0.5,
+                "look_back_period_s": 2.0,
+                "upscale_delay_s": 1.0,
+                "downscale_delay_s": 5.0,
+            },
+            "router": {"stats_period_s": 0.5},
+            "metrics": {"port": None},
+        }
+    )
     name, dep = cfg.app_name, cfg.deployment.name
     with LocalCluster(http_port=free_port(), num_cpus=2) as cluster:
         cluster.deploy(cfg)
@@ -84,15 +95,22 @@ def test_kv_pressure_scales_one_to_two_and_back():
                 t.join(300)
         load_ended = time.monotonic()
         up = None if up is None or decided is None else decided + up
-        print(f"\n[autoscale] KV pressure: second replica requested {decided if decided is None else round(decided, 1)} s "
-              f"and running {up if up is None else round(up, 1)} s after the load started ({len(codes)} requests, "
-              f"statuses {sorted(set(codes))})")
+        asked, running = (None if t is None else round(t, 1) for t in (decided, up))
+        print(
+            f"\n[autoscale] KV pressure: second replica requested {asked} s and running {running} s after "
+            f"the load started ({len(codes)} requests, statuses {sorted(set(codes))})"
+        )
         assert up is not None, "did not scale up under KV pressure"
         assert set(codes) == {200}
         down = wait_for(lambda: running_replicas(name, dep) == 1, timeout_s=180)
-        print(f"[autoscale] idle: 2 -> 1 replica {down if down is None else round(down, 1)} s after the load "
-              f"ended (load ran {load_ended - started:.0f} s)")
+        print(
+            f"[autoscale] idle: 2 -> 1 replica {down if down is None else round(down, 1)} s after the load "
+            f"ended (load ran {load_ended - started:.0f} s)"
+        )
         assert down is not None, "did not scale back down when the load ended"
-        r = httpx.post(f"{cluster.url}/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 4},
-                       timeout=60)
+        r = httpx.post(
+            f"{cluster.url}/v1/completions",
+            json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 4},
+            timeout=60,
+        )
         assert r.status_code == 200

@@ -46,7 +46,12 @@ def test_bad_config_fails_when_the_app_is_built():
 def test_merged_accepts_nested_and_dotted_overrides_and_revalidates():
     base = ServeAppConfig()
     cfg = base.merged({"vtoken": {"mode": "none"}, "engine.kv_cache_blocks": "65"}, **{"slo.ttft_ms": 500})
-    assert (cfg.vtoken.mode, cfg.vtoken.policy, cfg.engine.kv_cache_blocks, cfg.slo.ttft_ms) == ("none", "h2o", 65, 500)
+    assert (cfg.vtoken.mode, cfg.vtoken.policy, cfg.engine.kv_cache_blocks, cfg.slo.ttft_ms) == (
+        "none",
+        "h2o",
+        65,
+        500,
+    )
     assert base.vtoken.mode == "repack"  # pure
     with pytest.raises(ValidationError, match="unknown reclamation mode"):
         base.merged({"vtoken.mode": "bogus"})
@@ -76,17 +81,24 @@ def test_deployment_options_router_autoscaling_and_serve_schema():
 
     from vtoken.serve.app import POLICY_CLASS, ROUTER_CLASS, deployment_options
 
-    cfg = ServeAppConfig.model_validate({"autoscaling": {"enabled": True, "min_replicas": 1, "max_replicas": 3},
-                                         "router": {"stale_after_s": 3.0}})
+    cfg = ServeAppConfig.model_validate(
+        {
+            "autoscaling": {"enabled": True, "min_replicas": 1, "max_replicas": 3},
+            "router": {"stale_after_s": 3.0},
+        }
+    )
     opts = deployment_options(cfg)
     assert "num_replicas" not in opts
     auto = opts["autoscaling_config"]
     assert (auto.min_replicas, auto.max_replicas, auto.policy.policy_function) == (1, 3, POLICY_CLASS)
     assert auto.policy.policy_kwargs["upscale_kv_utilization"] == 0.75
     router = opts["request_router_config"]
-    assert router.request_router_class == ROUTER_CLASS and router.request_router_kwargs["stale_after_s"] == 3.0
-    fixed = deployment_options(ServeAppConfig.model_validate({"deployment": {"num_replicas": 2},
-                                                              "router": {"enabled": False}}))
+    assert (
+        router.request_router_class == ROUTER_CLASS and router.request_router_kwargs["stale_after_s"] == 3.0
+    )
+    fixed = deployment_options(
+        ServeAppConfig.model_validate({"deployment": {"num_replicas": 2}, "router": {"enabled": False}})
+    )
     assert fixed["num_replicas"] == 2 and "request_router_config" not in fixed
     ServeDeploySchema.model_validate({"applications": [{"name": "vtoken", "import_path": "serve_app:app"}]})
 
@@ -94,8 +106,9 @@ def test_deployment_options_router_autoscaling_and_serve_schema():
 def test_engine_args_and_cpu_binding():
     from vtoken.serve.engine import cpu_binding, engine_args
 
-    cfg = ServeAppConfig.model_validate({"vtoken": {"mode": "repack", "budget": 64},
-                                         "engine": {"kv_cache_blocks": 65}})
+    cfg = ServeAppConfig.model_validate(
+        {"vtoken": {"mode": "repack", "budget": 64}, "engine": {"kv_cache_blocks": 65}}
+    )
     kw = engine_args(cfg, "/models/x")
     assert kw["num_gpu_blocks_override"] == 65 and kw["block_size"] == 32 and not kw["disable_log_stats"]
     assert kw["scheduler_cls"].startswith("vtoken.vllm") and kw["additional_config"]["vtoken"]["budget"] == 64

@@ -20,8 +20,8 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-
 from serve_support import PrometheusServer, free_port_block, malformed_cases, vllm_cli_command
+
 from vtoken.serve.config import ServeAppConfig
 from vtoken.serve.local import LocalCluster, free_port
 from vtoken.serve.replica import FAULT_FILE_ENV
@@ -35,16 +35,18 @@ PROMPT = "It is a truth universally acknowledged, that a single man in possessio
 
 
 def app_config(metrics_port: int) -> ServeAppConfig:
-    return ServeAppConfig.model_validate({
-        "model": "tiny-llama",
-        "vtoken": {"mode": "repack", "policy": "h2o", "budget": 0.5, "sinks": 4, "recent": 16},
-        "engine": {"kv_cache_blocks": 72, "max_model_len": 2048, "max_num_seqs": 8},
-        "slo": {"ttft_ms": 2000, "tpot_ms": 200},
-        "limits": {**LIMITS, "api_key": API_KEY},
-        "deployment": {"num_replicas": 2, "num_cpus": 0.5, "health_check_period_s": 2.0},
-        "router": {"stats_period_s": 0.5, "stale_after_s": 3.0},
-        "metrics": {"port": metrics_port, "port_span": 2},
-    })
+    return ServeAppConfig.model_validate(
+        {
+            "model": "tiny-llama",
+            "vtoken": {"mode": "repack", "policy": "h2o", "budget": 0.5, "sinks": 4, "recent": 16},
+            "engine": {"kv_cache_blocks": 72, "max_model_len": 2048, "max_num_seqs": 8},
+            "slo": {"ttft_ms": 2000, "tpot_ms": 200},
+            "limits": {**LIMITS, "api_key": API_KEY},
+            "deployment": {"num_replicas": 2, "num_cpus": 0.5, "health_check_period_s": 2.0},
+            "router": {"stats_period_s": 0.5, "stale_after_s": 3.0},
+            "metrics": {"port": metrics_port, "port_span": 2},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +55,27 @@ def app(tmp_path_factory):
     cfg = app_config(metrics_port)
     fault_file = tmp_path_factory.mktemp("fault") / "fault.json"
     fault_file.write_text("{}")
-    with LocalCluster(http_port=free_port(), num_cpus=2, extra_env={FAULT_FILE_ENV: str(fault_file)}) as cluster:
+    with LocalCluster(
+        http_port=free_port(), num_cpus=2, extra_env={FAULT_FILE_ENV: str(fault_file)}
+    ) as cluster:
         started = time.monotonic()
         cluster.deploy(cfg)
         print(f"\n[serve] 2 replicas ready in {time.monotonic() - started:.1f} s")
         with httpx.Client(base_url=cluster.url, headers=AUTH, timeout=120) as http:
-            yield SimpleNamespace(cfg=cfg, cluster=cluster, url=cluster.url, http=http, metrics_port=metrics_port,
-                                  fault_file=fault_file)
+            yield SimpleNamespace(
+                cfg=cfg,
+                cluster=cluster,
+                url=cluster.url,
+                http=http,
+                metrics_port=metrics_port,
+                fault_file=fault_file,
+            )
 
 
 def complete(http: httpx.Client, max_tokens: int = 2, prompt: str = "hello", **extra) -> httpx.Response:
-    return http.post("/v1/completions", json={"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
-                                              **extra})
+    return http.post(
+        "/v1/completions", json={"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens, **extra}
+    )
 
 
 def replicas_by_rank(http: httpx.Client, tries: int = 30) -> dict[int, str]:
@@ -86,16 +97,28 @@ def test_openai_client_completions_chat_streaming_and_probes(app):
     # temperature 0: the tiny model's greedy output never contains EOS, so lengths are exact
     done = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=8, temperature=0)
     assert done.usage.completion_tokens == 8 and isinstance(done.choices[0].text, str)
-    chat = client.chat.completions.create(model="tiny-llama", max_tokens=8, temperature=0,
-                                          messages=[{"role": "user", "content": "What is the capital of France?"}])
+    chat = client.chat.completions.create(
+        model="tiny-llama",
+        max_tokens=8,
+        temperature=0,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 8
-    chunks = list(client.chat.completions.create(model="tiny-llama", max_tokens=8, stream=True, temperature=0,
-                                                 stream_options={"include_usage": True},
-                                                 messages=[{"role": "user", "content": "Hi"}]))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny-llama",
+            max_tokens=8,
+            stream=True,
+            temperature=0,
+            stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": "Hi"}],
+        )
+    )
     assert chunks[-1].usage.completion_tokens == 8
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    streamed = list(client.completions.create(model="tiny-llama", prompt="hi", max_tokens=5, stream=True,
-                                              temperature=0))
+    streamed = list(
+        client.completions.create(model="tiny-llama", prompt="hi", max_tokens=5, stream=True, temperature=0)
+    )
     assert len([c for c in streamed if c.choices and c.choices[0].text is not None]) >= 5
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{app.url}/v1", api_key="wrong", max_retries=0).models.list()
@@ -111,12 +134,18 @@ def test_malformed_requests_get_4xx_with_openai_errors_and_never_5xx(app):
     statuses, bad = Counter(), []
     started = time.monotonic()
     for case in cases:
-        r = httpx.request(case.method, f"{app.url}{case.path}", content=case.content, headers=case.headers,
-                          timeout=60)
+        r = httpx.request(
+            case.method, f"{app.url}{case.path}", content=case.content, headers=case.headers, timeout=60
+        )
         statuses[r.status_code // 100 * 100] += 1
         try:
             err = r.json()["error"]
-            ok = 400 <= r.status_code < 500 and err["message"] and "type" in err and err["code"] == r.status_code
+            ok = (
+                400 <= r.status_code < 500
+                and err["message"]
+                and "type" in err
+                and err["code"] == r.status_code
+            )
         except (ValueError, KeyError, TypeError):
             ok = False
         if not ok:
@@ -133,9 +162,17 @@ def test_router_steers_new_requests_away_from_the_replica_holding_kv(app):
     long_started, long_done, holder = threading.Event(), threading.Event(), {}
 
     def long_request():
-        body = {"model": "tiny-llama", "prompt": PROMPT * 20, "max_tokens": 1500, "stream": True, "ignore_eos": True}
-        with httpx.Client(headers=AUTH, timeout=300) as c, c.stream("POST", f"{app.url}/v1/completions",
-                                                                   json=body) as r:
+        body = {
+            "model": "tiny-llama",
+            "prompt": PROMPT * 20,
+            "max_tokens": 1500,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        with (
+            httpx.Client(headers=AUTH, timeout=300) as c,
+            c.stream("POST", f"{app.url}/v1/completions", json=body) as r,
+        ):
             holder["replica"] = r.headers["x-vtoken-replica"]
             for _ in r.iter_lines():
                 long_started.set()
@@ -190,8 +227,14 @@ def test_prometheus_scrapes_kv_and_sla_series_that_move(app):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len(prom.query("vtoken:kv_utilization")) < 2:
             time.sleep(1)
-        before = {q: _value(prom, q) for q in ("sum(vtoken:requests_total)", "sum(vtoken:evicted_tokens_total)",
-                                               "sum(vtoken:ttft_seconds_count)")}
+        before = {
+            q: _value(prom, q)
+            for q in (
+                "sum(vtoken:requests_total)",
+                "sum(vtoken:evicted_tokens_total)",
+                "sum(vtoken:ttft_seconds_count)",
+            )
+        }
         body = {"model": "tiny-llama", "prompt": PROMPT * 6, "max_tokens": 300, "ignore_eos": True}
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda _: app.http.post("/v1/completions", json=body), range(4)))
@@ -199,13 +242,27 @@ def test_prometheus_scrapes_kv_and_sla_series_that_move(app):
         time.sleep(4)  # > 2 scrape intervals
         replicas = {s["metric"]["replica"] for s in prom.query("vtoken:kv_utilization")}
         assert len(replicas) == 2
-        for name in ("vtoken:live_tokens", "vtoken:held_blocks", "vtoken:packing_bound_blocks",
-                     "vtoken:naive_blocks", "vtoken:fragmentation_ratio", "vtoken:free_kv_tokens",
-                     "vtoken:slo_met_total", "vtoken:reclaimed_blocks_total", "vtoken:repack_moves_total",
-                     "vtoken:repack_seconds_bucket", "vtoken:tpot_seconds_bucket", "vllm:kv_cache_usage_perc",
-                     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:generation_tokens_total"):
+        for name in (
+            "vtoken:live_tokens",
+            "vtoken:held_blocks",
+            "vtoken:packing_bound_blocks",
+            "vtoken:naive_blocks",
+            "vtoken:fragmentation_ratio",
+            "vtoken:free_kv_tokens",
+            "vtoken:slo_met_total",
+            "vtoken:reclaimed_blocks_total",
+            "vtoken:repack_moves_total",
+            "vtoken:repack_seconds_bucket",
+            "vtoken:tpot_seconds_bucket",
+            "vllm:kv_cache_usage_perc",
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:generation_tokens_total",
+        ):
             series = prom.query(name)
-            assert series and all({"replica", "deployment", "application"} <= s["metric"].keys() for s in series), name
+            assert series and all(
+                {"replica", "deployment", "application"} <= s["metric"].keys() for s in series
+            ), name
         assert _value(prom, "max(max_over_time(vtoken:held_blocks[2m]))") > 0
         assert _value(prom, "max(max_over_time(vtoken:kv_utilization[2m]))") > 0
         assert _value(prom, "max(max_over_time(vllm:kv_cache_usage_perc[2m]))") > 0
@@ -227,32 +284,67 @@ def test_kv_pool_exhaustion_queues_or_preempts_and_every_request_completes(app):
     body = {"model": "tiny-llama", "prompt": PROMPT * 10, "max_tokens": 400, "ignore_eos": True}
     started = time.monotonic()
     with ThreadPoolExecutor(24) as pool:
-        results = list(pool.map(lambda _: app.http.post("/v1/completions", json=body, timeout=600), range(24)))
+        results = list(
+            pool.map(lambda _: app.http.post("/v1/completions", json=body, timeout=600), range(24))
+        )
     assert [r.status_code for r in results] == [200] * 24
     spread = sorted(Counter(r.headers["x-vtoken-replica"] for r in results).values())
     assert all(r.json()["usage"]["completion_tokens"] == 400 for r in results)
     metrics = "".join(httpx.get(f"http://127.0.0.1:{app.metrics_port + i}/metrics").text for i in range(2))
-    preempted = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                    if line.startswith("vllm:num_preemptions_total"))
+    preempted = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:num_preemptions_total")
+    )
     waited = [line for line in metrics.splitlines() if line.startswith("vllm:request_queue_time_seconds_sum")]
-    print(f"\n[kv] 24 x (≈{results[0].json()['usage']['prompt_tokens']}+400) tokens on 2 x 71 blocks: all done in "
-          f"{time.monotonic() - started:.1f} s, spread {spread}, preemptions {preempted:.0f}, "
-          f"engine queue time {[round(float(w.rsplit(' ', 1)[1]), 1) for w in waited]} s")
+    print(
+        f"\n[kv] 24 x (≈{results[0].json()['usage']['prompt_tokens']}+400) tokens on 2 x 71 blocks: "
+        f"all done in "
+        f"{time.monotonic() - started:.1f} s, spread {spread}, preemptions {preempted:.0f}, "
+        f"engine queue time {[round(float(w.rsplit(' ', 1)[1]), 1) for w in waited]} s"
+    )
 
 
 def test_vllm_bench_serve_gets_completions(app):
     """`vllm bench serve` (vLLM's own load generator) pointed at the Serve app."""
     from vtoken.models.tiny import tiny_model
 
-    cmd = vllm_cli_command(sys.executable, "bench", "serve", "--backend", "openai",
-           "--base-url", app.url, "--endpoint", "/v1/completions", "--model", "tiny-llama",
-           "--tokenizer", str(tiny_model("llama")), "--dataset-name", "random", "--random-input-len", "64",
-           "--random-output-len", "16", "--num-prompts", "8", "--max-concurrency", "4", "--ignore-eos",
-           "--goodput", "ttft:2000", "tpot:200")
+    cmd = vllm_cli_command(
+        sys.executable,
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        app.url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        "tiny-llama",
+        "--tokenizer",
+        str(tiny_model("llama")),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "64",
+        "--random-output-len",
+        "16",
+        "--num-prompts",
+        "8",
+        "--max-concurrency",
+        "4",
+        "--ignore-eos",
+        "--goodput",
+        "ttft:2000",
+        "tpot:200",
+    )
     env = {**os.environ, "OPENAI_API_KEY": API_KEY}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    summary = [line for line in out.stdout.splitlines() if line.startswith(("Successful requests", "Request goodput",
-                                                                           "Output token throughput"))]
+    summary = [
+        line
+        for line in out.stdout.splitlines()
+        if line.startswith(("Successful requests", "Request goodput", "Output token throughput"))
+    ]
     print("\n[bench] " + "\n[bench] ".join(summary))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert any(line.split()[-1] == "8" for line in summary if "Successful requests" in line)
@@ -269,15 +361,28 @@ def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
     lock = threading.Lock()
 
     def one(i: int) -> None:
-        body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 200, "stream": i % 4 == 0, "ignore_eos": True}
+        body = {
+            "model": "tiny-llama",
+            "prompt": PROMPT,
+            "max_tokens": 200,
+            "stream": i % 4 == 0,
+            "ignore_eos": True,
+        }
         try:
             with httpx.Client(headers=AUTH, timeout=180) as c:
                 if body["stream"]:
                     with c.stream("POST", f"{app.url}/v1/completions", json=body) as r:
                         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
                     last = lines[-1] if lines else ""
-                    outcome = "200" if last == "data: [DONE]" else (
-                        "503-stream" if '"code": 503' in last else f"broken-stream:{r.status_code}:{last[:80]}")
+                    outcome = (
+                        "200"
+                        if last == "data: [DONE]"
+                        else (
+                            "503-stream"
+                            if '"code": 503' in last
+                            else f"broken-stream:{r.status_code}:{last[:80]}"
+                        )
+                    )
                 else:
                     r = c.post(f"{app.url}/v1/completions", json=body)
                     outcome = str(r.status_code) + ("-retried" if r.headers.get("x-vtoken-retries") else "")
@@ -291,8 +396,9 @@ def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(one, i) for i in range(48)]
         time.sleep(1.5)
-        handle = ray.get_actor(f"SERVE_REPLICA::{app.cfg.app_name}#{app.cfg.deployment.name}#{victim}",
-                               namespace="serve")
+        handle = ray.get_actor(
+            f"SERVE_REPLICA::{app.cfg.app_name}#{app.cfg.deployment.name}#{victim}", namespace="serve"
+        )
         killed_at = time.monotonic()
         ray.kill(handle, no_restart=True)
         for f in futures:
@@ -308,8 +414,10 @@ def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
                 break
         time.sleep(1)
     tally = Counter(outcomes)
-    print(f"\n[kill] outcomes {dict(tally)}; replica replaced and serving after "
-          f"{recovered if recovered is None else round(recovered, 1)} s")
+    print(
+        f"\n[kill] outcomes {dict(tally)}; replica replaced and serving after "
+        f"{recovered if recovered is None else round(recovered, 1)} s"
+    )
     assert set(tally) <= {"200", "200-retried", "503", "503-stream"}, tally
     assert tally["200"] + tally["200-retried"] >= 24
     assert recovered is not None

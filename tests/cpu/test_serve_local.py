@@ -37,13 +37,30 @@ def test_vtoken_serve_prints_examples_answers_and_stops_cleanly_on_ctrl_c():
     import openai
 
     port, metrics_port = free_port(), free_port()
-    cmd = [str(Path(sys.executable).with_name("vtoken")), "serve", "--model", "tiny-llama", "--mode", "repack",
-           "--budget", "0.5", "--port", str(port), "--set", "engine.kv_cache_blocks=40",
-           "--set", "engine.max_model_len=1024", "--set", "limits.max_tokens=256",
-           "--set", f"metrics.port={metrics_port}"]
+    cmd = [
+        str(Path(sys.executable).with_name("vtoken")),
+        "serve",
+        "--model",
+        "tiny-llama",
+        "--mode",
+        "repack",
+        "--budget",
+        "0.5",
+        "--port",
+        str(port),
+        "--set",
+        "engine.kv_cache_blocks=40",
+        "--set",
+        "engine.max_model_len=1024",
+        "--set",
+        "limits.max_tokens=256",
+        "--set",
+        f"metrics.port={metrics_port}",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "VTOKEN_API_KEY"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     lines, tmp = [], None
     try:
         deadline = time.monotonic() + 300
@@ -61,8 +78,12 @@ def test_vtoken_serve_prints_examples_answers_and_stops_cleanly_on_ctrl_c():
         url = f"http://127.0.0.1:{port}"
         assert f"{url}/v1" in banner and "curl -s" in banner and "from openai import OpenAI" in banner
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=120)
-        chat = client.chat.completions.create(model="tiny-llama", max_tokens=8, temperature=0,
-                                              messages=[{"role": "user", "content": "What is the capital of France?"}])
+        chat = client.chat.completions.create(
+            model="tiny-llama",
+            max_tokens=8,
+            temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+        )
         assert chat.usage.completion_tokens == 8
         curl = next(line.strip() for line in lines if line.strip().startswith("curl -s"))
         out = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=120)

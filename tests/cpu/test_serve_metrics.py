@@ -15,43 +15,85 @@ from vtoken.vllm.stats import VTokenStats, encode
 
 
 def sched(usage=0.0, running=0, waiting=0, extra=None):
-    return SimpleNamespace(kv_cache_usage=usage, num_running_reqs=running, num_waiting_reqs=waiting,
-                           running_lora_adapters=dict(extra or {}))
+    return SimpleNamespace(
+        kv_cache_usage=usage,
+        num_running_reqs=running,
+        num_waiting_reqs=waiting,
+        running_lora_adapters=dict(extra or {}),
+    )
 
 
 def test_snapshot_from_vanilla_and_from_vtoken_stats():
     from vtoken.vllm.stats import vtoken_stats_from
 
-    vanilla = snapshot_from(sched(usage=10 / 63, running=2), pool_blocks=63, block_size=32, vtoken_reader=vtoken_stats_from)
-    assert (vanilla.held_blocks, vanilla.source, vanilla.free_kv_tokens, vanilla.fragmentation_ratio) == (10, "vllm", 53 * 32, 0.0)
-    vt = VTokenStats(live_tokens=100, held_blocks=4, packing_bound_blocks=4, naive_blocks=7, pool_blocks=63,
-                     block_size=32, evicted_tokens_total=50, reclaimed_blocks_total=3, repack_moves_total=20,
-                     repack_seconds_total=0.002, num_plans=5, policy="h2o", mode="repack")
+    vanilla = snapshot_from(
+        sched(usage=10 / 63, running=2), pool_blocks=63, block_size=32, vtoken_reader=vtoken_stats_from
+    )
+    assert (vanilla.held_blocks, vanilla.source, vanilla.free_kv_tokens, vanilla.fragmentation_ratio) == (
+        10,
+        "vllm",
+        53 * 32,
+        0.0,
+    )
+    vt = VTokenStats(
+        live_tokens=100,
+        held_blocks=4,
+        packing_bound_blocks=4,
+        naive_blocks=7,
+        pool_blocks=63,
+        block_size=32,
+        evicted_tokens_total=50,
+        reclaimed_blocks_total=3,
+        repack_moves_total=20,
+        repack_seconds_total=0.002,
+        num_plans=5,
+        policy="h2o",
+        mode="repack",
+    )
     snap = snapshot_from(sched(usage=0.5, running=1, extra=encode(vt)), 63, 32, vtoken_stats_from)
-    assert (snap.source, snap.held_blocks, snap.naive_blocks, snap.evicted_tokens_total) == ("vtoken", 4, 7, 50)
+    assert (snap.source, snap.held_blocks, snap.naive_blocks, snap.evicted_tokens_total) == (
+        "vtoken",
+        4,
+        7,
+        50,
+    )
     assert snap.fragmentation_ratio == pytest.approx(1 - 100 / 128)
     assert snap.kv_utilization == pytest.approx(4 / 63)
     assert snap.free_kv_tokens == 59 * 32
 
 
 def test_latency_and_slo_rules():
-    fin = SimpleNamespace(num_generation_tokens=11, e2e_latency=1.5, decode_time=1.0,
-                          mean_time_per_output_token=0.1, finish_reason=SimpleNamespace(name="LENGTH"))
+    fin = SimpleNamespace(
+        num_generation_tokens=11,
+        e2e_latency=1.5,
+        decode_time=1.0,
+        mean_time_per_output_token=0.1,
+        finish_reason=SimpleNamespace(name="LENGTH"),
+    )
     lat = latency_of(fin)
     assert (lat.ttft_s, lat.tpot_s, lat.finish_reason) == (pytest.approx(0.5), 0.1, "length")
     assert meets_slo(lat, SloTargets.from_ms(500, 100))
     assert not meets_slo(lat, SloTargets.from_ms(499, 100))
     assert not meets_slo(lat, SloTargets.from_ms(500, 99))
-    one_token = latency_of(SimpleNamespace(num_generation_tokens=1, e2e_latency=0.2, decode_time=0.0,
-                                           mean_time_per_output_token=0.0, finish_reason="stop"))
+    one_token = latency_of(
+        SimpleNamespace(
+            num_generation_tokens=1,
+            e2e_latency=0.2,
+            decode_time=0.0,
+            mean_time_per_output_token=0.0,
+            finish_reason="stop",
+        )
+    )
     assert one_token.tpot_s is None and meets_slo(one_token, SloTargets.from_ms(300, 1))
     aborted = latency_of(SimpleNamespace(num_generation_tokens=0, e2e_latency=0.2, finish_reason="abort"))
     assert aborted.ttft_s is None and not meets_slo(aborted, SloTargets.from_ms(1e9, 1e9))
 
 
 # What Prometheus 2.x sends: it prefers OpenMetrics, for which prometheus_client would rewrite ':' to '_'
-PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
-                     "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
 
 
 def scrape(port: int) -> dict:
@@ -72,9 +114,22 @@ def test_exposition_has_architecture_names_and_replica_labels():
     metrics = ReplicaMetrics(sink, SloTargets.from_ms(1000, 100), "h2o", "repack", labels)
     server, port = start_metrics_server(metrics.view, "127.0.0.1", 0 + _free_port(), 0, span=4)
     try:
-        sink.put(KVSnapshot(live_tokens=96, held_blocks=4, packing_bound_blocks=3, naive_blocks=6, pool_blocks=63,
-                            block_size=32, num_running=1, evicted_tokens_total=10, reclaimed_blocks_total=2,
-                            repack_moves_total=7, repack_seconds_total=0.0, num_plans=0))
+        sink.put(
+            KVSnapshot(
+                live_tokens=96,
+                held_blocks=4,
+                packing_bound_blocks=3,
+                naive_blocks=6,
+                pool_blocks=63,
+                block_size=32,
+                num_running=1,
+                evicted_tokens_total=10,
+                reclaimed_blocks_total=2,
+                repack_moves_total=7,
+                repack_seconds_total=0.0,
+                num_plans=0,
+            )
+        )
         sink.put(KVSnapshot(96, 4, 3, 6, 63, 32, 1, 0, 12, 3, 9, 0.004, 2))
         sink.finished(RequestLatency(0.2, 0.05, 1.0, 10, "length"))
         sink.finished(RequestLatency(2.0, 0.05, 3.0, 10, "length"))
@@ -82,7 +137,10 @@ def test_exposition_has_architecture_names_and_replica_labels():
     finally:
         server.shutdown()
         server.server_close()
-    value = lambda name: m[name][0][1]  # noqa: E731
+
+    def value(name: str) -> float:
+        return m[name][0][1]
+
     assert m["vtoken:kv_utilization"][0][0] == {**labels, "mode": "repack"}
     assert value("vtoken:held_blocks") == 4 and value("vtoken:live_tokens") == 96
     assert value("vtoken:packing_bound_blocks") == 3 and value("vtoken:naive_blocks") == 6
@@ -91,7 +149,9 @@ def test_exposition_has_architecture_names_and_replica_labels():
     assert value("vtoken:free_kv_tokens") == 59 * 32
     assert m["vtoken:evicted_tokens_total"][0] == ({**labels, "policy": "h2o"}, 12.0)
     assert value("vtoken:reclaimed_blocks_total") == 3 and value("vtoken:repack_moves_total") == 9
-    assert value("vtoken:repack_seconds_count") == 2 and value("vtoken:repack_seconds_sum") == pytest.approx(0.004)
+    assert value("vtoken:repack_seconds_count") == 2 and value("vtoken:repack_seconds_sum") == pytest.approx(
+        0.004
+    )
     assert value("vtoken:requests_total") == 2 and value("vtoken:slo_met_total") == 1
     assert value("vtoken:ttft_seconds_count") == 2 and value("vtoken:tpot_seconds_count") == 2
     assert all(labels.items() <= dict(lbl).items() for samples in m.values() for lbl, _ in samples)
@@ -104,8 +164,9 @@ def test_busy_metrics_port_falls_back_to_the_next_one():
     with socket.socket() as s:
         s.bind(("127.0.0.1", base))
         s.listen()
-        metrics = ReplicaMetrics(StatsSink(), SloTargets(1, 1), "h2o", "none", {"replica": "x"},
-                                 include_process_registry=False)
+        metrics = ReplicaMetrics(
+            StatsSink(), SloTargets(1, 1), "h2o", "none", {"replica": "x"}, include_process_registry=False
+        )
         server, port = start_metrics_server(metrics.view, "127.0.0.1", base, 0, span=4, wait_s=0.2)
         try:
             assert port != base and base < port <= base + 4 and "vtoken:held_blocks" in scrape(port)

@@ -21,23 +21,35 @@ NOW = 1_000_000.0
 P = RouterParams(stale_after_s=5.0, fragmentation_weight=0.5, tokens_per_queued_request=256, tie_tokens=64)
 
 
-def stats(held: int, live: int | None = None, pool: int = 63, running: int = 0, waiting: int = 0,
-          at: float = NOW, polled: float = NOW) -> dict:
-    snap = KVSnapshot(live if live is not None else held * 32, held, held, held, pool, 32, running, waiting, at=at)
+def stats(
+    held: int,
+    live: int | None = None,
+    pool: int = 63,
+    running: int = 0,
+    waiting: int = 0,
+    at: float = NOW,
+    polled: float = NOW,
+) -> dict:
+    snap = KVSnapshot(
+        live if live is not None else held * 32, held, held, held, pool, 32, running, waiting, at=at
+    )
     return routing_stats(snap, polled)
 
 
 def test_more_free_kv_ranks_first_and_fragmentation_discounts():
     a, b = stats(held=40, running=1), stats(held=10, running=1)
     assert effective_free_tokens(a, 1, P, NOW) == (63 - 40) * 32
-    ranks = rank_by_kv([("a", effective_free_tokens(a, 1, P, NOW)), ("b", effective_free_tokens(b, 1, P, NOW))], 64)
+    ranks = rank_by_kv(
+        [("a", effective_free_tokens(a, 1, P, NOW)), ("b", effective_free_tokens(b, 1, P, NOW))], 64
+    )
     assert ranks == [["b"], ["a"]]
     # same free blocks; c fills its 20 held blocks half (320 wasted slots, charged at weight 0.5)
     c = stats(held=20, live=320, running=1)
     d = stats(held=20, running=1)
     assert effective_free_tokens(c, 1, P, NOW) == pytest.approx(43 * 32 - 0.5 * 320)
-    assert rank_by_kv([("c", effective_free_tokens(c, 1, P, NOW)),
-                       ("d", effective_free_tokens(d, 1, P, NOW))], 64) == [["d"], ["c"]]
+    assert rank_by_kv(
+        [("c", effective_free_tokens(c, 1, P, NOW)), ("d", effective_free_tokens(d, 1, P, NOW))], 64
+    ) == [["d"], ["c"]]
 
 
 def test_one_short_request_does_not_make_a_replica_look_full():
@@ -117,7 +129,9 @@ def test_concurrent_choices_are_spread_by_reservations(monkeypatch):
     assert sorted(Counter(firsts).values()) == [5, 5]
     # routed requests release their reservation (Serve's queue-length cache counts them from then on)
     for i in range(10):
-        router.on_request_routed(SimpleNamespace(metadata=SimpleNamespace(internal_request_id=f"r{i}")), None, None)
+        router.on_request_routed(
+            SimpleNamespace(metadata=SimpleNamespace(internal_request_id=f"r{i}")), None, None
+        )
     assert not router._reservations
     # expired reservations are dropped
     pending = SimpleNamespace(metadata=SimpleNamespace(internal_request_id="late"))
@@ -126,17 +140,21 @@ def test_concurrent_choices_are_spread_by_reservations(monkeypatch):
 
 
 # ---------------------------------------------------------------- autoscaling policy
-S = ScalingParams(upscale_kv_utilization=0.75, downscale_kv_utilization=0.25, target_kv_utilization=0.5,
-                  upscale_waiting_per_replica=2.0)
+S = ScalingParams(
+    upscale_kv_utilization=0.75,
+    downscale_kv_utilization=0.25,
+    target_kv_utilization=0.5,
+    upscale_waiting_per_replica=2.0,
+)
 
 
 @pytest.mark.parametrize(
     "current, kv, waiting, expect, reason",
     [
-        (1, {"a": 0.9}, {"a": 0}, 2, "up"),          # KV pressure
-        (1, {"a": 0.3}, {"a": 3}, 2, "up"),          # queue pressure
-        (2, {"a": 0.95, "b": 0.95}, {}, 4, "up"),   # ceil(2 * 0.95 / 0.5) = 4, clamped below
-        (2, {"a": 0.5, "b": 0.6}, {}, 2, "hold"),   # inside the hysteresis band
+        (1, {"a": 0.9}, {"a": 0}, 2, "up"),  # KV pressure
+        (1, {"a": 0.3}, {"a": 3}, 2, "up"),  # queue pressure
+        (2, {"a": 0.95, "b": 0.95}, {}, 4, "up"),  # ceil(2 * 0.95 / 0.5) = 4, clamped below
+        (2, {"a": 0.5, "b": 0.6}, {}, 2, "hold"),  # inside the hysteresis band
         (2, {"a": 0.1, "b": 0.0}, {}, 1, "down"),
         (2, {"a": 0.1, "b": 0.0}, {"a": 1}, 2, "hold"),  # waiting requests block a scale-down
         (3, {}, {}, 3, "no-metrics"),
@@ -167,9 +185,14 @@ def test_params_are_validated():
 def test_policy_callable_reads_serve_context_and_ignores_departed_replicas():
     policy = KVAutoscalingPolicy(upscale_kv_utilization=0.75, downscale_kv_utilization=0.25)
     ctx = SimpleNamespace(
-        aggregated_metrics={"vtoken:kv_utilization": {"r1": 0.9, "gone": 0.0},
-                            "vllm:num_requests_waiting": {"r1": 0.0}},
-        running_replicas=["r1"], current_num_replicas=1, capacity_adjusted_min_replicas=1,
-        capacity_adjusted_max_replicas=2)
+        aggregated_metrics={
+            "vtoken:kv_utilization": {"r1": 0.9, "gone": 0.0},
+            "vllm:num_requests_waiting": {"r1": 0.0},
+        },
+        running_replicas=["r1"],
+        current_num_replicas=1,
+        capacity_adjusted_min_replicas=1,
+        capacity_adjusted_max_replicas=2,
+    )
     desired, state = policy(ctx)
     assert desired == 2 and state["vtoken"]["reason"] == "up" and state["vtoken"]["mean_kv"] == 0.9

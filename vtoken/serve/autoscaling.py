@@ -35,8 +35,10 @@ class ScalingParams:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.downscale_kv_utilization < self.upscale_kv_utilization <= 1.0:
-            raise ValueError("need 0 <= downscale_kv_utilization < upscale_kv_utilization <= 1, got "
-                             f"{self.downscale_kv_utilization}, {self.upscale_kv_utilization}")
+            raise ValueError(
+                "need 0 <= downscale_kv_utilization < upscale_kv_utilization <= 1, got "
+                f"{self.downscale_kv_utilization}, {self.upscale_kv_utilization}"
+            )
         if not 0.0 < self.target_kv_utilization <= 1.0:
             raise ValueError(f"target_kv_utilization must be in (0, 1], got {self.target_kv_utilization}")
 
@@ -49,8 +51,14 @@ class Decision:
     waiting: float
 
 
-def decide(current: int, kv: Mapping[Any, float], waiting: Mapping[Any, float], params: ScalingParams,
-           lo: int, hi: int) -> Decision:
+def decide(
+    current: int,
+    kv: Mapping[Any, float],
+    waiting: Mapping[Any, float],
+    params: ScalingParams,
+    lo: int,
+    hi: int,
+) -> Decision:
     """The replica count for ``current`` running replicas and their averaged metrics (pure)."""
     total_waiting = float(sum(waiting.values()))
     if current <= 0:
@@ -60,7 +68,10 @@ def decide(current: int, kv: Mapping[Any, float], waiting: Mapping[Any, float], 
         return Decision(max(lo, min(hi, current)), "no-metrics", None, total_waiting)
     mean_kv = sum(values) / len(values)
     sized = math.ceil(current * mean_kv / params.target_kv_utilization - 1e-9)
-    if mean_kv >= params.upscale_kv_utilization or total_waiting >= params.upscale_waiting_per_replica * current:
+    if (
+        mean_kv >= params.upscale_kv_utilization
+        or total_waiting >= params.upscale_waiting_per_replica * current
+    ):
         desired, reason = max(current + 1, sized), "up"
     elif mean_kv <= params.downscale_kv_utilization and total_waiting == 0:
         desired, reason = min(current - 1, sized), "down"
@@ -81,6 +92,12 @@ class KVAutoscalingPolicy:
         running = set(ctx.running_replicas)
         kv = {r: v for r, v in (metrics.get(KV_UTILIZATION) or {}).items() if r in running}
         waiting = {r: v for r, v in (metrics.get(NUM_WAITING) or {}).items() if r in running}
-        d = decide(ctx.current_num_replicas, kv, waiting, self.params,
-                   ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas)
+        d = decide(
+            ctx.current_num_replicas,
+            kv,
+            waiting,
+            self.params,
+            ctx.capacity_adjusted_min_replicas,
+            ctx.capacity_adjusted_max_replicas,
+        )
         return d.desired, {"vtoken": {"reason": d.reason, "mean_kv": d.mean_kv, "waiting": d.waiting}}

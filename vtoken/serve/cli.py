@@ -12,23 +12,37 @@ any key. The same config file works with ``VTOKEN_SERVE_CONFIG=file serve run se
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
-serve_app = typer.Typer(help="Serve vLLM + vToken on Ray Serve (OpenAI-compatible, loopback by default).",
-                        invoke_without_command=True, no_args_is_help=False)
+serve_app = typer.Typer(
+    help="Serve vLLM + vToken on Ray Serve (OpenAI-compatible, loopback by default).",
+    invoke_without_command=True,
+    no_args_is_help=False,
+)
 
 
-def _config(config: Optional[Path], model: Optional[str], mode: Optional[str], policy: Optional[str],
-            budget: Optional[str], replicas: Optional[int], sets: list[str]):
+def _config(
+    config: Path | None,
+    model: str | None,
+    mode: str | None,
+    policy: str | None,
+    budget: str | None,
+    replicas: int | None,
+    sets: list[str],
+):
     from pydantic import ValidationError
 
     from vtoken.serve.config import ServeAppConfig
 
     overrides: dict[str, object] = {}
-    for flag, key in ((model, "model"), (mode, "vtoken.mode"), (policy, "vtoken.policy"),
-                      (budget, "vtoken.budget"), (replicas, "deployment.num_replicas")):
+    for flag, key in (
+        (model, "model"),
+        (mode, "vtoken.mode"),
+        (policy, "vtoken.policy"),
+        (budget, "vtoken.budget"),
+        (replicas, "deployment.num_replicas"),
+    ):
         if flag is not None:
             overrides[key] = flag
     for item in sets:
@@ -52,12 +66,12 @@ def _scalar(text: str):
 @serve_app.callback(invoke_without_command=True)
 def serve(
     ctx: typer.Context,
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="ServeAppConfig YAML/JSON file"),
-    model: Optional[str] = typer.Option(None, help="'default', 'tiny-llama', a checkpoint dir"),
-    mode: Optional[str] = typer.Option(None, help="none | naive | repack | reuse+repack"),
-    policy: Optional[str] = typer.Option(None, help="eviction policy (vtoken policies)"),
-    budget: Optional[str] = typer.Option(None, help="fraction in (0, 1] or token count"),
-    replicas: Optional[int] = typer.Option(None, help="fixed replica count"),
+    config: Path | None = typer.Option(None, "--config", "-c", help="ServeAppConfig YAML/JSON file"),
+    model: str | None = typer.Option(None, help="'default', 'tiny-llama', a checkpoint dir"),
+    mode: str | None = typer.Option(None, help="none | naive | repack | reuse+repack"),
+    policy: str | None = typer.Option(None, help="eviction policy (vtoken policies)"),
+    budget: str | None = typer.Option(None, help="fraction in (0, 1] or token count"),
+    replicas: int | None = typer.Option(None, help="fixed replica count"),
     sets: list[str] = typer.Option([], "--set", help="any config key: section.key=value (repeatable)"),
     host: str = typer.Option("127.0.0.1", help="HTTP bind address (loopback unless you mean it)"),
     port: int = typer.Option(8000, help="HTTP port"),
@@ -82,9 +96,10 @@ def show_config(ctx: typer.Context) -> None:
 
 
 @serve_app.command("build-config")
-def build_config(ctx: typer.Context,
-                 output: Path = typer.Option(Path("deploy/serve_config.yaml"), "--output", "-o")) -> None:
-    """Write the Serve config YAML (``serve build serve_app:app`` + app name, env) for serve deploy/KubeRay."""
+def build_config(
+    ctx: typer.Context, output: Path = typer.Option(Path("deploy/serve_config.yaml"), "--output", "-o")
+) -> None:
+    """Write the Serve config YAML (``serve build serve_app:app`` + name, env) for serve deploy/KubeRay."""
     from vtoken.serve.deploy import serve_build_yaml
 
     output.parent.mkdir(parents=True, exist_ok=True)

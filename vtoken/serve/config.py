@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
@@ -51,14 +51,24 @@ class VTokenSection(_Section):
         except ConfigError as exc:  # re-raised as ValueError so pydantic reports it with its location
             raise ValueError(str(exc)) from None
         if _cpu_platform() and self.block_size % 32:
-            raise ValueError(f"block size must be a multiple of 32 on vLLM's CPU backend, got {self.block_size}")
+            raise ValueError(
+                f"block size must be a multiple of 32 on vLLM's CPU backend, got {self.block_size}"
+            )
         return self
 
     def to_core(self) -> VTokenConfig:
         """The frozen core config (raises ``ConfigError`` naming a bad value)."""
         budget = Budget.parse(self.budget)
-        return VTokenConfig(policy=self.policy, budget=budget, mode=self.mode, block_size=self.block_size,
-                            sinks=self.sinks, recent=self.recent, trigger=self.trigger, seed=self.seed)
+        return VTokenConfig(
+            policy=self.policy,
+            budget=budget,
+            mode=self.mode,
+            block_size=self.block_size,
+            sinks=self.sinks,
+            recent=self.recent,
+            trigger=self.trigger,
+            seed=self.seed,
+        )
 
 
 class EngineSection(_Section):
@@ -73,7 +83,8 @@ class EngineSection(_Section):
     enforce_eager: bool = True
     enable_prefix_caching: bool | None = None
     threads_per_replica: int | None = Field(
-        None, ge=1, description="CPU cores each replica's worker binds (VLLM_CPU_OMP_THREADS_BIND by rank)")
+        None, ge=1, description="CPU cores each replica's worker binds (VLLM_CPU_OMP_THREADS_BIND by rank)"
+    )
     cpu_offset: int = Field(0, ge=0, description="first core used for the per-rank binding")
 
 
@@ -136,12 +147,16 @@ class AutoscalingSection(_Section):
     def _check_bounds(self) -> AutoscalingSection:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
-        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+        if (
+            self.initial_replicas is not None
+            and not self.min_replicas <= self.initial_replicas <= self.max_replicas
+        ):
             raise ValueError(f"initial_replicas {self.initial_replicas} outside [min_replicas, max_replicas]")
         if self.downscale_kv_utilization >= self.upscale_kv_utilization:
             raise ValueError(
                 f"downscale_kv_utilization {self.downscale_kv_utilization} must be below "
-                f"upscale_kv_utilization {self.upscale_kv_utilization} (hysteresis band)")
+                f"upscale_kv_utilization {self.upscale_kv_utilization} (hysteresis band)"
+            )
         return self
 
 
@@ -191,13 +206,16 @@ class ServeAppConfig(_Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> ServeAppConfig:
         if self.limits.max_tokens >= self.engine.max_model_len:
-            raise ValueError(f"limits.max_tokens {self.limits.max_tokens} must be below "
-                             f"engine.max_model_len {self.engine.max_model_len}")
+            raise ValueError(
+                f"limits.max_tokens {self.limits.max_tokens} must be below "
+                f"engine.max_model_len {self.engine.max_model_len}"
+            )
         blocks = self.engine.kv_cache_blocks
         if blocks is not None and (blocks - 1) * self.vtoken.block_size < self.engine.max_model_len:
             raise ValueError(
-                f"engine.kv_cache_blocks {blocks} hold {(blocks - 1) * self.vtoken.block_size} tokens (one block "
-                f"is vLLM's null block), less than engine.max_model_len {self.engine.max_model_len}")
+                f"engine.kv_cache_blocks {blocks} hold {(blocks - 1) * self.vtoken.block_size} tokens "
+                f"(one block is vLLM's null block), less than max_model_len {self.engine.max_model_len}"
+            )
         return self
 
     @property

@@ -37,8 +37,14 @@ def serve_build_yaml(cfg: ServeAppConfig, repo_root: Path | None = None) -> str:
         out = Path(tmp) / "serve.yaml"
         env = {**os.environ, CONFIG_ENV: cfg_json, "RAY_AUTH_MODE": "disabled"}
         serve_cli = Path(sys.executable).with_name("serve")
-        subprocess.run([str(serve_cli), "build", "serve_app:app", "-o", str(out)], cwd=root, env=env,
-                       check=True, capture_output=True, text=True)
+        subprocess.run(
+            [str(serve_cli), "build", "serve_app:app", "-o", str(out)],
+            cwd=root,
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         doc = yaml.safe_load(out.read_text())
     app = doc["applications"][0]
     app["name"] = cfg.app_name

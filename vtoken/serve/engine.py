@@ -31,7 +31,8 @@ def vtoken_engine_kwargs(cfg: VTokenConfig) -> dict[str, Any]:
             return {"block_size": cfg.block_size}
         raise VTokenUnavailableError(
             f"vToken mode {cfg.mode.value!r} needs vtoken.vllm.engine_kwargs, which is not available "
-            f"({exc}); use vtoken.mode='none' to serve vanilla vLLM") from None
+            f"({exc}); use vtoken.mode='none' to serve vanilla vLLM"
+        ) from None
     return dict(engine_kwargs(cfg))
 
 

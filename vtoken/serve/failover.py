@@ -55,8 +55,10 @@ class FailoverMiddleware:
         for attempt in range(self.retries + 1):
             state = {"started": False, "ended": False, "sse": False}
             try:
-                await self.app(scope, _replay(body, receive, False, disconnected), _tracked(send, state, attempt))
-            except Exception:  # noqa: BLE001 - the proxy normally swallows replica errors itself
+                await self.app(
+                    scope, _replay(body, receive, False, disconnected), _tracked(send, state, attempt)
+                )
+            except Exception:
                 if state["started"]:
                     raise
             if state["started"]:
@@ -67,11 +69,22 @@ class FailoverMiddleware:
                 return  # the client is gone: nobody to answer
             if attempt < self.retries:
                 await asyncio.sleep(self.backoff_s * (attempt + 1))
-        payload = error_json(f"no replica could complete the request after {self.retries + 1} attempts "
-                             "(replica failed or restarting); retry later")
-        await send({"type": "http.response.start", "status": 503, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-            (b"retry-after", b"5"), (b"x-vtoken-retries", str(self.retries).encode())]})
+        payload = error_json(
+            f"no replica could complete the request after {self.retries + 1} attempts "
+            "(replica failed or restarting); retry later"
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 503,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                    (b"retry-after", b"5"),
+                    (b"x-vtoken-retries", str(self.retries).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": payload, "more_body": False})
 
     async def _buffer(self, receive):
@@ -111,8 +124,9 @@ def _tracked(send, state: dict, attempt: int):
         if message["type"] == "http.response.start":
             state["started"] = True
             headers = list(message.get("headers", []))
-            state["sse"] = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-                               for k, v in headers)
+            state["sse"] = any(
+                k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers
+            )
             if attempt:
                 message = {**message, "headers": headers + [(b"x-vtoken-retries", str(attempt).encode())]}
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
@@ -125,7 +139,11 @@ def _tracked(send, state: dict, attempt: int):
 async def _close_broken_stream(send, sse: bool) -> None:
     tail = b""
     if sse:
-        tail = b"data: " + error_json("the replica serving this stream failed; the output is incomplete") + b"\n\n"
+        tail = (
+            b"data: "
+            + error_json("the replica serving this stream failed; the output is incomplete")
+            + b"\n\n"
+        )
     try:
         await send({"type": "http.response.body", "body": tail, "more_body": False})
     except Exception:  # noqa: BLE001 - the client may be gone already
@@ -136,7 +154,11 @@ def proxy_middlewares() -> list:
     """Serve's HTTP proxy callback (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``): the middleware list."""
     from starlette.middleware import Middleware
 
-    return [Middleware(FailoverMiddleware,
-                       retries=int(os.environ.get("VTOKEN_FAILOVER_RETRIES", "2")),
-                       backoff_s=float(os.environ.get("VTOKEN_FAILOVER_BACKOFF_S", "0.5")),
-                       max_body_bytes=int(os.environ.get("VTOKEN_FAILOVER_MAX_BODY_BYTES", str(8 << 20))))]
+    return [
+        Middleware(
+            FailoverMiddleware,
+            retries=int(os.environ.get("VTOKEN_FAILOVER_RETRIES", "2")),
+            backoff_s=float(os.environ.get("VTOKEN_FAILOVER_BACKOFF_S", "0.5")),
+            max_body_bytes=int(os.environ.get("VTOKEN_FAILOVER_MAX_BODY_BYTES", str(8 << 20))),
+        )
+    ]

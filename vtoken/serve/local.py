@@ -10,7 +10,8 @@
 Side effects (documented because Ray's workers inherit them): ``__enter__`` sets the environment
 variables in ``serving_env()`` in this process before ``ray.init`` — Serve's proxy needs the failover
 callback and the engines need the private RPC/temp paths — and creates a private temp directory, removed
-on exit (the variables are restored too). The Ray dashboard is off unless ``dashboard=True`` (then bound to 127.0.0.1).
+on exit (the variables are restored too). The Ray dashboard is off unless ``dashboard=True`` (then bound
+to 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from vtoken.serve.config import ServeAppConfig
 from vtoken.serve.failover import CALLBACK_ENV, CALLBACK_PATH
@@ -53,9 +53,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 class LocalCluster:
     """A private Ray + Serve instance (context manager). Not thread-safe; one per process."""
 
-    def __init__(self, http_host: str = "127.0.0.1", http_port: int = 8000, num_cpus: int | None = None,
-                 object_store_bytes: int = 256 << 20, dashboard: bool = False,
-                 extra_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        http_host: str = "127.0.0.1",
+        http_port: int = 8000,
+        num_cpus: int | None = None,
+        object_store_bytes: int = 256 << 20,
+        dashboard: bool = False,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.http_host = http_host
         self.http_port = http_port
         self.num_cpus = num_cpus or os.cpu_count() or 2
@@ -80,10 +86,17 @@ class LocalCluster:
                 os.environ[key] = value
         for sub in ("rpc", "tmp", "ray"):
             (self.tmp / sub).mkdir(exist_ok=True)
-        ray.init(num_cpus=self.num_cpus, object_store_memory=self.object_store_bytes,
-                 include_dashboard=self.dashboard, dashboard_host="127.0.0.1",
-                 _temp_dir=str(self.tmp / "ray"), _node_ip_address="127.0.0.1",
-                 configure_logging=True, logging_level="WARNING", log_to_driver=False)
+        ray.init(
+            num_cpus=self.num_cpus,
+            object_store_memory=self.object_store_bytes,
+            include_dashboard=self.dashboard,
+            dashboard_host="127.0.0.1",
+            _temp_dir=str(self.tmp / "ray"),
+            _node_ip_address="127.0.0.1",
+            configure_logging=True,
+            logging_level="WARNING",
+            log_to_driver=False,
+        )
         serve.start(proxy_location="HeadOnly", http_options={"host": self.http_host, "port": self.http_port})
         return self
 
@@ -96,7 +109,7 @@ class LocalCluster:
         app = build_app(cfg)
         return serve.run(app, name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         import ray
         from ray import serve
 
@@ -120,8 +133,10 @@ def banner(cfg: ServeAppConfig, url: str, metrics_host: str | None, metrics_port
     key = cfg.limits.resolved_api_key()
     auth = ' -H "Authorization: Bearer $VTOKEN_API_KEY"' if key else ""
     api_key = 'os.environ["VTOKEN_API_KEY"]' if key else '"EMPTY"'
-    body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}], '
-            '"max_tokens": 32}' % model)
+    body = (
+        '{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}], '
+        '"max_tokens": 32}' % model
+    )
     lines = [
         f"vToken is serving {model!r} at {url}/v1 (mode {cfg.vtoken.mode}, policy {cfg.vtoken.policy}, "
         f"budget {cfg.vtoken.budget})",
@@ -133,22 +148,25 @@ def banner(cfg: ServeAppConfig, url: str, metrics_host: str | None, metrics_port
         "    python - <<'EOF'",
         "    import os",
         "    from openai import OpenAI",
-        f"    client = OpenAI(base_url=\"{url}/v1\", api_key={api_key})",
-        f"    r = client.chat.completions.create(model=\"{model}\", max_tokens=32,",
-        "        messages=[{\"role\": \"user\", \"content\": \"What is the capital of France?\"}])",
+        f'    client = OpenAI(base_url="{url}/v1", api_key={api_key})',
+        f'    r = client.chat.completions.create(model="{model}", max_tokens=32,',
+        '        messages=[{"role": "user", "content": "What is the capital of France?"}])',
         "    print(r.choices[0].message.content)",
         "    EOF",
         "",
         f"  routes: {url}/v1/completions, /v1/chat/completions, /v1/models, /health, /ready",
     ]
     if metrics_port is not None:
-        lines.append(f"  metrics: http://{metrics_host}:{metrics_port}/metrics (first replica; see docs/metrics.md)")
+        lines.append(
+            f"  metrics: http://{metrics_host}:{metrics_port}/metrics (first replica; see docs/metrics.md)"
+        )
     lines += ["", "Ctrl-C to stop."]
     return "\n".join(lines)
 
 
-def run_local(cfg: ServeAppConfig, host: str = "127.0.0.1", port: int = 8000, dashboard: bool = False,
-              echo=print) -> None:
+def run_local(
+    cfg: ServeAppConfig, host: str = "127.0.0.1", port: int = 8000, dashboard: bool = False, echo=print
+) -> None:
     """Start, print the banner, block until SIGINT/SIGTERM, then stop everything (no stray process).
 
     The signal handlers are installed after ``ray.init`` (which installs its own SIGTERM handler) and
@@ -159,8 +177,10 @@ def run_local(cfg: ServeAppConfig, host: str = "127.0.0.1", port: int = 8000, da
     with LocalCluster(http_host=host, http_port=port, dashboard=dashboard) as cluster:
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            echo(f"starting Ray Serve on {cluster.url} (model {cfg.model}; the first start prepares it; "
-                 f"temp dir {cluster.tmp}) …")
+            echo(
+                f"starting Ray Serve on {cluster.url} (model {cfg.model}; the first start prepares it; "
+                f"temp dir {cluster.tmp}) …"
+            )
             cluster.deploy(cfg)
             echo(f"ready in {time.monotonic() - started:.0f} s\n")
             echo(banner(cfg, cluster.url, cfg.metrics.host, cfg.metrics.port))

@@ -17,8 +17,8 @@ import errno
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterable
 
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -50,18 +50,24 @@ class KVCollector(Collector):
             "vtoken:packing_bound_blocks": ("Sum over requests of ceil(live/B)", snap.packing_bound_blocks),
             "vtoken:naive_blocks": ("Blocks the paired Naive-Evict accounting would hold", snap.naive_blocks),
             "vtoken:pool_blocks": ("KV blocks in the pool (without vLLM's null block)", snap.pool_blocks),
-            "vtoken:free_kv_tokens": ("Free KV slots after reclamation: (pool - held) * B",
-                                      snap.free_kv_tokens),
+            "vtoken:free_kv_tokens": (
+                "Free KV slots after reclamation: (pool - held) * B",
+                snap.free_kv_tokens,
+            ),
             "vtoken:fragmentation_ratio": ("1 - live / (held * B)", snap.fragmentation_ratio),
             "vtoken:kv_utilization": ("held / pool", snap.kv_utilization),
-            "vtoken:stats_age_seconds": ("Seconds since the engine step these KV numbers come from",
-                                         max(0.0, time.time() - snap.at) if snap.at else float("nan")),
+            "vtoken:stats_age_seconds": (
+                "Seconds since the engine step these KV numbers come from",
+                max(0.0, time.time() - snap.at) if snap.at else float("nan"),
+            ),
         }
         for name, (doc, value) in gauges.items():
             fam = GaugeMetricFamily(name, doc, labels=["mode"])
             fam.add_metric([self._mode], float(value))
             yield fam
-        evicted = CounterMetricFamily("vtoken:evicted_tokens", "Tokens evicted by the policy", labels=["policy"])
+        evicted = CounterMetricFamily(
+            "vtoken:evicted_tokens", "Tokens evicted by the policy", labels=["policy"]
+        )
         evicted.add_metric([self._policy], float(snap.evicted_tokens_total))
         yield evicted
         for name, doc, value in (
@@ -98,23 +104,48 @@ class ReplicaMetrics:
     an interval is observed at that interval's mean duration).
     """
 
-    def __init__(self, sink: StatsSink, slo: SloTargets, policy: str, mode: str,
-                 labels: dict[str, str], include_process_registry: bool = True) -> None:
+    def __init__(
+        self,
+        sink: StatsSink,
+        slo: SloTargets,
+        policy: str,
+        mode: str,
+        labels: dict[str, str],
+        include_process_registry: bool = True,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(KVCollector(sink, policy, mode))
         self._slo = slo
-        self.requests = Counter("vtoken:requests", "Finished requests judged against the SLO",
-                                registry=self.registry)
-        self.slo_met = Counter("vtoken:slo_met", "Finished requests that met both TTFT and TPOT SLOs",
-                               registry=self.registry)
-        self.ttft = Histogram("vtoken:ttft_seconds", "Time to first token of finished requests",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("vtoken:tpot_seconds", "Mean time per output token of finished requests",
-                              buckets=TPOT_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("vtoken:e2e_seconds", "End-to-end latency of finished requests",
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.repack = Histogram("vtoken:repack_seconds", "Duration of one repack plan (interval mean)",
-                                buckets=REPACK_BUCKETS, registry=self.registry)
+        self.requests = Counter(
+            "vtoken:requests", "Finished requests judged against the SLO", registry=self.registry
+        )
+        self.slo_met = Counter(
+            "vtoken:slo_met", "Finished requests that met both TTFT and TPOT SLOs", registry=self.registry
+        )
+        self.ttft = Histogram(
+            "vtoken:ttft_seconds",
+            "Time to first token of finished requests",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "vtoken:tpot_seconds",
+            "Mean time per output token of finished requests",
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "vtoken:e2e_seconds",
+            "End-to-end latency of finished requests",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.repack = Histogram(
+            "vtoken:repack_seconds",
+            "Duration of one repack plan (interval mean)",
+            buckets=REPACK_BUCKETS,
+            registry=self.registry,
+        )
         sources = [self.registry] + ([REGISTRY] if include_process_registry else [])
         self.view = CollectorRegistry(auto_describe=False)
         self.view.register(LabelledView(sources, labels))
@@ -153,7 +184,7 @@ class _TextFormatHandler(BaseHTTPRequestHandler):
 
     registry: CollectorRegistry  # set on the per-server subclass
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server API
+    def do_GET(self) -> None:
         if self.path.split("?", 1)[0] not in ("/metrics", "/"):
             self.send_error(404)
             return
@@ -176,8 +207,9 @@ def _serve(registry: CollectorRegistry, host: str, port: int) -> ThreadingHTTPSe
     return server
 
 
-def start_metrics_server(registry: CollectorRegistry, host: str, base_port: int, local_rank: int,
-                         span: int, wait_s: float = 10.0):
+def start_metrics_server(
+    registry: CollectorRegistry, host: str, base_port: int, local_rank: int, span: int, wait_s: float = 10.0
+):
     """Serve ``registry`` on ``host:base_port+local_rank`` (HTTP, its own thread). Returns
     ``(server, port)`` or ``(None, None)`` if every port in the span is busy.
 

@@ -20,10 +20,12 @@ A request without ``max_tokens`` gets ``limits.max_tokens`` as its default throu
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from http import HTTPStatus
-from typing import Any, Callable
+from typing import Any
 
 from vtoken.serve.config import ServeAppConfig
+from vtoken.serve.errors import error_body, openai_errors, sse_errors
 
 GUARD_EXEMPT = ("/health", "/ready", "/ping")  # liveness/readiness probes need no key
 _LIMITED_BODIES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
@@ -32,10 +34,14 @@ _LIMITED_BODIES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 def vllm_cli_args(cfg: ServeAppConfig, model_path: str) -> list[str]:
     """The ``vllm serve`` flags that shape the app (the engine itself is built from AsyncEngineArgs)."""
     return [
-        "--model", model_path,
-        "--served-model-name", cfg.model_name,
-        "--max-model-len", str(cfg.engine.max_model_len),
-        "--override-generation-config", json.dumps({"max_new_tokens": cfg.limits.max_tokens}),
+        "--model",
+        model_path,
+        "--served-model-name",
+        cfg.model_name,
+        "--max-model-len",
+        str(cfg.engine.max_model_len),
+        "--override-generation-config",
+        json.dumps({"max_new_tokens": cfg.limits.max_tokens}),
         "--disable-uvicorn-access-log",
     ]
 
@@ -52,15 +58,6 @@ async def build_vllm_app(engine: Any, cfg: ServeAppConfig, model_path: str):
     app = build_app(args, supported_tasks, engine.model_config)
     await init_app_state(engine, app.state, args, supported_tasks)
     return app
-
-
-def error_body(message: str, status: HTTPStatus, err_type: str | None = None, param: str | None = None) -> bytes:
-    """An OpenAI-format error body, built with vLLM's own ``ErrorResponse`` model."""
-    from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
-
-    info = ErrorInfo(message=message, type=err_type or status.phrase.replace(" ", "") + "Error",
-                     param=param, code=int(status))
-    return ErrorResponse(error=info).model_dump_json().encode()
 
 
 def limit_violation(path: str, body: Any, cfg: ServeAppConfig) -> tuple[str, str] | None:
@@ -100,8 +97,14 @@ def _text_len(value: Any) -> int:
     if isinstance(value, str):
         return len(value)
     if isinstance(value, list):
-        return sum(_text_len(v) if isinstance(v, (str, list)) else _text_len(v.get("text"))
-                   if isinstance(v, dict) else 0 for v in value)
+        return sum(
+            _text_len(v)
+            if isinstance(v, (str, list))
+            else _text_len(v.get("text"))
+            if isinstance(v, dict)
+            else 0
+            for v in value
+        )
     return 0
 
 
@@ -112,8 +115,14 @@ class RequestGuard:
     request; the body is read once (bounded) and replayed to the inner app.
     """
 
-    def __init__(self, app, cfg: ServeAppConfig, api_key: str | None, replica_headers: dict[str, str],
-                 ready_info: Callable[[], dict]) -> None:
+    def __init__(
+        self,
+        app,
+        cfg: ServeAppConfig,
+        api_key: str | None,
+        replica_headers: dict[str, str],
+        ready_info: Callable[[], dict],
+    ) -> None:
         from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
         self.app = app
@@ -126,14 +135,19 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        send = self._tagging(_sse_errors(_openai_errors(send)))
+        send = self._tagging(sse_errors(openai_errors(send)))
         path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
         if scope.get("method") != "OPTIONS" and self._auth is not None and not path.startswith(GUARD_EXEMPT):
             from starlette.datastructures import Headers
 
             if not self._auth.verify_token(Headers(scope=scope)):
-                await _reply(send, HTTPStatus.UNAUTHORIZED, "missing or invalid API key (Authorization: "
-                             "Bearer <key>)", "AuthenticationError", extra=[(b"www-authenticate", b"Bearer")])
+                await _reply(
+                    send,
+                    HTTPStatus.UNAUTHORIZED,
+                    "missing or invalid API key (Authorization: Bearer <key>)",
+                    "AuthenticationError",
+                    extra=[(b"www-authenticate", b"Bearer")],
+                )
                 return
         if path == "/ready" and scope.get("method") == "GET":
             await _reply_json(send, HTTPStatus.OK, json.dumps(self._ready_info()).encode())
@@ -143,8 +157,12 @@ class RequestGuard:
             return
         body = await _read_body(scope, receive, self.cfg.limits.max_body_bytes)
         if body is None:
-            await _reply(send, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                         f"request body exceeds {self.cfg.limits.max_body_bytes} bytes", "BadRequestError")
+            await _reply(
+                send,
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"request body exceeds {self.cfg.limits.max_body_bytes} bytes",
+                "BadRequestError",
+            )
             return
         violation = None
         try:
@@ -165,91 +183,6 @@ class RequestGuard:
             await send(message)
 
         return tagged
-
-
-def _sse_errors(send):
-    """A stream whose *first* event is an error (vLLM validates some parameters only after the SSE
-    response started, e.g. out-of-vocabulary token ids) becomes a plain HTTP error with that body, so
-    clients see a 4xx instead of ``200`` + an error event. Streams that produced output pass through."""
-    state: dict[str, Any] = {"mode": "pass"}
-
-    async def wrapped(message) -> None:
-        kind, mode = message["type"], state["mode"]
-        if mode == "drop":
-            return
-        if kind == "http.response.start":
-            headers = dict(message.get("headers", []))
-            if message["status"] == 200 and headers.get(b"content-type", b"").startswith(b"text/event-stream"):
-                state["mode"], state["start"] = "hold", message
-                return
-        elif kind == "http.response.body" and mode == "hold":
-            chunk, more = message.get("body", b""), message.get("more_body", False)
-            if not chunk and more:
-                return
-            error = _leading_error_event(chunk)
-            if error is None:
-                state["mode"] = "pass"
-                await send(state.pop("start"))
-                await send(message)
-                return
-            status, payload = error
-            start = state.pop("start")
-            headers = [(k, v) for k, v in start.get("headers", []) if k not in (b"content-type", b"content-length")]
-            headers += [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-            state["mode"] = "drop" if more else "pass"
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body", "body": payload, "more_body": False})
-            return
-        await send(message)
-
-    return wrapped
-
-
-def _leading_error_event(chunk: bytes) -> tuple[int, bytes] | None:
-    """``(status, body)`` if ``chunk`` starts with an SSE ``data: {"error": {...}}`` event."""
-    if not chunk.startswith(b'data: {"error"'):
-        return None
-    event = chunk[len(b"data: "):].split(b"\n\n", 1)[0]
-    try:
-        err = json.loads(event)["error"]
-        code = int(err.get("code", 500))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return (code if 400 <= code < 600 else 500), json.dumps({"error": err}).encode()
-
-
-def _openai_errors(send):
-    """Rewrite framework error bodies (``{"detail": ...}``, e.g. FastAPI's 404/405) into the OpenAI
-    format; every other response passes through untouched."""
-    held: dict[str, Any] = {}
-
-    async def wrapped(message) -> None:
-        if message["type"] == "http.response.start":
-            headers = dict(message.get("headers", []))
-            if message["status"] >= 400 and headers.get(b"content-type", b"").startswith(b"application/json"):
-                held["start"], held["body"] = message, b""
-                return
-        elif message["type"] == "http.response.body" and "start" in held:
-            held["body"] += message.get("body", b"")
-            if message.get("more_body", False):
-                return
-            start, body = held.pop("start"), held.pop("body")
-            try:
-                parsed = json.loads(body)
-            except ValueError:
-                parsed = None
-            if isinstance(parsed, dict) and "detail" in parsed and "error" not in parsed:
-                status = HTTPStatus(start["status"])
-                body = error_body(str(parsed["detail"]), status)
-                start = {**start, "headers": [(k, v) for k, v in start.get("headers", [])
-                                              if k != b"content-length"]
-                         + [(b"content-length", str(len(body)).encode())]}
-            await send(start)
-            await send({"type": "http.response.body", "body": body, "more_body": False})
-            return
-        await send(message)
-
-    return wrapped
 
 
 async def _read_body(scope, receive, limit: int) -> bytes | None:
@@ -289,8 +222,9 @@ def _replay(body: bytes, receive):
     return replay
 
 
-async def _reply(send, status: HTTPStatus, message: str, err_type: str, param: str | None = None,
-                 extra: list | None = None) -> None:
+async def _reply(
+    send, status: HTTPStatus, message: str, err_type: str, param: str | None = None, extra: list | None = None
+) -> None:
     await _reply_json(send, status, error_body(message, status, err_type, param), extra)
 
 

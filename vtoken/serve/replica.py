@@ -21,7 +21,8 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ray import serve
 
@@ -72,26 +73,52 @@ class VTokenReplica:
         model_path = resolve_model_path(cfg.model)
 
         self._sink = StatsSink(block_size=cfg.vtoken.block_size)
-        labels = {"application": ctx.app_name or "", "deployment": ctx.deployment, "replica": self._replica_id}
-        self._metrics = ReplicaMetrics(self._sink, SloTargets.from_ms(cfg.slo.ttft_ms, cfg.slo.tpot_ms),
-                                       cfg.vtoken.policy, cfg.vtoken.mode, labels)
+        labels = {
+            "application": ctx.app_name or "",
+            "deployment": ctx.deployment,
+            "replica": self._replica_id,
+        }
+        self._metrics = ReplicaMetrics(
+            self._sink,
+            SloTargets.from_ms(cfg.slo.ttft_ms, cfg.slo.tpot_ms),
+            cfg.vtoken.policy,
+            cfg.vtoken.mode,
+            labels,
+        )
         started = time.monotonic()
         factory = engine_factory or AsyncLLM.from_engine_args
-        self._engine = factory(AsyncEngineArgs(**engine_args(cfg, model_path)),
-                               stat_loggers=[make_stat_logger_class(self._sink)])
+        self._engine = factory(
+            AsyncEngineArgs(**engine_args(cfg, model_path)), stat_loggers=[make_stat_logger_class(self._sink)]
+        )
         api_key = cfg.limits.resolved_api_key()
         vllm_app = await build_vllm_app(self._engine, cfg, model_path)
-        self._asgi = RequestGuard(vllm_app, cfg, api_key,
-                                  {"x-vtoken-replica": self._replica_id, "x-vtoken-rank": str(self._rank)},
-                                  self._ready_info)
+        self._asgi = RequestGuard(
+            vllm_app,
+            cfg,
+            api_key,
+            {"x-vtoken-replica": self._replica_id, "x-vtoken-rank": str(self._rank)},
+            self._ready_info,
+        )
         if cfg.metrics.port is not None:
             self._metrics_server, self.metrics_port = start_metrics_server(
-                self._metrics.view, cfg.metrics.host, cfg.metrics.port, self._local_rank, cfg.metrics.port_span)
+                self._metrics.view,
+                cfg.metrics.host,
+                cfg.metrics.port,
+                self._local_rank,
+                cfg.metrics.port_span,
+            )
         else:
             self.metrics_port = None
-        logger.info("vToken replica %s (rank %d, cpus %s) ready in %.1f s; model %s, mode %s, metrics port %s",
-                    self._replica_id, self._rank, binding, time.monotonic() - started, cfg.model_name,
-                    cfg.vtoken.mode, self.metrics_port)
+        logger.info(
+            "vToken replica %s (rank %d, cpus %s) ready in %.1f s; model %s, mode %s, metrics port %s",
+            self._replica_id,
+            self._rank,
+            binding,
+            time.monotonic() - started,
+            cfg.model_name,
+            cfg.vtoken.mode,
+            self.metrics_port,
+        )
 
     async def __serve_build_asgi_app__(self):
         # Serve calls this once after __init__; the returned ASGI app is the replica's ingress.
@@ -126,14 +153,24 @@ class VTokenReplica:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Called by Serve every ``autoscaling.metrics_interval_s``; numbers only (Serve drops others)."""
         snap = self._sink.latest
-        return {KV_UTILIZATION: snap.kv_utilization, NUM_WAITING: float(snap.num_waiting),
-                NUM_RUNNING: float(snap.num_running)}
+        return {
+            KV_UTILIZATION: snap.kv_utilization,
+            NUM_WAITING: float(snap.num_waiting),
+            NUM_RUNNING: float(snap.num_running),
+        }
 
     def _ready_info(self) -> dict[str, Any]:
         snap = self._sink.latest
-        return {"status": "ready", "replica": self._replica_id, "rank": self._rank, "model": self.cfg.model_name,
-                "mode": self.cfg.vtoken.mode, "policy": self.cfg.vtoken.policy,
-                "metrics_port": self.metrics_port, **routing_stats(snap, time.time())}
+        return {
+            "status": "ready",
+            "replica": self._replica_id,
+            "rank": self._rank,
+            "model": self.cfg.model_name,
+            "mode": self.cfg.vtoken.mode,
+            "policy": self.cfg.vtoken.policy,
+            "metrics_port": self.metrics_port,
+            **routing_stats(snap, time.time()),
+        }
 
     async def check_health(self) -> None:
         """Serve's health probe: raises if the engine died (Serve then replaces the replica)."""
@@ -151,7 +188,6 @@ class VTokenReplica:
         if getattr(self, "_engine", None) is not None:
             try:
                 self._engine.shutdown()
-            except Exception:  # noqa: BLE001 - best effort during teardown
+            except Exception:
                 logger.exception("engine shutdown failed")
             self._engine = None
-

@@ -31,7 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
@@ -58,8 +58,9 @@ class RouterParams:
     tie_tokens: int = 64
 
 
-def effective_free_tokens(stats: Mapping[str, Any], queue_len: int | None, params: RouterParams,
-                          now: float, reserved: int = 0) -> float | None:
+def effective_free_tokens(
+    stats: Mapping[str, Any], queue_len: int | None, params: RouterParams, now: float, reserved: int = 0
+) -> float | None:
     """The ranking score of one replica, or None if its stats are missing or stale (pure).
 
     ``reserved``: requests this router has just ranked first on the replica but not sent yet."""
@@ -79,8 +80,9 @@ def effective_free_tokens(stats: Mapping[str, Any], queue_len: int | None, param
     return free - params.fragmentation_weight * wasted - pending * params.tokens_per_queued_request
 
 
-def rank_by_kv(scores: Sequence[tuple[Any, float | None]], tie_tokens: float,
-               rng: random.Random | None = None) -> list[list[Any]] | None:
+def rank_by_kv(
+    scores: Sequence[tuple[Any, float | None]], tie_tokens: float, rng: random.Random | None = None
+) -> list[list[Any]] | None:
     """Group ``(replica, score)`` pairs into ranks, best first (pure apart from ``rng``).
 
     Scored replicas are sorted by score (equal scores in random order: Serve breaks queue-length ties
@@ -109,9 +111,15 @@ def rank_by_kv(scores: Sequence[tuple[Any, float | None]], tie_tokens: float,
 class KVAwareRouter(RequestRouter):
     """Ranks replicas by free KV capacity after vToken reclamation (see the module docstring)."""
 
-    def initialize_state(self, stale_after_s: float = 5.0, fragmentation_weight: float = 0.5,
-                         tokens_per_queued_request: int = 256, tie_tokens: int = 64,
-                         reservation_ttl_s: float = 5.0, **_: Any) -> None:
+    def initialize_state(
+        self,
+        stale_after_s: float = 5.0,
+        fragmentation_weight: float = 0.5,
+        tokens_per_queued_request: int = 256,
+        tie_tokens: int = 64,
+        reservation_ttl_s: float = 5.0,
+        **_: Any,
+    ) -> None:
         """Hyperparameters (``request_router_kwargs``; ``router.*`` in ServeAppConfig):
 
         - ``stale_after_s`` (5.0): stats whose poll is older than this (the replica stopped answering
@@ -142,14 +150,18 @@ class KVAwareRouter(RequestRouter):
             del reservations[rid]
         return Counter(replica for replica, _ in reservations.values())
 
-    def _reserve(self, pending_request: Optional[PendingRequest], rank0: List[RunningReplica], now: float) -> None:
+    def _reserve(
+        self, pending_request: PendingRequest | None, rank0: list[RunningReplica], now: float
+    ) -> None:
         """Record the replica Serve will most likely pick from rank 0 (shortest cached queue)."""
         if pending_request is None or not rank0 or not hasattr(self, "_reservations"):
             return
         cache = self.replica_queue_len_cache
         target = min(rank0, key=lambda r: cache.get(r.replica_id) or 0)
         self._reservations[pending_request.metadata.internal_request_id] = (
-            target.replica_id, now + self.reservation_ttl_s)
+            target.replica_id,
+            now + self.reservation_ttl_s,
+        )
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         # From here on Serve's queue-length cache counts the request: release the reservation.
@@ -157,18 +169,24 @@ class KVAwareRouter(RequestRouter):
 
     async def choose_replicas(
         self,
-        candidate_replicas: List[RunningReplica],
-        pending_request: Optional[PendingRequest] = None,
-    ) -> List[List[RunningReplica]]:
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
         params = getattr(self, "params", RouterParams())
         now = time.time()
         cache = self.replica_queue_len_cache
         if pending_request is not None:  # a retry re-ranks: do not count this request twice
             getattr(self, "_reservations", {}).pop(pending_request.metadata.internal_request_id, None)
         reserved = self._reserved_counts(now)
-        scores = [(r, effective_free_tokens(r.routing_stats or {}, cache.get(r.replica_id), params, now,
-                                            reserved[r.replica_id]))
-                  for r in candidate_replicas]
+        scores = [
+            (
+                r,
+                effective_free_tokens(
+                    r.routing_stats or {}, cache.get(r.replica_id), params, now, reserved[r.replica_id]
+                ),
+            )
+            for r in candidate_replicas
+        ]
         ranks = rank_by_kv(scores, params.tie_tokens)
         if ranks is not None:
             self.kv_routed += 1

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from vtoken.serve.sla import RequestLatency, latency_of
 
@@ -97,8 +98,9 @@ def routing_stats(snap: KVSnapshot, now: float) -> dict[str, float]:
     }
 
 
-def snapshot_from(scheduler_stats: Any, pool_blocks: int, block_size: int,
-                  vtoken_reader: Callable[[Any], Any] | None = None) -> KVSnapshot:
+def snapshot_from(
+    scheduler_stats: Any, pool_blocks: int, block_size: int, vtoken_reader: Callable[[Any], Any] | None = None
+) -> KVSnapshot:
     """Build a snapshot from one ``SchedulerStats`` (pure). ``vtoken_reader`` is
     ``vtoken.vllm.stats.vtoken_stats_from`` when available; it returns None when vToken is off."""
     running = int(getattr(scheduler_stats, "num_running_reqs", 0))
@@ -106,17 +108,32 @@ def snapshot_from(scheduler_stats: Any, pool_blocks: int, block_size: int,
     vt = vtoken_reader(scheduler_stats) if vtoken_reader is not None else None
     if vt is not None:
         return KVSnapshot(
-            live_tokens=int(vt.live_tokens), held_blocks=int(vt.held_blocks),
-            packing_bound_blocks=int(vt.packing_bound_blocks), naive_blocks=int(vt.naive_blocks),
-            pool_blocks=int(vt.pool_blocks), block_size=int(vt.block_size), num_running=running,
-            num_waiting=waiting, evicted_tokens_total=int(vt.evicted_tokens_total),
+            live_tokens=int(vt.live_tokens),
+            held_blocks=int(vt.held_blocks),
+            packing_bound_blocks=int(vt.packing_bound_blocks),
+            naive_blocks=int(vt.naive_blocks),
+            pool_blocks=int(vt.pool_blocks),
+            block_size=int(vt.block_size),
+            num_running=running,
+            num_waiting=waiting,
+            evicted_tokens_total=int(vt.evicted_tokens_total),
             reclaimed_blocks_total=int(vt.reclaimed_blocks_total),
-            repack_moves_total=int(vt.repack_moves_total), repack_seconds_total=float(vt.repack_seconds_total),
-            num_plans=int(vt.num_plans), source="vtoken")
+            repack_moves_total=int(vt.repack_moves_total),
+            repack_seconds_total=float(vt.repack_seconds_total),
+            num_plans=int(vt.num_plans),
+            source="vtoken",
+        )
     held = int(round(float(getattr(scheduler_stats, "kv_cache_usage", 0.0)) * pool_blocks))
-    return KVSnapshot(live_tokens=held * block_size, held_blocks=held, packing_bound_blocks=held,
-                      naive_blocks=held, pool_blocks=pool_blocks, block_size=block_size,
-                      num_running=running, num_waiting=waiting)
+    return KVSnapshot(
+        live_tokens=held * block_size,
+        held_blocks=held,
+        packing_bound_blocks=held,
+        naive_blocks=held,
+        pool_blocks=pool_blocks,
+        block_size=block_size,
+        num_running=running,
+        num_waiting=waiting,
+    )
 
 
 class StatsSink:
@@ -138,8 +155,11 @@ class StatsSink:
         with self._lock:
             return self._latest
 
-    def subscribe(self, on_finished: Callable[[RequestLatency], None] | None = None,
-                  on_snapshot: Callable[[KVSnapshot, KVSnapshot], None] | None = None) -> None:
+    def subscribe(
+        self,
+        on_finished: Callable[[RequestLatency], None] | None = None,
+        on_snapshot: Callable[[KVSnapshot, KVSnapshot], None] | None = None,
+    ) -> None:
         """Register callbacks (mutates the sink): per finished request; per (previous, new) snapshot."""
         if on_finished is not None:
             self._on_finished.append(on_finished)
