@@ -140,6 +140,7 @@ def overhead(
     out: Annotated[str | None, typer.Option(help="also write the JSON here")] = None,
 ) -> None:
     """Decode-step overhead of repack vs naive vs none (no memory pressure), and of score collection."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the JSON
     report = run_overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats)
     text = json.dumps(report, indent=2)
     if out:

@@ -41,6 +41,15 @@ REQUEST_KEYS = (*POLICY_KEYS, "trace_id", "salt")
 SCORE_MODES = ("auto", "always", "never")
 
 
+def policy_needs(policy_name: str) -> tuple[bool, bool]:
+    """(needs attention scores, needs key norms) for a registered policy (``ScorerPolicy.needs``)."""
+    from vtoken.policies import get_policy_class
+
+    cls = get_policy_class(policy_name)
+    needs = frozenset(getattr(cls, "needs", frozenset()))
+    return bool(needs & {"accumulated", "last", "unimportant"}), "key_norm" in needs
+
+
 def _check_keys(given: Mapping[str, Any], valid: tuple[str, ...], where: str) -> None:
     unknown = sorted(set(given) - set(valid))
     if unknown:
@@ -64,9 +73,7 @@ class EngineSettings:
         if self.trace_dir is not None and not isinstance(self.trace_dir, str):
             raise ConfigError(f"trace_dir must be a path string, got {self.trace_dir!r}")
         if self.scores == "never" and self.cfg.mode.evicts:
-            from vtoken.policies import get_policy_class
-
-            if get_policy_class(self.cfg.policy).uses_attention:
+            if policy_needs(self.cfg.policy)[0]:
                 raise ConfigError(
                     f"policy {self.cfg.policy!r} scores tokens by attention; it cannot run with scores='never'"
                 )
@@ -152,9 +159,7 @@ def request_settings(engine: EngineSettings, extra_args: Mapping[str, Any] | Non
     if trace_id is not None and (not isinstance(trace_id, str) or not trace_id or "/" in trace_id):
         raise ConfigError(f"trace_id must be a non-empty string without '/', got {trace_id!r}")
     if engine.scores == "never" and cfg.mode.evicts:
-        from vtoken.policies import get_policy_class
-
-        if get_policy_class(cfg.policy).uses_attention:
+        if policy_needs(cfg.policy)[0]:
             raise ConfigError(f"policy {cfg.policy!r} needs attention scores; this engine runs with scores='never'")
     salt = raw.get("salt")
     if salt is not None and (isinstance(salt, bool) or not isinstance(salt, int) or salt < 0):

@@ -51,7 +51,7 @@ from vtoken.core.eviction import choose_victims, eviction_count
 from vtoken.core.manager import physical_slots, request_salt
 from vtoken.core.stats import StepScores, observe
 from vtoken.core.token_table import IntegrityError, TokenTable
-from vtoken.vllm.config import EngineSettings, RequestSettings, request_settings
+from vtoken.vllm.config import EngineSettings, RequestSettings, policy_needs, request_settings
 from vtoken.vllm.stats import Counters, encode_stats
 from vtoken.vllm.trace import RequestTrace
 from vtoken.vllm.transport import RequestStep, StepPlan, attach_plan, result_of
@@ -154,14 +154,14 @@ class VTokenScheduler(Scheduler):
                 self.grammar_compile_error_reqs.add(request.request_id)
                 return
             policy = rs.cfg.make_policy()
-            uses_attention = bool(getattr(policy, "uses_attention", True))
+            uses_attention, uses_key_norm = policy_needs(rs.cfg.policy)
             evicts = rs.cfg.mode.evicts
             self._vt_reqs[request.request_id] = _Req(
                 settings=rs,
                 policy=policy,
                 salt=rs.salt if rs.salt is not None else request_salt(request.request_id),
                 want_scores=(self.vt.scores == "always") or (evicts and uses_attention and self.vt.scores == "auto"),
-                want_key_norm=(self.vt.scores == "always") or (evicts and rs.cfg.policy == "knorm"),
+                want_key_norm=(self.vt.scores == "always") or (evicts and uses_key_norm),
             )
         super().add_request(request)
 

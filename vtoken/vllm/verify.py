@@ -232,6 +232,7 @@ def verify(
     """Run vToken in vLLM, replay through HF with the same keys masked, and compare (exit 1 on mismatch)."""
     from vtoken.models.default import resolve_model
 
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the report
     try:
         b = Budget.parse(budget)
         m = Mode.parse(mode)
