@@ -48,6 +48,15 @@ def read_kv(kv_cache: torch.Tensor, layout: TokenLayout, slots: torch.Tensor) ->
     return vals[..., : layout.head_dim], vals[..., layout.head_dim :]
 
 
+def read_k(kv_cache: torch.Tensor, layout: TokenLayout, slots: torch.Tensor) -> torch.Tensor:
+    """K only of the tokens at ``slots``: ``[n, num_kv_heads, head_dim]`` (pure; half the gather of read_kv)."""
+    nb, nkv = kv_cache.shape[0], kv_cache.shape[1]
+    flat = kv_cache.view(nb, nkv, layout.region)
+    blocks = torch.div(slots, layout.block_size, rounding_mode="floor")
+    offsets = slots - blocks * layout.block_size
+    return flat[blocks.unsqueeze(1), :, layout.index[offsets, : layout.head_dim]].permute(0, 2, 1)
+
+
 class TorchSlotMover:
     """Reference mover for any layout ``probe_layout`` can describe (CPU now; also runs on CUDA tensors)."""
 

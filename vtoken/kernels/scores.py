@@ -19,7 +19,7 @@ import torch
 
 from vtoken.core.stats import unimportance_bits
 from vtoken.kernels.layout import TokenLayout
-from vtoken.kernels.moves import read_kv
+from vtoken.kernels.moves import read_k
 
 
 def row_slots(block_row: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
@@ -71,17 +71,26 @@ class ScoreAccumulator:
 
     layout: TokenLayout
     requests: dict[str, RequestScores] = field(default_factory=dict)
+    _slots: torch.Tensor | None = None  # every scored request's live slots, concatenated (same for all layers)
 
     def add_layer(self, query: torch.Tensor, key: torch.Tensor | None, kv_cache: torch.Tensor, scale: float) -> None:
-        """Fold one layer in. ``query``: ``[T, H, D]`` of the whole batch; ``key``: ``[T, H_kv, D]``."""
-        layout = self.layout
-        for rs in self.requests.values():
-            if rs.want_attention:
-                slots = row_slots(rs.block_row, rs.seq_len, layout.block_size)
-                k, _ = read_kv(kv_cache, layout if layout.index.device == kv_cache.device else layout.to(kv_cache.device), slots)
+        """Fold one layer in. ``query``: ``[T, H, D]`` of the whole batch; ``key``: ``[T, H_kv, D]``.
+
+        One K gather per layer for all requests (their live slots never change within a step)."""
+        layout = self.layout if self.layout.index.device == kv_cache.device else self.layout.to(kv_cache.device)
+        scored = [rs for rs in self.requests.values() if rs.want_attention]
+        if scored:
+            if self._slots is None:
+                self._slots = torch.cat([row_slots(rs.block_row, rs.seq_len, layout.block_size) for rs in scored])
+            keys = read_k(kv_cache, layout, self._slots.to(kv_cache.device))
+            start = 0
+            for rs in scored:
+                k = keys[start : start + rs.seq_len]
+                start += rs.seq_len
                 p = attention_probs(query[rs.q_start : rs.q_end], k, scale)
                 rs.probs = p if rs.probs is None else rs.probs + p
                 rs.layers += 1
+        for rs in self.requests.values():
             if rs.want_key_norm and key is not None:
                 n = key[rs.q_start : rs.q_end].float().norm(dim=-1).mean(dim=-1)
                 rs.key_norm = n if rs.key_norm is None else rs.key_norm + n
