@@ -157,15 +157,19 @@ def test_malformed_requests_get_4xx_with_openai_errors_and_never_5xx(app):
 
 
 # ------------------------------------------------------------------------------------------ routing
-def test_router_steers_new_requests_away_from_the_replica_holding_kv(app):
-    """Load one replica with a long generation; short requests sent meanwhile go to the other one."""
-    long_started, long_done, holder = threading.Event(), threading.Event(), {}
+def test_router_steers_new_requests_to_the_replica_with_more_free_kv(app):
+    """Each replica runs one long generation, so queue lengths are equal (1 and 1) and Serve's default
+    power-of-two router splits new requests ≈50/50. One of the two requests has a ≈1000-token prompt,
+    the other a 2-token one: short requests sent meanwhile must go to the replica with more free KV."""
+    done = threading.Event()
+    holders: dict[str, str] = {}
+    started = {"big": threading.Event(), "small": threading.Event()}
 
-    def long_request():
+    def generate(kind: str, prompt: str) -> None:
         body = {
             "model": "tiny-llama",
-            "prompt": PROMPT * 20,
-            "max_tokens": 1500,
+            "prompt": prompt,
+            "max_tokens": 900,
             "stream": True,
             "ignore_eos": True,
         }
@@ -173,28 +177,36 @@ def test_router_steers_new_requests_away_from_the_replica_holding_kv(app):
             httpx.Client(headers=AUTH, timeout=300) as c,
             c.stream("POST", f"{app.url}/v1/completions", json=body) as r,
         ):
-            holder["replica"] = r.headers["x-vtoken-replica"]
+            holders[kind] = r.headers["x-vtoken-replica"]
             for _ in r.iter_lines():
-                long_started.set()
-        long_done.set()
+                started[kind].set()
+        done.set()
 
-    thread = threading.Thread(target=long_request, daemon=True)
-    thread.start()
-    assert long_started.wait(120)
-    time.sleep(1.0)  # two stats periods (0.5 s) so the router sees the held blocks
+    big = threading.Thread(target=generate, args=("big", PROMPT * 40), daemon=True)
+    big.start()
+    assert started["big"].wait(120)
+    time.sleep(1.0)  # the router sees the big request's KV and queue: the small one goes elsewhere
+    small = threading.Thread(target=generate, args=("small", "hi"), daemon=True)
+    small.start()
+    assert started["small"].wait(120)
+    assert holders["big"] != holders["small"]
+    time.sleep(1.0)  # two stats periods (0.5 s)
     targets = []
     for _ in range(30):
         r = complete(app.http, max_tokens=2)
         assert r.status_code == 200
-        if long_done.is_set():
+        if done.is_set():
             break
         targets.append(r.headers["x-vtoken-replica"])
-    thread.join(300)
-    assert "replica" in holder
-    away = sum(t != holder["replica"] for t in targets)
-    print(f"\n[router] {away}/{len(targets)} short requests went to the replica without the long request")
-    assert len(targets) >= 6, "the long request finished too early to measure"
-    assert away / len(targets) >= 0.8
+    big.join(300)
+    small.join(300)
+    to_free = sum(t == holders["small"] for t in targets)
+    print(
+        f"\n[router] equal queues (1 and 1), unequal KV: {to_free}/{len(targets)} short requests went to the "
+        "replica with more free KV (power of two would split about 50/50)"
+    )
+    assert len(targets) >= 6, "the long requests finished too early to measure"
+    assert to_free / len(targets) >= 0.8
 
 
 def test_stale_or_missing_stats_do_not_break_routing(app):
