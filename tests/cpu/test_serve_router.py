@@ -196,3 +196,11 @@ def test_policy_callable_reads_serve_context_and_ignores_departed_replicas():
     )
     desired, state = policy(ctx)
     assert desired == 2 and state["vtoken"]["reason"] == "up" and state["vtoken"]["mean_kv"] == 0.9
+
+
+def test_autoscaling_keys_are_numeric_routing_stats():
+    from vtoken.serve.stats import AUTOSCALING_KEYS, KV_UTILIZATION, NUM_WAITING
+
+    snap = stats(held=10, waiting=3)
+    assert {KV_UTILIZATION, NUM_WAITING} <= set(AUTOSCALING_KEYS) <= set(snap)
+    assert all(isinstance(snap[k], float) for k in AUTOSCALING_KEYS)

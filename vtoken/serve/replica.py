@@ -29,9 +29,7 @@ from ray import serve
 from vtoken.serve.config import ServeAppConfig
 from vtoken.serve.sla import SloTargets
 from vtoken.serve.stats import (
-    KV_UTILIZATION,
-    NUM_RUNNING,
-    NUM_WAITING,
+    AUTOSCALING_KEYS,
     POLLED_AT,
     StatsSink,
     make_stat_logger_class,
@@ -151,13 +149,11 @@ class VTokenReplica:
         return stats
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """Called by Serve every ``autoscaling.metrics_interval_s``; numbers only (Serve drops others)."""
-        snap = self._sink.latest
-        return {
-            KV_UTILIZATION: snap.kv_utilization,
-            NUM_WAITING: float(snap.num_waiting),
-            NUM_RUNNING: float(snap.num_running),
-        }
+        """Called by Serve every ``autoscaling.metrics_interval_s``; numbers only (Serve drops others).
+        The policy uses ``vtoken:kv_utilization`` and ``vllm:num_requests_waiting``; the rest is there
+        for custom policies (Serve averages each over ``look_back_period_s``)."""
+        stats = routing_stats(self._sink.latest, time.time())
+        return {key: stats[key] for key in AUTOSCALING_KEYS}
 
     def _ready_info(self) -> dict[str, Any]:
         snap = self._sink.latest

@@ -80,6 +80,9 @@ POLLED_AT = "polled_at"  # wall-clock time the replica answered the poll
 STATS_AGE = "stats_age_s"  # seconds since the engine step the numbers describe (0 when idle)
 
 
+AUTOSCALING_KEYS = (KV_UTILIZATION, NUM_WAITING, NUM_RUNNING, FREE_KV_TOKENS, HELD_BLOCKS, FRAGMENTATION)
+
+
 def routing_stats(snap: KVSnapshot, now: float) -> dict[str, float]:
     """The router's view of ``snap`` (pure). An idle engine's numbers never go stale."""
     busy = snap.num_running + snap.num_waiting > 0
