@@ -407,8 +407,9 @@ class VTokenScheduler(Scheduler):
         )
 
     def vtoken_stats(self):
-        """Current gauges and counters (in-process callers; served engines read them from SchedulerStats)."""
-        return self._vt_snapshot()
+        """Current gauges and counters (in-process callers; served engines read them from SchedulerStats).
+        ``None`` when vToken is off for this engine (mode 'none')."""
+        return self._vt_snapshot() if self.vt.enabled else None
 
 
 def _check_supported(vllm_config, kv_cache_config) -> None:
