@@ -135,3 +135,22 @@ def test_checked_in_serve_build_yaml_matches_the_default_config():
     dep = app["deployments"][0]
     assert dep["name"] == ServeAppConfig().deployment.name
     assert dep["request_router_config"]["request_router_class"] == "vtoken.serve.router:KVAwareRouter"
+
+
+def test_serve_app_entry_points_build_from_env_and_dotted_args(monkeypatch):
+    """serve_app:app reads $VTOKEN_SERVE_CONFIG; serve_app:build takes `serve run` key=value args."""
+    import importlib.util
+    from pathlib import Path
+
+    monkeypatch.setenv("VTOKEN_SERVE_CONFIG", '{"model": "tiny-llama", "vtoken": {"mode": "none"}}')
+    path = Path(__file__).resolve().parents[2] / "serve_app.py"
+    spec = importlib.util.spec_from_file_location("serve_app_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.app._bound_deployment.init_args[0]
+    assert (cfg.model, cfg.vtoken.mode) == ("tiny-llama", "none")
+    built = module.build({"vtoken.policy": "tova", "engine.kv_cache_blocks": "65"})
+    cfg = built._bound_deployment.init_args[0]
+    assert (cfg.model, cfg.vtoken.policy, cfg.engine.kv_cache_blocks) == ("tiny-llama", "tova", 65)
+    with pytest.raises(ValidationError, match="unknown policy 'lru'"):
+        module.build({"vtoken.policy": "lru"})
