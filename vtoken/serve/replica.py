@@ -17,6 +17,7 @@ different real engine.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -68,7 +69,8 @@ class VTokenReplica:
         self._fault_file = os.environ.get(FAULT_FILE_ENV) or None
         self._fault: tuple[float, dict[str, Any]] = (0.0, {})
         binding = bind_cpus(cfg, self._local_rank)
-        model_path = resolve_model_path(cfg.model)
+        # may convert/build the checkpoint on first use (~35 s for the default model): off the event loop
+        model_path = await asyncio.to_thread(resolve_model_path, cfg.model)
 
         self._sink = StatsSink(block_size=cfg.vtoken.block_size)
         labels = {
