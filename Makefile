@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
+	sh scripts/install-system-deps.sh
 	$(BIN)/python -m pytest tests/cpu -q
 
 serve: $(STAMP)
