@@ -286,3 +286,4 @@ def test_verify_default_model_h2o_real_attention(tmp_path):
         assert r.match and r.max_abs_logprob_diff <= TOL, r.to_dict()
         assert r.paired_naive_match and r.evicted_tokens > 0
     assert results[0].retained_blocks_mean <= results[1].retained_blocks_mean
+

@@ -190,6 +190,8 @@ class VTokenScheduler(Scheduler):
         work = _StepWork()
         for request in self.running:
             st = self._vt_reqs.get(request.request_id)
+            if st is not None and st.preplaced is not None:
+                self._vt_counters.carried_reservations += 1
             if st is None or st.table is None or st.preplaced is not None or not st.cfg.mode.evicts:
                 continue
             if request.status != RequestStatus.RUNNING:

@@ -85,6 +85,7 @@ class Counters:
     move_seconds: float = 0.0
     plans: int = 0
     preemptions: int = 0
+    carried_reservations: int = 0  # reuse+repack: steps a pre-placed decode slot waited because vLLM did not schedule it
 
 
 _LABELS = ("policy", "mode")
