@@ -287,3 +287,23 @@ def test_verify_default_model_h2o_real_attention(tmp_path):
         assert r.paired_naive_match and r.evicted_tokens > 0
     assert results[0].retained_blocks_mean <= results[1].retained_blocks_mean
 
+
+
+def test_vtoken_verify_cli_json():
+    """`vtoken verify ... --json` prints one JSON object with the documented fields (exit 0 when exact)."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [str(Path(sys.executable).with_name("vtoken")), "verify", "--model", "tiny-qwen2", "--policy", "scissorhands",
+           "--budget", "0.3", "--mode", "reuse+repack", "--block-size", "64", "--seed", "3", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("match", "max_abs_logprob_diff", "steps", "evicted_tokens", "retained_blocks_mean",
+                "packing_bound_mean", "paired_naive_match", "command"):
+        assert key in report
+    assert report["match"] and report["paired_naive_match"] and report["max_abs_logprob_diff"] <= TOL
+    assert report["retained_blocks_mean"] == report["packing_bound_mean"] < report["paired_naive_retained_blocks_mean"]
+    assert report["mode"] == "reuse+repack" and report["block_size"] == 64 and report["steps"] == 24
