@@ -1,7 +1,8 @@
 """vToken in vLLM's real engine (CPU, in-process): the fidelity matrix against the HF masked reference, block
 accounting in vLLM's pool, prefix caching, chunked prefill, preemption, abort.
 
-Engines are tiny random models (vtoken.models.tiny), fp32, shared per module or per parameter.
+Engines are tiny random models (vtoken.models.tiny), fp32, in-process (``start_engine`` sets
+VLLM_ENABLE_V1_MULTIPROCESSING=0 only while building them), shared per module or per parameter.
 """
 
 from __future__ import annotations
@@ -13,11 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-from vtoken.vllm.trace import RequestTrace  # noqa: E402
-from vtoken.vllm.verify import VerifyCase, reference_scores, run_cases, start_engine  # noqa: E402
+from vtoken.vllm.trace import RequestTrace
+from vtoken.vllm.verify import VerifyCase, reference_scores, run_cases, start_engine
 
 pytestmark = pytest.mark.slow
 

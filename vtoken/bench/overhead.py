@@ -39,9 +39,13 @@ def _engine(model: str, block_size: int, mode: str, scores: str, budget: float, 
     from vtoken.vllm import engine_kwargs
 
     cfg = VTokenConfig(policy="random", budget=budget, mode=mode, block_size=block_size, sinks=4, recent=16)
+    from vtoken.vllm.verify import scoped_env
+
     kw = engine_kwargs(cfg, scores=scores) if mode != "none" else {"block_size": block_size}
-    return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=0,
-               enable_prefix_caching=False, gpu_memory_utilization=0.5, **kw)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    with scoped_env(**env):
+        return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=0,
+                   enable_prefix_caching=False, gpu_memory_utilization=0.5, **kw)
 
 
 def _decode_steps(llm, prompts: list[list[int]], gen_len: int, mode: str | None, tag: str, advance) -> list[float]:
@@ -70,8 +74,6 @@ def _decode_steps(llm, prompts: list[list[int]], gen_len: int, mode: str | None,
 def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_len: int, budget: float,
                  repeats: int) -> dict:
     """Measure every variant; returns the JSON-able report (see the module docstring)."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from rich.progress import Progress
 
     from vtoken.models.default import resolve_model
