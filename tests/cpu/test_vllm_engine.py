@@ -305,3 +305,59 @@ def test_vtoken_verify_cli_json():
     assert report["match"] and report["paired_naive_match"] and report["max_abs_logprob_diff"] <= TOL
     assert report["retained_blocks_mean"] == report["packing_bound_mean"] < report["paired_naive_retained_blocks_mean"]
     assert report["mode"] == "reuse+repack" and report["block_size"] == 64 and report["steps"] == 24
+
+
+def test_openai_server_with_vtoken_on(tmp_path):
+    """vLLM's own OpenAI server (what `vllm serve` runs; multiprocess engine) with vToken switched on by
+    --scheduler-cls/--worker-cls/--additional-config, and a per-request override through `vllm_xargs`."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from vtoken.models.tiny import tiny_model
+    from vtoken.vllm import SCHEDULER_CLS, WORKER_CLS
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = {"vtoken": {"policy": "h2o", "budget": 0.3, "mode": "repack", "recent": 8, "trace_dir": str(tmp_path)}}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model("llama")),
+           "--served-model-name", "tiny", "--dtype", "float32", "--block-size", "32", "--max-model-len", "512",
+           "--enforce-eager", "--host", "127.0.0.1", "--port", str(port), "--scheduler-cls", SCHEDULER_CLS,
+           "--worker-cls", WORKER_CLS, "--additional-config", json.dumps(cfg)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 240
+        while True:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(1)
+        body = {"model": "tiny", "prompt": " ".join(["It is a truth universally acknowledged"] * 20),
+                "max_tokens": 24, "temperature": 0.0, "ignore_eos": True,
+                "vllm_xargs": {"vtoken.trace_id": "srv", "vtoken.mode": "reuse+repack"}}
+        req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out = json.loads(r.read())
+        assert out["usage"]["completion_tokens"] == 24
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    trace = RequestTrace.read(tmp_path / "srv.json")
+    assert trace.mode == "reuse+repack" and trace.policy == "h2o" and trace.evicted > 0
+    assert trace.held_blocks[-1] == trace.packing_bound[-1] < trace.naive_blocks[-1]

@@ -80,6 +80,9 @@ def test_request_overrides():
                                             "trace_id": "a"}})
     assert rs.cfg.policy == "random" and rs.cfg.mode.value == "naive" and rs.cfg.budget.count == 100
     assert rs.salt == 7 and rs.trace_id == "a" and rs.cfg.block_size == 32
+    flat = request_settings(eng, {"vtoken.policy": "tova", "vtoken.budget": "0.25", "vtoken.trace_id": "x"})
+    assert flat.cfg.policy == "tova" and flat.cfg.budget.fraction == 0.25 and flat.trace_id == "x"
+    assert request_settings(eng, {"other": 1}).cfg == eng.cfg
     with pytest.raises(ConfigError, match="'bogus'"):
         request_settings(eng, {"vtoken": {"policy": "bogus"}})
     with pytest.raises(ConfigError, match="'block_size'"):

@@ -16,7 +16,8 @@ Engine level (``--additional-config '{"vtoken": {...}}'`` or ``LLM(additional_co
     trace_dir  directory: write one JSON trace per finished request (used by `vtoken verify`)  unset
     check      bool: run the token-table integrity checks every step (slow; tests)            false
 
-Per request (``SamplingParams(extra_args={"vtoken": {...}})``, ``vllm_xargs`` in the OpenAI API):
+Per request (``SamplingParams(extra_args={"vtoken": {...}})``; in the OpenAI API, whose ``vllm_xargs`` holds
+flat values only, ``"vllm_xargs": {"vtoken.policy": "tova", "vtoken.budget": 0.3}``):
 ``policy``, ``budget``, ``mode``, ``sinks``, ``recent``, ``trigger``, ``seed`` override the engine's values
 for that request, ``trace_id`` names its trace file and ``salt`` (int) seeds its randomness (requests
 with equal salts and settings take identical decisions: that is how paired naive/repack runs are made). Unknown keys and invalid values raise
@@ -140,12 +141,18 @@ class RequestSettings:
 
 
 def request_settings(engine: EngineSettings, extra_args: Mapping[str, Any] | None) -> RequestSettings:
-    """Merge a request's ``extra_args["vtoken"]`` over the engine config (raises ``ConfigError``)."""
-    raw = (extra_args or {}).get(KEY) if isinstance(extra_args, Mapping) else None
+    """Merge a request's ``extra_args["vtoken"]`` (or flat ``extra_args["vtoken.<key>"]``, the form the OpenAI
+    API's ``vllm_xargs`` can carry) over the engine config (raises ``ConfigError``)."""
+    if not isinstance(extra_args, Mapping):
+        return RequestSettings(engine.cfg)
+    raw = extra_args.get(KEY)
+    if raw is not None and not isinstance(raw, Mapping):
+        raise ConfigError(f"extra_args[{KEY!r}] must be an object, got {raw!r}")
+    flat = {k[len(KEY) + 1 :]: v for k, v in extra_args.items() if isinstance(k, str) and k.startswith(KEY + ".")}
+    if flat:
+        raw = {**(raw or {}), **flat}
     if not raw:
         return RequestSettings(engine.cfg)
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"extra_args[{KEY!r}] must be an object, got {raw!r}")
     _check_keys(raw, REQUEST_KEYS, "vtoken request")
     over = {k: raw[k] for k in POLICY_KEYS if k in raw}
     if "budget" in over:
