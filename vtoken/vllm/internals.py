@@ -106,5 +106,13 @@ def check_vllm_version(version: str | None = None) -> str:
 def is_vtoken_worker(worker_cls: object) -> bool:
     """Whether vLLM's ``parallel_config.worker_cls`` names (or is) a vToken worker."""
     if isinstance(worker_cls, str):
-        return worker_cls in _WORKERS
-    return any(c.__module__.startswith("vtoken.vllm") for c in getattr(worker_cls, "__mro__", ()))
+        if worker_cls in _WORKERS:
+            return True
+        module, _, name = worker_cls.rpartition(".")
+        try:  # a user subclass of a vToken worker, named by its qualified name
+            import importlib
+
+            worker_cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError):
+            return False
+    return any(c.__module__ == "vtoken.vllm.worker" for c in getattr(worker_cls, "__mro__", ()))
