@@ -46,44 +46,10 @@ class _Layout:
 
     def step(self, victims: np.ndarray, live: int, n: int) -> None:
         """Evict ``victims`` [R, k] (logical), place token ``n``, repack. ``live``: count after eviction."""
-        R, k = victims.shape
-        rows = np.arange(R)[:, None]
-        extent = live + k  # the row was dense before this step
-        hole_slots = np.take_along_axis(self.slot_of, victims, axis=1)
-        self.token_at[rows, hole_slots] = HOLE
-        self.slot_of[rows, victims] = HOLE
-        if self.reuse and k > 0:  # the decode token takes the lowest hole
-            hole_slots = np.sort(hole_slots, axis=1)
-            new_slot = hole_slots[:, 0]
-            hole_slots = hole_slots[:, 1:]
-        else:
-            new_slot = np.full(R, extent if self.reuse else live, np.int64)
-        L = live + 1 if self.reuse else live
-        if self.reuse:
-            self._place(new_slot, n)
-        if extent > L:
-            tail = self.token_at[:, L:extent]
-            src = np.where(tail != HOLE, np.arange(L, extent), -1)
-            src = -np.sort(-src, axis=1)  # occupied tail slots, descending; -1 padding last
-            dst = np.sort(np.where(hole_slots < L, hole_slots, np.iinfo(np.int64).max), axis=1)
-            width = min(src.shape[1], dst.shape[1])
-            src, dst = src[:, :width], dst[:, :width]
-            ok = src >= 0
-            self.moves += int(ok.sum())
-            self.lower_bound += int((tail != HOLE).sum())
-            r_idx = np.broadcast_to(rows, src.shape)[ok]
-            s_ok, d_ok = src[ok], dst[ok]
-            tok = self.token_at[r_idx, s_ok]
-            self.token_at[r_idx, s_ok] = HOLE
-            self.token_at[r_idx, d_ok] = tok
-            self.slot_of[r_idx, tok] = d_ok
-        if not self.reuse:
-            self._place(new_slot, n)
-
-    def _place(self, slot: np.ndarray, n: int) -> None:
-        R = slot.shape[0]
-        self.slot_of[:, n] = slot
-        self.token_at[np.arange(R), slot] = n
+        moved, bound = jit.layout_step(self.slot_of, self.token_at, np.ascontiguousarray(victims), live, n,
+                                       self.reuse, HOLE)
+        self.moves += moved
+        self.lower_bound += bound
 
 
 class _Columns:

@@ -59,3 +59,55 @@ def lowest_k(scores, candidate, k, victims):
                 break
             victims[r, best] = True
     return True
+
+
+@numba.njit(cache=True, nogil=True)
+def layout_step(slot_of, token_at, victims, live, n, reuse, hole):
+    """One step of a dense layout for every row (``vtoken.core`` semantics, see ``fast._Layout``).
+
+    Evict ``victims`` (logical, [R, k]); with ``reuse`` the decode token ``n`` takes the lowest hole;
+    holes below the new live count take the tail's tokens, highest slot first; without ``reuse`` the
+    token is placed at ``live``. ``live`` is the count after eviction. Returns (moves, lower bound counted separately).
+    """
+    R, k = victims.shape
+    extent = live + k  # dense before the step
+    moves = 0
+    bound = 0
+    for r in range(R):
+        holes = np.empty(k, np.int64)
+        for j in range(k):
+            s = slot_of[r, victims[r, j]]
+            holes[j] = s
+            token_at[r, s] = hole
+            slot_of[r, victims[r, j]] = hole
+        holes.sort()
+        first = 0
+        L = live
+        if reuse:
+            L = live + 1
+            new_slot = extent
+            if k > 0:
+                new_slot = holes[0]
+                first = 1
+            slot_of[r, n] = new_slot
+            token_at[r, new_slot] = n
+        for src in range(L, extent):  # the lower bound: live tokens at or beyond the new live count
+            if token_at[r, src] != hole:
+                bound += 1
+        h = first
+        for src in range(extent - 1, L - 1, -1):
+            tok = token_at[r, src]
+            if tok == hole:
+                continue
+            while holes[h] >= L:  # cannot happen: as many holes below L as tokens above it
+                h += 1
+            dst = holes[h]
+            h += 1
+            token_at[r, dst] = tok
+            token_at[r, src] = hole
+            slot_of[r, tok] = dst
+            moves += 1
+        if not reuse:
+            slot_of[r, n] = live
+            token_at[r, live] = n
+    return moves, bound
