@@ -142,3 +142,30 @@ def test_score_accumulator_reads_the_row_through_the_block_table():
     assert np.allclose(out["attn_sum"], ref, atol=1e-6) and np.allclose(out["attn_last"], ref, atol=1e-6)
     assert out["bits"].dtype == np.uint64 and out["n_q"] == 1
     assert np.allclose(out["key_norm"], key.norm(dim=-1).mean().item(), atol=1e-6)
+
+
+def test_score_accumulator_decode_batch_equals_one_by_one():
+    """Several decode requests scored as one padded batch give the same scores as one at a time; a prefill
+    chunk in the same step is scored on its own."""
+    bs, hd, nkv, heads = 32, 32, 2, 4
+    cache, _, _ = _filled_cache(8, nkv, bs, hd, list(range(8 * bs)), seed=6)
+    layout = probe_layout(_writer(), bs, nkv, hd, torch.float32)
+    g = torch.Generator().manual_seed(7)
+    specs = [("a", 0, 1, 40, [0, 1]), ("b", 1, 2, 7, [2]), ("c", 2, 5, 70, [3, 4, 5]), ("d", 5, 6, 64, [6, 7])]
+    q = torch.randn(6, heads, hd, generator=g)
+
+    def run(names):
+        acc = ScoreAccumulator(layout)
+        for name, q0, q1, n, row in specs:
+            if name in names:
+                acc.requests[name] = RequestScores(q0, q1, n, torch.tensor(row), want_attention=True, want_key_norm=False)
+        acc.add_layer(q, None, cache, 0.2)
+        acc.add_layer(q * 0.5, None, cache, 0.2)
+        return acc.finish()
+
+    together = run({"a", "b", "c", "d"})
+    assert together["a"]["n_q"] == 1 and together["c"]["n_q"] == 3
+    for name in "abcd":
+        alone = run({name})[name]
+        for f in ("attn_sum", "attn_last", "bits"):
+            assert np.allclose(together[name][f], alone[f], atol=1e-6), (name, f)

@@ -76,15 +76,22 @@ class ScoreAccumulator:
     def add_layer(self, query: torch.Tensor, key: torch.Tensor | None, kv_cache: torch.Tensor, scale: float) -> None:
         """Fold one layer in. ``query``: ``[T, H, D]`` of the whole batch; ``key``: ``[T, H_kv, D]``.
 
-        One K gather per layer for all requests (their live slots never change within a step)."""
+        One K gather per layer for all requests (their live slots never change within a step); single-query
+        (decode) requests are scored together in one padded batch, the others one by one."""
         layout = self.layout if self.layout.index.device == kv_cache.device else self.layout.to(kv_cache.device)
         scored = [rs for rs in self.requests.values() if rs.want_attention]
         if scored:
             if self._slots is None:
                 self._slots = torch.cat([row_slots(rs.block_row, rs.seq_len, layout.block_size) for rs in scored])
+                self._plan_decode_batch(scored)
             keys = read_k(kv_cache, layout, self._slots.to(kv_cache.device))
+            if self._dec:
+                self._add_decode_batch(query, keys, scale)
             start = 0
             for rs in scored:
+                if rs.n_q == 1 and self._dec:
+                    start += rs.seq_len
+                    continue
                 k = keys[start : start + rs.seq_len]
                 start += rs.seq_len
                 p = attention_probs(query[rs.q_start : rs.q_end], k, scale)
@@ -96,6 +103,43 @@ class ScoreAccumulator:
                 rs.key_norm = n if rs.key_norm is None else rs.key_norm + n
                 rs.norm_layers += 1
 
+    _dec: list[RequestScores] | None = None
+    _dec_index: torch.Tensor | None = None  # [R, Lmax] rows of the concatenated keys (clamped)
+    _dec_valid: torch.Tensor | None = None  # [R, Lmax] bool
+    _dec_q: torch.Tensor | None = None  # [R] token index of each request's query
+    _dec_probs: torch.Tensor | None = None  # [R, Lmax] summed over layers
+
+    def _plan_decode_batch(self, scored: list[RequestScores]) -> None:
+        starts, dec = [], []
+        start = 0
+        for rs in scored:
+            if rs.n_q == 1:
+                dec.append(rs)
+                starts.append(start)
+            start += rs.seq_len
+        if len(dec) < 2:
+            self._dec = None
+            return
+        lens = torch.tensor([rs.seq_len for rs in dec])
+        pos = torch.arange(int(lens.max()))
+        self._dec = dec
+        self._dec_valid = pos[None, :] < lens[:, None]
+        self._dec_index = torch.tensor(starts)[:, None] + torch.minimum(pos[None, :], lens[:, None] - 1)
+        self._dec_q = torch.tensor([rs.q_start for rs in dec])
+
+    def _add_decode_batch(self, query: torch.Tensor, keys: torch.Tensor, scale: float) -> None:
+        dev = keys.device
+        k = keys[self._dec_index.to(dev)].float()  # [R, L, H_kv, D]
+        q = query[self._dec_q.to(dev)].float()  # [R, H, D]
+        r, heads, d = q.shape
+        kv_heads = k.shape[2]
+        logits = torch.einsum("rhgd,rlhd->rhgl", q.view(r, kv_heads, heads // kv_heads, d), k) * scale
+        logits = logits.masked_fill(~self._dec_valid.to(dev)[:, None, None, :], float("-inf"))
+        p = torch.softmax(logits, dim=-1).mean(dim=(1, 2))  # [R, L]
+        self._dec_probs = p if self._dec_probs is None else self._dec_probs + p
+        for rs in self._dec:
+            rs.layers += 1
+
     def finish(self) -> dict[str, dict]:
         """Per request: mean over layers, reduced to the arrays ``vtoken.core.stats.StepScores`` needs.
 
@@ -103,6 +147,9 @@ class ScoreAccumulator:
         ``n_q``, ``attn_sum``/``attn_last``/``bits`` over the row's slots ``0..seq_len-1`` (or absent) and
         ``key_norm`` for the step's new tokens in order (or absent).
         """
+        if self._dec and self._dec_probs is not None:
+            for i, rs in enumerate(self._dec):
+                rs.probs = self._dec_probs[i, : rs.seq_len].unsqueeze(0)
         out: dict[str, dict] = {}
         for rid, rs in self.requests.items():
             item: dict = {"n_q": rs.n_q, "seq_len": rs.seq_len}
