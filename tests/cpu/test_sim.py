@@ -115,3 +115,17 @@ def test_workers_give_the_same_answer():
     one, _ = run_simulation(SimConfig(**base))
     two, _ = run_simulation(SimConfig(**base, workers=2))
     assert one["modes"] == two["modes"]
+
+
+def test_simulator_leaves_no_llvmlite_behind():
+    """vLLM 0.32's CPU kernel registration scans every module namespace and crashes on llvmlite's
+    ``ffi.lib`` object, so the simulator must not import numba/llvmlite into a process that may also
+    start an in-process vLLM engine (the test session itself does)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from vtoken.sim.run import SimConfig, run_simulation; "
+            "run_simulation(SimConfig(requests=2, prompt_len=64, gen_len=4)); "
+            "print('llvmlite' in sys.modules or 'numba' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

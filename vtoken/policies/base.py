@@ -79,6 +79,13 @@ class ScorerPolicy:
         scores = np.where(evictable, raw, np.inf)
         n = np.minimum(n_evict, evictable.sum(axis=1))
         rows = np.arange(scores.shape[0])
+        if k_max <= 4:  # the common decode case: a few argmin rounds beat a sort
+            for j in range(k_max):
+                pick = np.argmin(scores, axis=1)  # first minimum = lowest logical among ties
+                take = n > j
+                victims[rows[take], pick[take]] = True
+                scores[rows[take], pick[take]] = np.inf
+            return victims
         if np.any(n_evict != k_max):  # uneven requests: a stable sort per row
             order = np.argsort(scores, axis=1, kind="stable")[:, :k_max]
             take = np.arange(k_max)[None, :] < n[:, None]

@@ -25,7 +25,6 @@ from vtoken.core.config import VTokenConfig
 from vtoken.core.eviction import eviction_count
 from vtoken.core.manager import request_salt
 from vtoken.policies.base import EvictionContext
-from vtoken.sim import jit
 from vtoken.sim.exact import request_name
 from vtoken.sim.result import SimTally
 
@@ -46,10 +45,68 @@ class _Layout:
 
     def step(self, victims: np.ndarray, live: int, n: int) -> None:
         """Evict ``victims`` [R, k] (logical), place token ``n``, repack. ``live``: count after eviction."""
-        moved, bound = jit.layout_step(self.slot_of, self.token_at, np.ascontiguousarray(victims), live, n,
-                                       self.reuse, HOLE)
-        self.moves += moved
-        self.lower_bound += bound
+        R, k = victims.shape
+        if k == 1:
+            return self._step_one(victims[:, 0], live, n)
+        rows = np.arange(R)[:, None]
+        extent = live + k  # the row was dense before this step
+        hole_slots = np.take_along_axis(self.slot_of, victims, axis=1)
+        self.token_at[rows, hole_slots] = HOLE
+        self.slot_of[rows, victims] = HOLE
+        if self.reuse and k > 0:  # the decode token takes the lowest hole
+            hole_slots = np.sort(hole_slots, axis=1)
+            new_slot = hole_slots[:, 0]
+            hole_slots = hole_slots[:, 1:]
+        else:
+            new_slot = np.full(R, extent if self.reuse else live, np.int64)
+        L = live + 1 if self.reuse else live
+        if self.reuse:
+            self._place(new_slot, n)
+        if extent > L:
+            tail = self.token_at[:, L:extent]
+            src = np.where(tail != HOLE, np.arange(L, extent), -1)
+            src = -np.sort(-src, axis=1)  # occupied tail slots, descending; -1 padding last
+            dst = np.sort(np.where(hole_slots < L, hole_slots, np.iinfo(np.int64).max), axis=1)
+            width = min(src.shape[1], dst.shape[1])
+            src, dst = src[:, :width], dst[:, :width]
+            ok = src >= 0
+            self.moves += int(ok.sum())
+            self.lower_bound += int((tail != HOLE).sum())
+            r_idx = np.broadcast_to(rows, src.shape)[ok]
+            s_ok, d_ok = src[ok], dst[ok]
+            tok = self.token_at[r_idx, s_ok]
+            self.token_at[r_idx, s_ok] = HOLE
+            self.token_at[r_idx, d_ok] = tok
+            self.slot_of[r_idx, tok] = d_ok
+        if not self.reuse:
+            self._place(new_slot, n)
+
+    def _step_one(self, victim: np.ndarray, live: int, n: int) -> None:
+        """The steady decode case, one victim per row: the same rule without sorting.
+
+        reuse+repack: the decode token takes the hole, nothing moves. repack: the token at the last
+        slot (``live``) moves into the hole unless it was the victim; the decode token goes to ``live``.
+        """
+        rows = np.arange(victim.shape[0])
+        hole = self.slot_of[rows, victim].astype(np.int64)
+        self.token_at[rows, hole] = HOLE
+        self.slot_of[rows, victim] = HOLE
+        if self.reuse:
+            self._place(hole, n)
+            return
+        move = hole != live
+        tok = self.token_at[rows[move], live]
+        self.moves += int(move.sum())
+        self.lower_bound += int(np.count_nonzero(self.token_at[:, live] != HOLE))
+        self.token_at[rows[move], live] = HOLE
+        self.token_at[rows[move], hole[move]] = tok
+        self.slot_of[rows[move], tok] = hole[move]
+        self._place(np.full(rows.size, live, np.int64), n)
+
+    def _place(self, slot: np.ndarray, n: int) -> None:
+        R = slot.shape[0]
+        self.slot_of[:, n] = slot
+        self.token_at[np.arange(R), slot] = n
 
 
 class _Columns:
@@ -105,37 +162,12 @@ class _Columns:
             setattr(self, name, new)
         self.width = n_keep
 
-    def observe(self, source, n: int, needs: frozenset[str]) -> None:
-        """Fold query ``n``'s attention over every column into the statistics ``needs`` names."""
-        need_acc, need_last, need_bits = ("accumulated" in needs, "last" in needs, "unimportant" in needs)
-        if hasattr(source, "w"):  # synthetic: one fused pass (bit-identical to SyntheticSource._attn)
-            jit.synthetic_step(self.w, np.ascontiguousarray(source.Z[:, n]), self.logical, self.width, n,
-                               source.decay, source.band, 1.0 - source.cfg.recency_weight,
-                               max(0, self.width - source.band), self.acc, self.last, self.bits,
-                               need_acc, need_last, need_bits, 1.0 / (n + 1))
-            return
-        a = source.attention(n, self.view("logical"))
-        if need_acc:
-            self.view("acc")[:] += a
-        if need_last:
-            self.view("last")[:] = a
-        if need_bits:
-            bits = self.view("bits")
-            bits[:] = (bits << np.uint64(1)) | (a < 1.0 / (n + 1)).astype(np.uint64)
-
-
-def _select(policy, ctx: EvictionContext, k: int, candidate: np.ndarray) -> np.ndarray:
-    """Victim mask: a fused argmin loop for the usual handful per step, the policy's batched partition
-    otherwise (both: lowest score first, then the oldest)."""
-    if k > 4:
-        return policy.select_batch(ctx, np.full(candidate.shape[0], k), candidate)
-    scores = np.asarray(policy.score(ctx), dtype=np.float64)
-    if scores.shape != candidate.shape:
-        scores = np.ascontiguousarray(np.broadcast_to(scores, candidate.shape))
-    victims = np.zeros(candidate.shape, bool)
-    if not jit.lowest_k(scores, candidate, k, victims):
-        raise ValueError(f"policy {policy.name!r} returned non-finite scores")
-    return victims
+    def attention(self, source, n: int) -> np.ndarray:
+        keys = self.view("logical")
+        if hasattr(source, "w"):
+            band_start = max(0, self.width - source.band)
+            return source._attn(self.view("w"), source.Z[:, n : n + 1], n, keys, band_start)
+        return source.attention(n, keys)
 
 
 def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, first_request: int = 0,
@@ -166,7 +198,7 @@ def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, firs
             ctx = EvictionContext(logical=cols.view("logical", lo, hi), accumulated=cols.view("acc", lo, hi),
                                   last=cols.view("last", lo, hi), unimportant_bits=cols.view("bits", lo, hi),
                                   key_norm=cols.view("knorm", lo, hi), seen=n, salt=salt)
-            vmask = _select(policy, ctx, k, cols.view("alive", lo, hi))
+            vmask = policy.select_batch(ctx, np.full(R, k), cols.view("alive", lo, hi))
             k = int(vmask[0].sum())
             victims = ctx.logical[vmask].reshape(R, k)
             cols.view("alive", lo, hi)[vmask] = False
@@ -182,7 +214,14 @@ def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, firs
             cols.compact(room=M - d)
         cols.append(n, source)
         if scored:
-            cols.observe(source, n, needs)
+            a = cols.attention(source, n)
+            if "accumulated" in needs:
+                cols.view("acc")[:] += a
+            if "last" in needs:
+                cols.view("last")[:] = a
+            if "unimportant" in needs:
+                bits = cols.view("bits")
+                bits[:] = (bits << np.uint64(1)) | (a < 1.0 / (n + 1)).astype(np.uint64)
         packing = math.ceil(live / B)
         naive = np.maximum(packing, np.count_nonzero(orig_live, axis=1))
         retained = {"none": np.full(R, math.ceil((n + 1) / B)), "naive": naive,
