@@ -178,3 +178,12 @@ def test_config_errors_name_the_value(kwargs, needle):
     with pytest.raises(ConfigError) as err:
         VTokenConfig(**kwargs)
     assert needle in str(err.value)
+
+
+def test_derived_gauges():
+    from vtoken.core.gauges import fragmentation_ratio, kv_utilization
+
+    assert fragmentation_ratio(live_tokens=6, held_blocks=3, block_size=4) == 0.5  # ARCHITECTURE §1 naive
+    assert fragmentation_ratio(6, 2, 4) == 0.25  # packed
+    assert fragmentation_ratio(0, 0, 4) == 0.0
+    assert kv_utilization(3, 12) == 0.25 and kv_utilization(5, 0) == 0.0

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vtoken.core import gauges
 from vtoken.serve.sla import RequestLatency, latency_of
 
 
@@ -57,13 +58,12 @@ class KVSnapshot:
     @property
     def fragmentation_ratio(self) -> float:
         """1 − live / (held · B): share of held slots that hold no live token (0 when nothing held)."""
-        slots = self.held_blocks * self.block_size
-        return 0.0 if slots <= 0 else max(0.0, 1.0 - self.live_tokens / slots)
+        return gauges.fragmentation_ratio(self.live_tokens, self.held_blocks, self.block_size)
 
     @property
     def kv_utilization(self) -> float:
         """held / pool, in [0, 1]."""
-        return 0.0 if self.pool_blocks <= 0 else min(1.0, self.held_blocks / self.pool_blocks)
+        return gauges.kv_utilization(self.held_blocks, self.pool_blocks)
 
 
 # Keys of record_routing_stats() / record_autoscaling_stats(): the scraped metric names (docs/metrics.md).

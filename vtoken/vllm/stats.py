@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from vtoken.core import gauges
+
 PREFIX = "vtoken:"
 _US = 1_000_000
 
@@ -66,13 +68,12 @@ class VTokenStats:
     @property
     def fragmentation_ratio(self) -> float:
         """1 − live / (held·B): the share of held slots that hold no live token."""
-        cap = self.held_blocks * self.block_size
-        return 0.0 if cap == 0 else 1.0 - self.live_tokens / cap
+        return gauges.fragmentation_ratio(self.live_tokens, self.held_blocks, self.block_size)
 
     @property
     def kv_utilization(self) -> float:
         """held / pool."""
-        return 0.0 if self.pool_blocks == 0 else self.held_blocks / self.pool_blocks
+        return gauges.kv_utilization(self.held_blocks, self.pool_blocks)
 
 
 @dataclass
