@@ -26,6 +26,8 @@ import asyncio
 import json
 import os
 
+from vtoken.serve.asgi import replay_body
+
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK_PATH = "vtoken.serve.failover:proxy_middlewares"
 
@@ -50,13 +52,13 @@ class FailoverMiddleware:
             return
         body, more, disconnected = await self._buffer(receive)
         if more:  # too large to buffer: stream it through once, no retry
-            await self.app(scope, _replay(body, receive, more, disconnected), send)
+            await self.app(scope, replay_body(body, receive, more, disconnected), send)
             return
         for attempt in range(self.retries + 1):
             state = {"started": False, "ended": False, "sse": False}
             try:
                 await self.app(
-                    scope, _replay(body, receive, False, disconnected), _tracked(send, state, attempt)
+                    scope, replay_body(body, receive, False, disconnected), _tracked(send, state, attempt)
                 )
             except Exception:
                 if state["started"]:
@@ -101,22 +103,6 @@ class FailoverMiddleware:
                 return b"".join(chunks), False, disconnected
             if size > self.max_body_bytes:
                 return b"".join(chunks), True, disconnected
-
-
-def _replay(body: bytes, receive, more: bool, disconnected: dict):
-    sent = False
-
-    async def replay():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": more}
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            disconnected["seen"] = True
-        return message
-
-    return replay
 
 
 def _tracked(send, state: dict, attempt: int):

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
+from vtoken.serve.asgi import replay_body
 from vtoken.serve.config import ServeAppConfig
 from vtoken.serve.errors import error_body, openai_errors, sse_errors
 
@@ -172,7 +173,7 @@ class RequestGuard:
         if violation is not None:
             await _reply(send, HTTPStatus.BAD_REQUEST, violation[0], "BadRequestError", param=violation[1])
             return
-        await self.app(scope, _replay(body, receive), send)
+        await self.app(scope, replay_body(body, receive), send)
 
     def _tagging(self, send):
         extra = self._headers
@@ -207,19 +208,6 @@ async def _read_body(scope, receive, limit: int) -> bytes | None:
         if not message.get("more_body", False):
             break
     return b"".join(chunks)
-
-
-def _replay(body: bytes, receive):
-    sent = False
-
-    async def replay():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()  # after the body: wait for the client's disconnect, as Starlette expects
-
-    return replay
 
 
 async def _reply(
