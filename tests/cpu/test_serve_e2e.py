@@ -283,6 +283,14 @@ def test_prometheus_scrapes_kv_and_sla_series_that_move(app):
         assert after["sum(vtoken:requests_total)"] >= before["sum(vtoken:requests_total)"] + 4
         assert after["sum(vtoken:ttft_seconds_count)"] >= before["sum(vtoken:ttft_seconds_count)"] + 4
         assert after["sum(vtoken:evicted_tokens_total)"] > before["sum(vtoken:evicted_tokens_total)"]
+        # every Grafana panel (dashboards/build.py) returns data against this real app's Prometheus
+        from ops_support import ROOT, load_module
+
+        build = load_module(ROOT / "dashboards" / "build.py")
+        empty = [(name, title) for name, model in build.dashboards().items()
+                 for title, expr in build.panel_queries(model)
+                 if not prom.query(build.concrete(expr, rate="1m", range_="5m"))]
+        assert not empty, f"dashboard panels without data: {empty}"
 
 
 def _value(prom: PrometheusServer, promql: str) -> float:
