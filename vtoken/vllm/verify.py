@@ -275,8 +275,11 @@ def verify(
     cases = [VerifyCase(policy, m.value, bval)]
     if m is not Mode.NAIVE:
         cases.append(VerifyCase(policy, Mode.NAIVE.value, bval))
-    results = run_cases(path, block_size, cases, prompt_len=prompt_len, max_tokens=max_tokens, sinks=sinks,
-                        recent=recent, seed=seed)
+    from rich.console import Console
+
+    with Console(stderr=True).status(f"verifying {policy} {m.value} (+ paired naive) in vLLM and HF …"):
+        results = run_cases(path, block_size, cases, prompt_len=prompt_len, max_tokens=max_tokens, sinks=sinks,
+                            recent=recent, seed=seed)
     main, naive = results[0], results[-1]
     report = {
         "command": "vtoken " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
