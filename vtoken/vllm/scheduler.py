@@ -39,7 +39,6 @@ conditioned on the recomputed (un-evicted-then-re-evicted) cache. Traces record 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import numpy as np

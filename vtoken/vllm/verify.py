@@ -104,7 +104,7 @@ def reference_scores(model, prompt: list[int], tokens: list[int], trace) -> tupl
         return res.top1_ids, res.token_logprobs
     top = np.zeros(M, np.int64)
     lps = np.zeros(M, np.float64)
-    for e, ep in enumerate(trace.epochs):
+    for ep in trace.epochs:
         n = min(len(ep.placed_round), T)
         if n == 0:
             continue
