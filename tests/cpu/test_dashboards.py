@@ -117,11 +117,11 @@ class Replica:
 
 @pytest.mark.timeout(180)
 def test_every_panel_returns_data_from_prometheus_scraping_the_replica_exporter():
-    from serve_support import PrometheusServer, free_port_block
+    from serve_support import PrometheusServer
 
     from vtoken.serve.local import free_port
 
-    base = free_port_block(2)
+    base = free_port(n=2)
     replicas = [Replica("r1", base), Replica("r2", base + 1)]
     stop = threading.Event()
 

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from serve_support import PrometheusServer, free_port_block, malformed_cases, vllm_cli_command
+from serve_support import PrometheusServer, malformed_cases, vllm_cli_command
 
 from vtoken.serve.config import ServeAppConfig
 from vtoken.serve.local import LocalCluster, free_port
@@ -51,7 +51,7 @@ def app_config(metrics_port: int) -> ServeAppConfig:
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    metrics_port = free_port_block(4)
+    metrics_port = free_port(n=4)
     cfg = app_config(metrics_port)
     fault_file = tmp_path_factory.mktemp("fault") / "fault.json"
     fault_file.write_text("{}")

@@ -106,3 +106,33 @@ def test_vtoken_serve_prints_examples_answers_and_stops_cleanly_on_ctrl_c():
     assert tmp is not None
     leftovers = processes_mentioning(tmp)
     assert not leftovers, f"processes left behind: {leftovers}"
+
+
+@pytest.mark.timeout(120)
+def test_vtoken_serve_on_a_busy_port_says_so_and_starts_nothing():
+    import socket
+
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        run = subprocess.run(
+            [str(Path(sys.executable).with_name("vtoken")), "serve", "--model", "tiny-llama", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=100,
+        )
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert f"127.0.0.1:{port}" in run.stderr and "in use" in run.stderr and "--port" in run.stderr
+    assert "Traceback" not in run.stdout + run.stderr and "starting Ray" not in run.stdout
+
+
+def test_free_port_stays_out_of_rays_and_the_kernels_port_ranges():
+    from vtoken.serve.local import FREE_PORT_RANGE, port_is_free
+
+    lo, hi = FREE_PORT_RANGE
+    assert 19999 < lo and hi <= 32768  # Ray workers use 10002-19999; Linux ephemeral ports start at 32768
+    picks = [free_port(n=3) for _ in range(20)]
+    assert all(lo <= p and p + 3 <= hi for p in picks)
+    assert all(port_is_free("127.0.0.1", p + i) for p in picks for i in range(3))
+    assert len(set(picks)) > 1  # random start: two callers rarely get the same port

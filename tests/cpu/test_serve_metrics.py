@@ -8,6 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from vtoken.serve.local import free_port
 from vtoken.serve.metrics import ReplicaMetrics, start_metrics_server
 from vtoken.serve.sla import RequestLatency, SloTargets, latency_of, meets_slo
 from vtoken.serve.stats import KVSnapshot, StatsSink, snapshot_from
@@ -112,7 +113,7 @@ def test_exposition_has_architecture_names_and_replica_labels():
     sink = StatsSink()
     labels = {"application": "app", "deployment": "Dep", "replica": "r1"}
     metrics = ReplicaMetrics(sink, SloTargets.from_ms(1000, 100), "h2o", "repack", labels)
-    server, port = start_metrics_server(metrics.view, "127.0.0.1", 0 + _free_port(), 0, span=4)
+    server, port = start_metrics_server(metrics.view, "127.0.0.1", free_port(n=5), 0, span=4)
     try:
         sink.put(
             KVSnapshot(
@@ -160,7 +161,7 @@ def test_exposition_has_architecture_names_and_replica_labels():
 def test_busy_metrics_port_falls_back_to_the_next_one():
     import socket
 
-    base = _free_port()
+    base = free_port(n=5)
     with socket.socket() as s:
         s.bind(("127.0.0.1", base))
         s.listen()
@@ -173,9 +174,3 @@ def test_busy_metrics_port_falls_back_to_the_next_one():
         finally:
             server.shutdown()
             server.server_close()
-
-
-def _free_port() -> int:
-    from vtoken.serve.local import free_port
-
-    return free_port()

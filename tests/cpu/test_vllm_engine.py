@@ -308,7 +308,6 @@ def test_openai_server_with_vtoken_on(tmp_path):
     """vLLM's own OpenAI server (what `vllm serve` runs; multiprocess engine) with vToken switched on by
     --scheduler-cls/--worker-cls/--additional-config, and a per-request override through `vllm_xargs`."""
     import json
-    import socket
     import subprocess
     import sys
     import time
@@ -317,9 +316,9 @@ def test_openai_server_with_vtoken_on(tmp_path):
     from vtoken.models.tiny import tiny_model
     from vtoken.vllm import SCHEDULER_CLS, WORKER_CLS
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from vtoken.serve.local import free_port
+
+    port = free_port()
     cfg = {"vtoken": {"policy": "h2o", "budget": 0.3, "mode": "repack", "recent": 8, "trace_dir": str(tmp_path)}}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model("llama")),
            "--served-model-name", "tiny", "--dtype", "float32", "--block-size", "32", "--max-model-len", "512",

@@ -74,7 +74,7 @@ def serve(
     replicas: int | None = typer.Option(None, help="fixed replica count"),
     sets: list[str] = typer.Option([], "--set", help="any config key: section.key=value (repeatable)"),
     host: str = typer.Option("127.0.0.1", help="HTTP bind address (loopback unless you mean it)"),
-    port: int = typer.Option(8000, help="HTTP port"),
+    port: int = typer.Option(8000, min=1, max=65535, help="HTTP port"),
     dashboard: bool = typer.Option(False, help="start the Ray dashboard on 127.0.0.1"),
 ) -> None:
     """Start the server and block until Ctrl-C (then stop every replica and engine)."""
@@ -82,9 +82,13 @@ def serve(
     ctx.obj = cfg
     if ctx.invoked_subcommand is not None:
         return
-    from vtoken.serve.local import run_local
+    from vtoken.serve.local import PortInUseError, run_local
 
-    run_local(cfg, host=host, port=port, dashboard=dashboard, echo=typer.echo)
+    try:
+        run_local(cfg, host=host, port=port, dashboard=dashboard, echo=typer.echo)
+    except PortInUseError as exc:
+        typer.echo(f"vtoken serve: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 @serve_app.command("show-config")

@@ -17,6 +17,7 @@ to 127.0.0.1).
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -44,10 +45,44 @@ def serving_env(tmp: Path) -> dict[str, str]:
     }
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+# Ports handed out by ``free_port``: above Ray's worker-port range (10002-19999) and below Linux's
+# ephemeral range (32768+), where Ray, vLLM and ZMQ bind their own "any free port" sockets. Ray's fixed
+# defaults (GCS 6379, client 10001, dashboard 8265, dashboard agent 52365) are outside it too. A port
+# picked with ``bind(0)`` comes from the ephemeral range and can be taken by Ray between the pick and
+# the use (seen in CI: 52365, the dashboard agent's fixed port).
+FREE_PORT_RANGE = (20000, 32768)
+
+
+def free_port(host: str = "127.0.0.1", n: int = 1) -> int:
+    """A port (the first of ``n`` consecutive ones) that is free on ``host`` now, from FREE_PORT_RANGE.
+
+    Starts at a random offset so that consecutive callers (and TIME_WAIT leftovers) do not collide.
+    """
+    lo, hi = FREE_PORT_RANGE
+    rng = random.Random()
+    start = rng.randrange(lo, hi - n)
+    for offset in range(0, hi - lo, n + 1):
+        base = lo + (start - lo + offset) % (hi - lo - n)
+        if all(port_is_free(host, port) for port in range(base, base + n)):
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports on {host} in {lo}-{hi - 1}")
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a TCP listener could bind ``host:port`` now (no side effect once it returns)."""
     with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class PortInUseError(OSError):
+    """The HTTP port is taken; the message names it and says what to do."""
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(f"cannot listen on {host}:{port}: the port is in use (choose another with --port)")
 
 
 class LocalCluster:
@@ -75,9 +110,13 @@ class LocalCluster:
         return f"http://{self.http_host}:{self.http_port}"
 
     def __enter__(self) -> LocalCluster:
+        """Start Ray and Serve. Raises PortInUseError (before starting anything, or after stopping
+        what it started) when the HTTP port cannot be bound."""
         import ray
         from ray import serve
 
+        if not port_is_free(self.http_host, self.http_port):
+            raise PortInUseError(self.http_host, self.http_port)
         self.tmp = Path(tempfile.mkdtemp(prefix="vtr-", dir="/tmp"))  # short: Ray's socket paths are limited
         env = {**serving_env(self.tmp), **self.extra_env}
         self._saved_env = {key: os.environ.get(key) for key in env}
@@ -97,7 +136,13 @@ class LocalCluster:
             logging_level="WARNING",
             log_to_driver=False,
         )
-        serve.start(proxy_location="HeadOnly", http_options={"host": self.http_host, "port": self.http_port})
+        try:
+            serve.start(proxy_location="HeadOnly", http_options={"host": self.http_host, "port": self.http_port})
+        except Exception as exc:
+            self.__exit__(None, None, None)
+            if "Failed to bind" in str(exc):  # taken between the check above and the proxy's bind
+                raise PortInUseError(self.http_host, self.http_port) from None
+            raise
         return self
 
     def deploy(self, cfg: ServeAppConfig):
