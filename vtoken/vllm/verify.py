@@ -260,13 +260,17 @@ def verify(
     """Run vToken in vLLM, replay through HF with the same keys masked, and compare (exit 1 on mismatch)."""
     from vtoken.models.default import resolve_model
 
+    from vtoken.vllm import engine_kwargs
+
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the report
     try:
         b = Budget.parse(budget)
         m = Mode.parse(mode)
         if not m.evicts:
             raise ConfigError("mode 'none' evicts nothing; verify one of: naive, repack, reuse+repack")
-        VTokenConfig(policy=policy, budget=b, mode=m, block_size=block_size, sinks=sinks, recent=recent, seed=seed)
+        cfg = VTokenConfig(policy=policy, budget=b, mode=m, block_size=block_size, sinks=sinks, recent=recent,
+                           seed=seed)
+        engine_kwargs(cfg)  # also checks the block size against the installed vLLM
         path = resolve_model(model)
     except (ConfigError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
