@@ -72,11 +72,20 @@ def test_engine_commands_refuse_a_block_size_the_cpu_backend_cannot_run(command)
     assert "Traceback" not in run.stderr
 
 
-def test_retained_grid_prints_json_with_the_command():
+def test_retained_grid_prints_json_with_the_command(tmp_path):
     run = vtoken("bench", "retained", "--policies", "h2o,random", "--budgets", "0.2", "--block-sizes", "16",
-                 "--prompt-len", "96", "--gen-len", "32", "--requests", "4")
+                 "--prompt-len", "96", "--gen-len", "32", "--requests", "4", "--out", str(tmp_path / "r.json"))
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout)
+    assert json.loads((tmp_path / "r.json").read_text()) == report
     assert report["command"].startswith("vtoken bench retained") and len(report["rows"]) == 2
     for row in report["rows"]:
         assert row["repack"] == pytest.approx(row["packing_bound"]) and row["repack"] <= row["naive"]
+
+
+def test_committed_results_are_reports_with_the_command_that_made_them():
+    results = sorted((Path(__file__).resolve().parents[2] / "docs" / "results").glob("*.json"))
+    assert results
+    for path in results:
+        report = json.loads(path.read_text())
+        assert report["command"].startswith("vtoken "), path.name

@@ -176,6 +176,8 @@ def goodput_row(out: Outcome, ttft_slo: float, tpot_slo: float) -> dict:
         "tpot_p50_s": round(float(np.percentile(out.tpot_s, 50)), 4) if out.tpot_s else None,
         "peak_running": out.peak_running, "mean_running": round(out.mean_running, 2),
         "preemptions": out.preemptions,
+        "ttft_s": [round(x, 3) for x in out.ttft_s],  # per request, so other SLOs can be checked later
+        "tpot_s": [round(x, 4) for x in out.tpot_s],
     }
 
 

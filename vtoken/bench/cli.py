@@ -39,11 +39,13 @@ def retained(
     sinks: int = typer.Option(4),
     recent: int = typer.Option(16),
     markdown: bool = typer.Option(False, help="also print a markdown table"),
+    out: str = typer.Option(None, help="also write the JSON here"),
 ) -> None:
     """Retained KV blocks per mode for a grid of policies × budgets × block sizes (vs the paper's range)."""
     from vtoken.bench.retained import run_retained
 
-    run_retained(policies, budgets, block_sizes, prompt_len, gen_len, requests, traces, sinks, recent, markdown)
+    run_retained(policies, budgets, block_sizes, prompt_len, gen_len, requests, traces, sinks, recent, markdown,
+                 out)
 
 
 @bench_app.command("overhead")

@@ -15,7 +15,7 @@ PAPER_RANGE_PCT = (-72.3, -27.2)
 
 
 def run_retained(policies: str, budgets: str, block_sizes: str, prompt_len: int, gen_len: int, requests: int,
-                 traces: str | None, sinks: int, recent: int, markdown: bool) -> list[dict]:
+                 traces: str | None, sinks: int, recent: int, markdown: bool, out: str | None = None) -> list[dict]:
     from rich.progress import Progress
 
     from vtoken.sim.run import SimConfig, run_simulation
@@ -35,12 +35,12 @@ def run_retained(policies: str, budgets: str, block_sizes: str, prompt_len: int,
     with Progress(transient=True) as bar:
         task = bar.add_task("grid", total=len(cfgs))
         for cfg in cfgs:
-            out, _ = run_simulation(cfg)
-            m = out["modes"]
+            result, _ = run_simulation(cfg)
+            m = result["modes"]
             rows.append({
-                "policy": cfg.policy, "budget": out["budget"], "block_size": cfg.block_size,
+                "policy": cfg.policy, "budget": result["budget"], "block_size": cfg.block_size,
                 "none": m["none"]["retained_blocks_mean"], "naive": m["naive"]["retained_blocks_mean"],
-                "repack": m["repack"]["retained_blocks_mean"], "packing_bound": out["packing_bound_mean"],
+                "repack": m["repack"]["retained_blocks_mean"], "packing_bound": result["packing_bound_mean"],
                 "repack_vs_naive_pct": m["repack"]["vs_naive_pct"],
                 "moves_repack": m["repack"]["moves_total"], "moves_reuse_repack": m["reuse+repack"]["moves_total"],
             })
@@ -50,6 +50,8 @@ def run_retained(policies: str, budgets: str, block_sizes: str, prompt_len: int,
               "requests": requests, "sinks": sinks, "recent": recent, "paper_range_pct": PAPER_RANGE_PCT,
               "rows": rows}
     typer.echo(json.dumps(report))
+    if out:
+        Path(out).write_text(json.dumps(report, indent=2) + "\n")
     if markdown:
         typer.echo("\n| policy | budget | B | none | naive | repack (= ⌈live/B⌉) | repack vs naive | moves repack / reuse+repack |")
         typer.echo("|---|---|---|---|---|---|---|---|")
