@@ -23,15 +23,16 @@ the command that produced it; progress on stderr.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from vtoken.bench.report import emit
 
 MODES = ("naive", "repack", "reuse+repack")
 
@@ -187,7 +188,7 @@ def run_capacity(setup: CapacitySetup, modes: tuple[str, ...], requests: int, tt
     from rich.progress import Progress
 
     report: dict = {"bench": "capacity", "command": "vtoken " + shlex.join(sys.argv[1:]),
-                    **{k: v for k, v in setup.__dict__.items()}, "requests": requests,
+                    **asdict(setup), "requests": requests,
                     "repeats": repeats, "slo": {"ttft_s": ttft_slo, "tpot_s": tpot_slo}, "modes": {}}
     llm = build_engine(setup)
     try:
@@ -239,9 +240,5 @@ def main(setup: CapacitySetup, modes: tuple[str, ...], requests: int, ttft_slo: 
          repeats: int, out: str | None) -> dict:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the JSON
     report = run_capacity(setup, modes, requests, ttft_slo, tpot_slo, repeats)
-    text = json.dumps(report, indent=2)
-    if out:
-        with open(out, "w") as fh:
-            fh.write(text + "\n")
-    print(text)
+    emit(report, out)
     return report

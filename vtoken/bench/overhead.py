@@ -18,7 +18,6 @@ reported (robust to bursts of contention on a shared machine), with the p90 and 
 from __future__ import annotations
 
 import gc
-import json
 import os
 import shlex
 import statistics
@@ -28,6 +27,8 @@ from typing import Annotated
 
 import numpy as np
 import typer
+
+from vtoken.bench.report import emit
 
 VARIANTS = ("none", "naive", "repack", "reuse+repack", "repack+scores")
 
@@ -151,8 +152,4 @@ def overhead(
     """Decode-step overhead of repack vs naive vs none (no memory pressure), and of score collection."""
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the JSON
     report = run_overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats)
-    text = json.dumps(report, indent=2)
-    if out:
-        with open(out, "w") as fh:
-            fh.write(text + "\n")
-    typer.echo(text)
+    emit(report, out)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 from pathlib import Path
 
 import typer
 
+from vtoken.bench.report import emit
 from vtoken.core.config import ConfigError
 
 PAPER_RANGE_PCT = (-72.3, -27.2)
@@ -49,9 +49,7 @@ def run_retained(policies: str, budgets: str, block_sizes: str, prompt_len: int,
               "source": traces or "synthetic", "prompt_len": prompt_len, "gen_len": gen_len,
               "requests": requests, "sinks": sinks, "recent": recent, "paper_range_pct": PAPER_RANGE_PCT,
               "rows": rows}
-    typer.echo(json.dumps(report))
-    if out:
-        Path(out).write_text(json.dumps(report, indent=2) + "\n")
+    emit(report, out)
     if markdown:
         typer.echo("\n| policy | budget | B | none | naive | repack (= ⌈live/B⌉) | repack vs naive | moves repack / reuse+repack |")
         typer.echo("|---|---|---|---|---|---|---|---|")

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shlex
 import sys
-from pathlib import Path
 
 import typer
 
+from vtoken.bench.report import emit
 from vtoken.core.config import ConfigError
 
 
@@ -41,8 +40,5 @@ def run_sim_scale(requests: int, prompt_len: int, gen_len: int, policy: str, bud
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "processor": platform.machine()},
         "result": result,
     }
-    text = json.dumps(report)
-    typer.echo(text)
-    if out:
-        Path(out).write_text(text + "\n")
+    emit(report, out)
     return report
