@@ -136,3 +136,25 @@ def test_free_port_stays_out_of_rays_and_the_kernels_port_ranges():
     assert all(lo <= p and p + 3 <= hi for p in picks)
     assert all(port_is_free("127.0.0.1", p + i) for p in picks for i in range(3))
     assert len(set(picks)) > 1  # random start: two callers rarely get the same port
+
+
+@pytest.mark.timeout(180)
+def test_port_lost_between_the_check_and_the_proxy_bind_is_a_clear_error_and_ray_is_stopped(monkeypatch):
+    """The race the check cannot close: the port is taken after ``port_is_free`` said yes. Serve's proxy
+    fails to bind; LocalCluster must turn that into PortInUseError and leave no Ray running."""
+    import socket
+
+    import ray
+
+    from vtoken.serve import local
+
+    assert not ray.is_initialized()  # this test owns the process's Ray for its duration
+    port = free_port()
+    monkeypatch.setattr(local, "port_is_free", lambda host, p: True)  # the check "misses" the listener
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        with pytest.raises(local.PortInUseError, match=f"127.0.0.1:{port}.*in use"):
+            with local.LocalCluster(http_port=port, num_cpus=1):
+                pass
+    assert not ray.is_initialized()
