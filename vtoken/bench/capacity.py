@@ -96,8 +96,7 @@ def close(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def run_batch(llm, setup: CapacitySetup, mode: str, count: int, tag: str, stop_on_preemption: bool,
-              progress=None) -> Outcome:
+def run_batch(llm, setup: CapacitySetup, mode: str, count: int, tag: str, stop_on_preemption: bool) -> Outcome:
     """Submit ``count`` requests at once in ``mode`` and step the engine until they finish (or, with
     ``stop_on_preemption``, until the first preemption; the rest are aborted)."""
     from vllm import SamplingParams
@@ -127,8 +126,6 @@ def run_batch(llm, setup: CapacitySetup, mode: str, count: int, tag: str, stop_o
                 first[out.request_id] = now
             if out.finished:
                 done[out.request_id] = (now, n)
-                if progress is not None:
-                    progress()
         preemptions = sched.vtoken_stats().preemptions_total - preempted_before
         if preemptions and stop_on_preemption:
             eng.abort_request([r for r in ids if r not in done])

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import typer
 
+from vtoken.bench.report import refuse
+
 bench_app = typer.Typer(help="Benchmarks (JSON out, with the command that produced it).", no_args_is_help=True)
 
 
@@ -67,9 +69,7 @@ def overhead_cmd(
     try:
         engine_kwargs(VTokenConfig(policy="random", budget=budget, mode="repack", block_size=block_size))
     except (ConfigError, ValueError) as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2) from None
-
+        refuse(err)
     overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats, out)
 
 
@@ -105,18 +105,15 @@ def capacity_cmd(
     ]
     for failed, message in checks:
         if failed:
-            typer.echo(f"error: {message}", err=True)
-            raise typer.Exit(2)
+            refuse(message)
     try:
         from vtoken.models.default import resolve_model
         from vtoken.vllm import engine_kwargs
 
         engine_kwargs(VTokenConfig(policy=policy, budget=budget, mode="repack", block_size=block_size))
-
         path = str(resolve_model(model))
     except (ConfigError, ValueError, OSError) as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2) from None
+        refuse(err)
     setup = CapacitySetup(model=path, policy=policy, budget=budget, block_size=block_size, kv_blocks=kv_blocks,
                           prompt_len=prompt_len, gen_len=gen_len)
     main(setup, chosen, requests, ttft_slo, tpot_slo, repeats, out)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from vtoken.bench.report import emit
+from vtoken.bench.report import emit, refuse
 from vtoken.core.config import ConfigError
 
 PAPER_RANGE_PCT = (-72.3, -27.2)
@@ -29,8 +29,7 @@ def run_retained(policies: str, budgets: str, block_sizes: str, prompt_len: int,
         for c in cfgs:
             c.core()
     except (ConfigError, ValueError) as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2) from None
+        refuse(err)
     rows = []
     with Progress(transient=True) as bar:
         task = bar.add_task("grid", total=len(cfgs))

@@ -7,9 +7,7 @@ import platform
 import shlex
 import sys
 
-import typer
-
-from vtoken.bench.report import emit
+from vtoken.bench.report import emit, refuse
 from vtoken.core.config import ConfigError
 
 
@@ -24,8 +22,7 @@ def run_sim_scale(requests: int, prompt_len: int, gen_len: int, policy: str, bud
                         gen_len=gen_len, requests=requests, workers=workers)
         cfg.core()
     except ConfigError as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2) from None
+        refuse(err)
     with Progress("{task.description}", BarColumn(), "{task.completed}/{task.total}", TimeElapsedColumn(),
                   TimeRemainingColumn(), transient=True, console=None) as bar:
         task = bar.add_task("requests", total=requests)

