@@ -5,7 +5,8 @@ with a plain ``prometheus_client`` HTTP server. Every sample — vLLM's, vToken'
 collector's — carries the labels ``application``, ``deployment`` and ``replica`` added at scrape time,
 so series from different replicas never collide. We do not go through Ray's metrics export port:
 it would rename everything to ``ray_vtoken_*`` / ``ray_vllm_*`` (colons are not allowed there) and
-ARCHITECTURE §6 keeps vLLM's names unchanged. The exact scraped names are listed in docs/metrics.md.
+ARCHITECTURE §6 keeps vLLM's names unchanged. Every ``vtoken:*`` name and help text comes from its
+declaration in vtoken/metric_names.py (docs/metrics.md lists the scraped names).
 
 Gauges and the cumulative vToken counters are read from the latest ``KVSnapshot`` when scraped (no
 work per engine step); the SLA counters and latency histograms are updated once per finished request.
@@ -24,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Count
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import REGISTRY, Collector
 
+from vtoken import metric_names as names
 from vtoken.serve.sla import RequestLatency, SloTargets, meets_slo
 from vtoken.serve.stats import KVSnapshot, StatsSink
 
@@ -44,38 +46,32 @@ class KVCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         snap = self._sink.latest
-        gauges = {
-            "vtoken:live_tokens": ("Live (not evicted) tokens held in the KV cache", snap.live_tokens),
-            "vtoken:held_blocks": ("KV blocks held by requests", snap.held_blocks),
-            "vtoken:packing_bound_blocks": ("Sum over requests of ceil(live/B)", snap.packing_bound_blocks),
-            "vtoken:naive_blocks": ("Blocks the paired Naive-Evict accounting would hold", snap.naive_blocks),
-            "vtoken:pool_blocks": ("KV blocks in the pool (without vLLM's null block)", snap.pool_blocks),
-            "vtoken:free_kv_tokens": (
-                "Free KV slots after reclamation: (pool - held) * B",
-                snap.free_kv_tokens,
-            ),
-            "vtoken:fragmentation_ratio": ("1 - live / (held * B)", snap.fragmentation_ratio),
-            "vtoken:kv_utilization": ("held / pool", snap.kv_utilization),
-            "vtoken:stats_age_seconds": (
-                "Seconds since the engine step these KV numbers come from",
-                max(0.0, time.time() - snap.at) if snap.at else float("nan"),
-            ),
-        }
-        for name, (doc, value) in gauges.items():
-            fam = GaugeMetricFamily(name, doc, labels=["mode"])
+        gauges = (
+            (names.LIVE_TOKENS, snap.live_tokens),
+            (names.HELD_BLOCKS, snap.held_blocks),
+            (names.PACKING_BOUND_BLOCKS, snap.packing_bound_blocks),
+            (names.NAIVE_BLOCKS, snap.naive_blocks),
+            (names.POOL_BLOCKS, snap.pool_blocks),
+            (names.FREE_KV_TOKENS, snap.free_kv_tokens),
+            (names.FRAGMENTATION_RATIO, snap.fragmentation_ratio),
+            (names.KV_UTILIZATION, snap.kv_utilization),
+            (names.STATS_AGE_SECONDS, max(0.0, time.time() - snap.at) if snap.at else float("nan")),
+        )
+        for metric, value in gauges:  # each labelled by ("mode",)
+            fam = GaugeMetricFamily(metric.name, metric.help, labels=list(metric.labels))
             fam.add_metric([self._mode], float(value))
             yield fam
         evicted = CounterMetricFamily(
-            "vtoken:evicted_tokens", "Tokens evicted by the policy", labels=["policy"]
+            names.EVICTED_TOKENS.name, names.EVICTED_TOKENS.help, labels=list(names.EVICTED_TOKENS.labels)
         )
         evicted.add_metric([self._policy], float(snap.evicted_tokens_total))
         yield evicted
-        for name, doc, value in (
-            ("vtoken:reclaimed_blocks", "Blocks returned to the pool by vToken", snap.reclaimed_blocks_total),
-            ("vtoken:repack_moves", "KV slot moves executed by repacks", snap.repack_moves_total),
-            ("vtoken:repack_plans", "Repack plans executed", snap.num_plans),
+        for metric, value in (
+            (names.RECLAIMED_BLOCKS, snap.reclaimed_blocks_total),
+            (names.REPACK_MOVES, snap.repack_moves_total),
+            (names.REPACK_PLANS, snap.num_plans),
         ):
-            fam = CounterMetricFamily(name, doc)
+            fam = CounterMetricFamily(metric.name, metric.help)
             fam.add_metric([], float(value))
             yield fam
 
@@ -94,6 +90,18 @@ class LabelledView(Collector):
                 for s in fam.samples:
                     out.add_sample(s.name, {**s.labels, **self._labels}, s.value, s.timestamp, s.exemplar)
                 yield out
+
+
+def _counter(metric: names.Metric, registry: CollectorRegistry) -> Counter:
+    """A label-less ``Counter`` for ``metric``, registered in ``registry`` (side effect)."""
+    assert metric.kind == names.COUNTER and not metric.labels, metric
+    return Counter(metric.name, metric.help, registry=registry)
+
+
+def _histogram(metric: names.Metric, buckets: tuple[float, ...], registry: CollectorRegistry) -> Histogram:
+    """A label-less ``Histogram`` for ``metric``, registered in ``registry`` (side effect)."""
+    assert metric.kind == names.HISTOGRAM and not metric.labels, metric
+    return Histogram(metric.name, metric.help, buckets=buckets, registry=registry)
 
 
 class ReplicaMetrics:
@@ -116,36 +124,12 @@ class ReplicaMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(KVCollector(sink, policy, mode))
         self._slo = slo
-        self.requests = Counter(
-            "vtoken:requests", "Finished requests judged against the SLO", registry=self.registry
-        )
-        self.slo_met = Counter(
-            "vtoken:slo_met", "Finished requests that met both TTFT and TPOT SLOs", registry=self.registry
-        )
-        self.ttft = Histogram(
-            "vtoken:ttft_seconds",
-            "Time to first token of finished requests",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.tpot = Histogram(
-            "vtoken:tpot_seconds",
-            "Mean time per output token of finished requests",
-            buckets=TPOT_BUCKETS,
-            registry=self.registry,
-        )
-        self.e2e = Histogram(
-            "vtoken:e2e_seconds",
-            "End-to-end latency of finished requests",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.repack = Histogram(
-            "vtoken:repack_seconds",
-            "Duration of one repack plan (interval mean)",
-            buckets=REPACK_BUCKETS,
-            registry=self.registry,
-        )
+        self.requests = _counter(names.REQUESTS, self.registry)
+        self.slo_met = _counter(names.SLO_MET, self.registry)
+        self.ttft = _histogram(names.TTFT_SECONDS, LATENCY_BUCKETS, self.registry)
+        self.tpot = _histogram(names.TPOT_SECONDS, TPOT_BUCKETS, self.registry)
+        self.e2e = _histogram(names.E2E_SECONDS, LATENCY_BUCKETS, self.registry)
+        self.repack = _histogram(names.REPACK_SECONDS, REPACK_BUCKETS, self.registry)
         sources = [self.registry] + ([REGISTRY] if include_process_registry else [])
         self.view = CollectorRegistry(auto_describe=False)
         self.view.register(LabelledView(sources, labels))

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vtoken import metric_names as names
 from vtoken.core import gauges
 from vtoken.serve.sla import RequestLatency, latency_of
 
@@ -66,15 +67,16 @@ class KVSnapshot:
         return gauges.kv_utilization(self.held_blocks, self.pool_blocks)
 
 
-# Keys of record_routing_stats() / record_autoscaling_stats(): the scraped metric names (docs/metrics.md).
-FREE_KV_TOKENS = "vtoken:free_kv_tokens"
-KV_UTILIZATION = "vtoken:kv_utilization"
-FRAGMENTATION = "vtoken:fragmentation_ratio"
-HELD_BLOCKS = "vtoken:held_blocks"
-POOL_BLOCKS = "vtoken:pool_blocks"
-LIVE_TOKENS = "vtoken:live_tokens"
-NUM_WAITING = "vllm:num_requests_waiting"
-NUM_RUNNING = "vllm:num_requests_running"
+# Keys of record_routing_stats() / record_autoscaling_stats(): the scraped metric names, declared in
+# vtoken/metric_names.py (docs/metrics.md).
+FREE_KV_TOKENS = names.FREE_KV_TOKENS.name
+KV_UTILIZATION = names.KV_UTILIZATION.name
+FRAGMENTATION = names.FRAGMENTATION_RATIO.name
+HELD_BLOCKS = names.HELD_BLOCKS.name
+POOL_BLOCKS = names.POOL_BLOCKS.name
+LIVE_TOKENS = names.LIVE_TOKENS.name
+NUM_WAITING = names.NUM_REQUESTS_WAITING.name
+NUM_RUNNING = names.NUM_REQUESTS_RUNNING.name
 BLOCK_SIZE = "block_size"
 POLLED_AT = "polled_at"  # wall-clock time the replica answered the poll
 STATS_AGE = "stats_age_s"  # seconds since the engine step the numbers describe (0 when idle)

@@ -1,0 +1,148 @@
+"""The single declaration of every Prometheus metric name vToken exports or reads, and the alert thresholds.
+
+Each metric is one frozen ``Metric`` (name, kind, help, unit, labels); its properties give the series
+names a scraper stores (a counter ``vtoken:evicted_tokens`` is scraped as ``vtoken:evicted_tokens_total``,
+a histogram as ``_bucket``/``_sum``/``_count``). ``VTOKEN_METRICS`` is everything a replica exports, in
+exposition order; ``VLLM_METRICS`` the vLLM-owned series the project reads (vLLM exports them, names
+unchanged); ``ALL_METRICS`` both. The alert thresholds at the bottom are shared by the dashboards and the
+alert rules.
+
+Imported by vtoken/serve/metrics.py (builds the collectors from these declarations), vtoken/serve/stats.py
+(router/autoscaler keys), dashboards/build.py and k8s/rules.py (PromQL), and the tests that check that
+dashboards and alerts read only exported series. Standard library only, no vtoken import, so the two
+generator scripts can import it from the checkout without the serving stack. Importing it has no side
+effects. docs/metrics.md describes the same series for readers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
+KINDS = (GAUGE, COUNTER, HISTOGRAM)
+# Added to every sample of a replica at scrape time (vtoken/serve/metrics.py LabelledView).
+REPLICA_LABELS = ("application", "deployment", "replica")
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric family as declared (``name`` without the ``_total`` a counter is scraped with).
+
+    ``labels`` are the metric's own labels (the replica labels and a histogram's ``le`` come on top).
+    ``unit`` is descriptive only: it is not passed to prometheus_client, which would append it to the
+    name or emit it as ``# UNIT`` under OpenMetrics.
+    """
+
+    name: str
+    kind: str
+    help: str
+    unit: str = ""
+    labels: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"{self.name}: kind {self.kind!r} is not one of {KINDS}")
+        if self.kind == COUNTER and self.name.endswith("_total"):
+            raise ValueError(f"{self.name}: declare a counter without _total (see .total)")
+
+    @property
+    def owner(self) -> str:
+        """``vtoken`` or ``vllm``: the prefix before the colon."""
+        return self.name.split(":", 1)[0]
+
+    def _suffixed(self, kind: str, suffix: str) -> str:
+        if self.kind != kind:
+            raise ValueError(f"{self.name} is a {self.kind}, not a {kind}: it has no {suffix} series")
+        return self.name + suffix
+
+    @property
+    def total(self) -> str:
+        """The scraped name of a counter: ``<name>_total``."""
+        return self._suffixed(COUNTER, "_total")
+
+    @property
+    def bucket(self) -> str:
+        return self._suffixed(HISTOGRAM, "_bucket")
+
+    @property
+    def sum(self) -> str:
+        return self._suffixed(HISTOGRAM, "_sum")
+
+    @property
+    def count(self) -> str:
+        return self._suffixed(HISTOGRAM, "_count")
+
+    @property
+    def series(self) -> tuple[str, ...]:
+        """Every sample name a scraper stores for this metric (without prometheus_client's ``_created``)."""
+        if self.kind == COUNTER:
+            return (self.total,)
+        if self.kind == HISTOGRAM:
+            return (self.bucket, self.sum, self.count)
+        return (self.name,)
+
+
+# ------------------------------------------------ vToken KV gauges (read from the latest KVSnapshot)
+LIVE_TOKENS = Metric("vtoken:live_tokens", GAUGE, "Live (not evicted) tokens held in the KV cache",
+                     "tokens", ("mode",))
+HELD_BLOCKS = Metric("vtoken:held_blocks", GAUGE, "KV blocks held by requests", "blocks", ("mode",))
+PACKING_BOUND_BLOCKS = Metric("vtoken:packing_bound_blocks", GAUGE, "Sum over requests of ceil(live/B)",
+                              "blocks", ("mode",))
+NAIVE_BLOCKS = Metric("vtoken:naive_blocks", GAUGE, "Blocks the paired Naive-Evict accounting would hold",
+                      "blocks", ("mode",))
+POOL_BLOCKS = Metric("vtoken:pool_blocks", GAUGE, "KV blocks in the pool (without vLLM's null block)",
+                     "blocks", ("mode",))
+FREE_KV_TOKENS = Metric("vtoken:free_kv_tokens", GAUGE, "Free KV slots after reclamation: (pool - held) * B",
+                        "tokens", ("mode",))
+FRAGMENTATION_RATIO = Metric("vtoken:fragmentation_ratio", GAUGE, "1 - live / (held * B)", "ratio",
+                             ("mode",))
+KV_UTILIZATION = Metric("vtoken:kv_utilization", GAUGE, "held / pool", "ratio", ("mode",))
+STATS_AGE_SECONDS = Metric("vtoken:stats_age_seconds", GAUGE,
+                           "Seconds since the engine step these KV numbers come from", "seconds", ("mode",))
+
+# ------------------------------------------ vToken cumulative counters (read from the latest KVSnapshot)
+EVICTED_TOKENS = Metric("vtoken:evicted_tokens", COUNTER, "Tokens evicted by the policy", "tokens",
+                        ("policy",))
+RECLAIMED_BLOCKS = Metric("vtoken:reclaimed_blocks", COUNTER, "Blocks returned to the pool by vToken",
+                          "blocks")
+REPACK_MOVES = Metric("vtoken:repack_moves", COUNTER, "KV slot moves executed by repacks", "moves")
+REPACK_PLANS = Metric("vtoken:repack_plans", COUNTER, "Repack plans executed", "plans")
+
+# --------------------------------------------- vToken SLA series (updated once per finished request)
+REQUESTS = Metric("vtoken:requests", COUNTER, "Finished requests judged against the SLO", "requests")
+SLO_MET = Metric("vtoken:slo_met", COUNTER, "Finished requests that met both TTFT and TPOT SLOs", "requests")
+TTFT_SECONDS = Metric("vtoken:ttft_seconds", HISTOGRAM, "Time to first token of finished requests",
+                      "seconds")
+TPOT_SECONDS = Metric("vtoken:tpot_seconds", HISTOGRAM, "Mean time per output token of finished requests",
+                      "seconds")
+E2E_SECONDS = Metric("vtoken:e2e_seconds", HISTOGRAM, "End-to-end latency of finished requests", "seconds")
+REPACK_SECONDS = Metric("vtoken:repack_seconds", HISTOGRAM, "Duration of one repack plan (interval mean)",
+                        "seconds")
+
+KV_GAUGES = (LIVE_TOKENS, HELD_BLOCKS, PACKING_BOUND_BLOCKS, NAIVE_BLOCKS, POOL_BLOCKS, FREE_KV_TOKENS,
+             FRAGMENTATION_RATIO, KV_UTILIZATION, STATS_AGE_SECONDS)
+KV_COUNTERS = (EVICTED_TOKENS, RECLAIMED_BLOCKS, REPACK_MOVES, REPACK_PLANS)
+SLA_METRICS = (REQUESTS, SLO_MET, TTFT_SECONDS, TPOT_SECONDS, E2E_SECONDS, REPACK_SECONDS)
+VTOKEN_METRICS = KV_GAUGES + KV_COUNTERS + SLA_METRICS  # everything a replica exports, exposition order
+
+# ---------------------------------- vLLM-owned series the router, autoscaler and dashboards read
+NUM_REQUESTS_WAITING = Metric("vllm:num_requests_waiting", GAUGE,
+                              "Number of requests waiting to be processed.", "requests",
+                              ("model_name", "engine"))
+NUM_REQUESTS_RUNNING = Metric("vllm:num_requests_running", GAUGE,
+                              "Number of requests in model execution batches.", "requests",
+                              ("model_name", "engine"))
+VLLM_METRICS = (NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING)
+
+ALL_METRICS = VTOKEN_METRICS + VLLM_METRICS
+
+
+def series_names(metrics: tuple[Metric, ...] = ALL_METRICS) -> frozenset[str]:
+    """Every scraped sample name of ``metrics`` (pure)."""
+    return frozenset(s for m in metrics for s in m.series)
+
+
+# ------------------------------------------------ alert thresholds (dashboards/build.py, k8s/rules.py)
+SLO_TARGET = 0.99  # share of finished requests that must meet the TTFT and TPOT SLOs
+KV_SATURATED = 0.95  # kv_utilization = held / pool above which VTokenKVSaturated fires
+FRAGMENTATION_MAX = 0.5  # fragmentation_ratio above which VTokenKVFragmentationHigh fires (pool busy)
