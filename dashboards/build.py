@@ -3,10 +3,13 @@
     python dashboards/build.py          # rewrite dashboards/vtoken-kv.json and dashboards/vtoken-sla.json
     python dashboards/build.py --check  # exit 1 if the committed JSON differs (tests/cpu/test_dashboards.py)
 
-Every query reads only series a replica exports (vtoken/serve/metrics.py, docs/metrics.md; the queue
-panel reads vLLM's own ``vllm:num_requests_*`` gauges, which the replica exposes unchanged) and filters
-every selector by the ``$deployment`` and ``$replica`` template variables. Import: Grafana → Dashboards →
-New → Import → upload the JSON, pick the Prometheus data source (docs/operations.md).
+Every query reads only series a replica exports, each named through its declaration in
+vtoken/metric_names.py (the queue panel reads vLLM's own ``vllm:num_requests_*`` gauges, which the
+replica exposes unchanged), and filters every selector by the ``$deployment`` and ``$replica`` template
+variables. The panel thresholds are the alert thresholds declared in that module too (k8s/rules.py uses
+the same). Side effect of importing this file: the repository root goes on ``sys.path``, so the
+stdlib-only vtoken/metric_names.py of this checkout is used. Import: Grafana → Dashboards → New →
+Import → upload the JSON, pick the Prometheus data source (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -35,12 +38,13 @@ from grafana_foundation_sdk.models.dashboard import (
 )
 
 OUT = Path(__file__).resolve().parent
+if str(OUT.parent) not in sys.path:
+    sys.path.insert(0, str(OUT.parent))
+from vtoken import metric_names as names  # noqa: E402
+
 DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = 'deployment=~"$deployment", replica=~"$replica"'
 RATE = "$__rate_interval"
-SLO_TARGET = 0.99  # = k8s/rules.py SLO_TARGET (checked by the test)
-KV_SATURATED = 0.95  # = k8s/rules.py KV_SATURATED
-FRAGMENTATION_MAX = 0.5  # = k8s/rules.py FRAGMENTATION_MAX
 QUANTILES = (0.5, 0.95, 0.99)
 
 
@@ -64,25 +68,26 @@ def _panel(kind, title: str, description: str, unit: str, targets: list[prom.Dat
     return panel.reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
 
 
-def _quantiles(metric: str) -> list[prom.Dataquery]:
-    rate = f"rate({metric}_bucket{{{SEL}}}[{RATE}])"
+def _quantiles(metric: names.Metric) -> list[prom.Dataquery]:
+    rate = f"rate({metric.bucket}{{{SEL}}}[{RATE}])"
     return [_q(f"histogram_quantile({q}, sum by (le) ({rate}))", f"p{q * 100:g}") for q in QUANTILES]
 
 
-def _per_replica_rate(metric: str, by: str = "replica") -> prom.Dataquery:
-    return _q(f"sum by ({by}) (rate({metric}{{{SEL}}}[{RATE}]))", "{{" + by + "}}")
+def _per_replica_rate(metric: names.Metric, by: str = "replica") -> prom.Dataquery:
+    return _q(f"sum by ({by}) (rate({metric.total}{{{SEL}}}[{RATE}]))", "{{" + by + "}}")
 
 
 def _dashboard(uid: str, title: str, description: str, rows: list[tuple[str, list]]) -> dict:
+    util = names.KV_UTILIZATION.name  # template variables list the replicas that export it
     dash = (db.Dashboard(title).uid(uid).description(description).tags(["vtoken"]).editable().refresh("30s")
             .time("now-1h", "now").timezone("browser")
             .with_variable(db.DatasourceVariable("datasource").label("Data source").type("prometheus"))
             .with_variable(db.QueryVariable("deployment").label("Deployment").datasource(DS)
-                           .query("label_values(vtoken:kv_utilization, deployment)")
+                           .query(f"label_values({util}, deployment)")
                            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
                            .multi(True).include_all(True).all_value(".*"))
             .with_variable(db.QueryVariable("replica").label("Replica").datasource(DS)
-                           .query('label_values(vtoken:kv_utilization{deployment=~"$deployment"}, replica)')
+                           .query(f'label_values({util}{{deployment=~"$deployment"}}, replica)')
                            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
                            .multi(True).include_all(True).all_value(".*")))
     next_id = 1
@@ -96,54 +101,55 @@ def _dashboard(uid: str, title: str, description: str, rows: list[tuple[str, lis
 
 
 def kv_dashboard() -> dict:
-    held = f"sum(vtoken:held_blocks{{{SEL}}})"
-    naive = f"sum(vtoken:naive_blocks{{{SEL}}})"
+    held = f"sum({names.HELD_BLOCKS.name}{{{SEL}}})"
+    naive = f"sum({names.NAIVE_BLOCKS.name}{{{SEL}}})"
     savings = [
         _panel(timeseries, "KV blocks: vToken vs Naive-Evict vs packing bound",
                "Blocks held with repacking, what the paired Naive-Evict accounting would hold for the same "
                "evictions, the lower bound sum(ceil(live/B)), and the pool.", "none",
                [_q(held, "held (vToken)"), _q(naive, "naive (Naive-Evict)"),
-                _q(f"sum(vtoken:packing_bound_blocks{{{SEL}}})", "packing bound"),
-                _q(f"sum(vtoken:pool_blocks{{{SEL}}})", "pool")], span=16),
+                _q(f"sum({names.PACKING_BOUND_BLOCKS.name}{{{SEL}}})", "packing bound"),
+                _q(f"sum({names.POOL_BLOCKS.name}{{{SEL}}})", "pool")], span=16),
         _panel(stat, "Blocks saved vs Naive-Evict", "1 - held / naive over the selected replicas.",
                "percentunit",
                [_q(f"1 - {held} / clamp_min({naive}, 1)", "saved")], span=8),
         _panel(timeseries, "Live tokens and free KV slots",
                "Live (not evicted) tokens; free slots = (pool - held) * B.", "short",
-               [_q(f"sum(vtoken:live_tokens{{{SEL}}})", "live tokens"),
-                _q(f"sum(vtoken:free_kv_tokens{{{SEL}}})", "free KV slots")], span=24),
+               [_q(f"sum({names.LIVE_TOKENS.name}{{{SEL}}})", "live tokens"),
+                _q(f"sum({names.FREE_KV_TOKENS.name}{{{SEL}}})", "free KV slots")], span=24),
     ]
     replicas = [
         _panel(timeseries, "KV utilization per replica",
-               f"held / pool; VTokenKVSaturated fires above {KV_SATURATED:.0%} for 10 minutes.",
+               f"held / pool; VTokenKVSaturated fires above {names.KV_SATURATED:.0%} for 10 minutes.",
                "percentunit",
-               [_q(f"vtoken:kv_utilization{{{SEL}}}", "{{replica}}")])
-        .min(0).max(1).thresholds(_thresholds((None, "green"), (KV_SATURATED, "red"))),
+               [_q(f"{names.KV_UTILIZATION.name}{{{SEL}}}", "{{replica}}")])
+        .min(0).max(1).thresholds(_thresholds((None, "green"), (names.KV_SATURATED, "red"))),
         _panel(timeseries, "Fragmentation ratio per replica",
                "1 - live / (held * B): share of held slots without a live token.", "percentunit",
-               [_q(f"vtoken:fragmentation_ratio{{{SEL}}}", "{{replica}}")])
-        .min(0).max(1).thresholds(_thresholds((None, "green"), (FRAGMENTATION_MAX, "orange"))),
+               [_q(f"{names.FRAGMENTATION_RATIO.name}{{{SEL}}}", "{{replica}}")])
+        .min(0).max(1).thresholds(_thresholds((None, "green"), (names.FRAGMENTATION_MAX, "orange"))),
     ]
     reclamation = [
         _panel(timeseries, "Reclaimed blocks/s", "Blocks returned to vLLM's pool by vToken.", "short",
-               [_per_replica_rate("vtoken:reclaimed_blocks_total")]),
+               [_per_replica_rate(names.RECLAIMED_BLOCKS)]),
         _panel(timeseries, "Repack moves/s", "KV slot moves executed by repack plans.", "short",
-               [_per_replica_rate("vtoken:repack_moves_total")]),
+               [_per_replica_rate(names.REPACK_MOVES)]),
         _panel(timeseries, "Repack latency", "Duration of one repack plan (p50/p95/p99).", "s",
-               _quantiles("vtoken:repack_seconds")),
+               _quantiles(names.REPACK_SECONDS)),
         _panel(timeseries, "Evicted tokens/s by policy", "Tokens the eviction policy removed.", "short",
-               [_per_replica_rate("vtoken:evicted_tokens_total", by="policy")]),
+               [_per_replica_rate(names.EVICTED_TOKENS, by="policy")]),
     ]
     return _dashboard("vtoken-kv", "vToken / KV cache", "KV savings and reclamation of vToken replicas.",
                       [("KV savings", savings), ("Per replica", replicas), ("Reclamation", reclamation)])
 
 
 def sla_dashboard() -> dict:
-    met, total = "vtoken:slo_met_total", "vtoken:requests_total"
-    attainment = _thresholds((None, "red"), (SLO_TARGET, "green"))
+    met, total = names.SLO_MET.total, names.REQUESTS.total
+    attainment = _thresholds((None, "red"), (names.SLO_TARGET, "green"))
     sla = [
         _panel(stat, "SLA attainment (time range)",
-               f"Finished requests meeting the TTFT and TPOT SLOs; target {SLO_TARGET:.0%}.", "percentunit",
+               f"Finished requests meeting the TTFT and TPOT SLOs; target {names.SLO_TARGET:.0%}.",
+               "percentunit",
                [_q(f"sum(increase({met}{{{SEL}}}[$__range])) / sum(increase({total}{{{SEL}}}[$__range]))",
                    "attainment")], span=6).thresholds(attainment),
         _panel(timeseries, "SLA attainment, overall and per replica", "slo_met / requests.", "percentunit",
@@ -154,16 +160,17 @@ def sla_dashboard() -> dict:
     ]
     latency = [
         _panel(timeseries, "Time to first token", "TTFT of finished requests (p50/p95/p99).", "s",
-               _quantiles("vtoken:ttft_seconds")),
+               _quantiles(names.TTFT_SECONDS)),
         _panel(timeseries, "Time per output token", "Mean TPOT of finished requests (p50/p95/p99).", "s",
-               _quantiles("vtoken:tpot_seconds")),
+               _quantiles(names.TPOT_SECONDS)),
     ]
     load = [
         _panel(timeseries, "Finished requests/s per replica", "Requests judged against the SLO.", "reqps",
-               [_per_replica_rate(total)]),
+               [_per_replica_rate(names.REQUESTS)]),
         _panel(timeseries, "Queue per replica", "vLLM's waiting and running requests per engine.",
-               "short", [_q(f"sum by (replica) (vllm:num_requests_{s}{{{SEL}}})", f"{s} {{{{replica}}}}")
-                         for s in ("waiting", "running")]),
+               "short", [_q(f"sum by (replica) ({m.name}{{{SEL}}})", f"{s} {{{{replica}}}}")
+                         for m, s in ((names.NUM_REQUESTS_WAITING, "waiting"),
+                                      (names.NUM_REQUESTS_RUNNING, "running"))]),
     ]
     return _dashboard("vtoken-sla", "vToken / SLA", "SLA attainment, latency and load of vToken replicas.",
                       [("SLA attainment", sla), ("Latency", latency), ("Load", load)])

@@ -1,4 +1,4 @@
-"""Render vToken's Kubernetes manifests from the checked-in Serve config (pyyaml + stdlib; no vtoken import).
+"""Render vToken's Kubernetes manifests from the checked-in Serve config (pyyaml + stdlib + this checkout).
 
     python k8s/render.py            # rewrite k8s/rayservice.yaml, podmonitor.yaml, prometheusrule.yaml
     python k8s/render.py --check    # exit 1 naming the files that differ from what would be rendered
@@ -16,6 +16,10 @@ exactly two cluster changes, both in ``serve_config_v2`` below and nowhere else:
 The GPU worker group's min/max replicas are the Serve deployment's autoscaling bounds (or its fixed
 ``num_replicas``). tests/cpu/test_k8s.py checks that the committed files equal this rendering, that
 undoing the two changes gives deploy/serve_config.yaml back, and validates everything against the CRDs.
+
+Side effect of importing this file: k8s/ and the repository root go on ``sys.path`` (for k8s/rules.py and
+the stdlib-only vtoken/metric_names.py it imports; no other vtoken module is imported, so no installed
+vtoken is needed).
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+for _path in (str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+del _path
 from rules import METRICS_PORT_NAME, SCRAPE_JOB, prometheus_rule  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

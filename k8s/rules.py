@@ -1,4 +1,9 @@
-"""vToken's Prometheus alerts (rendered into k8s/prometheusrule.yaml by k8s/render.py; no vtoken import).
+"""vToken's Prometheus alerts (rendered into k8s/prometheusrule.yaml by k8s/render.py).
+
+The only vtoken import is vtoken/metric_names.py (standard library only): every metric name and the
+thresholds SLO_TARGET, KV_SATURATED and FRAGMENTATION_MAX come from there, the same declarations the
+exporter (vtoken/serve/metrics.py) and the dashboards use. k8s/render.py puts the repository root on
+``sys.path`` before importing this file, so rendering needs pyyaml and the checkout, not an installed vtoken.
 
 Every expression uses only names a replica exports (vtoken/serve/metrics.py, docs/metrics.md) plus
 Prometheus' own ``up`` for the scrape target; tests/cpu/test_k8s.py checks that, parses each expression
@@ -14,7 +19,9 @@ the error budget is 1 - T; an alert needs the error ratio above ``factor * (1 - 
 
 from __future__ import annotations
 
-SLO_TARGET = 0.99  # share of finished requests that must meet the TTFT and TPOT SLOs
+from vtoken import metric_names as names
+from vtoken.metric_names import FRAGMENTATION_MAX, KV_SATURATED, SLO_TARGET
+
 SCRAPE_JOB = "vtoken"  # the PodMonitor relabels job to this (k8s/render.py)
 METRICS_PORT_NAME = "vtoken-metrics"  # container port name = PodMonitor endpoint label
 RUNBOOK = "docs/operations.md#{anchor}"
@@ -25,15 +32,15 @@ BURN_ALERTS = (
     ("VTokenSLOBurnFast", "critical", "1h", "5m", 14.4, "2m"),  # 2% of a 30-day budget in 1 h
     ("VTokenSLOBurnSlow", "warning", "6h", "30m", 6.0, "15m"),  # 5% of a 30-day budget in 6 h
 )
-FRAGMENTATION_MAX = 0.5  # share of held KV slots without a live token ...
-FRAGMENTATION_WHEN_KV_ABOVE = 0.5  # ... while the pool is this full (empty pools fragment harmlessly)
-KV_SATURATED = 0.95  # kv_utilization = held / pool
+# VTokenKVFragmentationHigh: fragmentation_ratio > FRAGMENTATION_MAX while the pool is this full
+# (empty pools fragment harmlessly); rules only, the dashboards do not draw it.
+FRAGMENTATION_WHEN_KV_ABOVE = 0.5
 
 
 def error_ratio(window: str) -> str:
     """Share of finished requests that missed the SLO over ``window`` (NaN without traffic: no alert)."""
-    return (f"1 - sum by ({SLO_BY}) (rate(vtoken:slo_met_total[{window}]))\n"
-            f"  / sum by ({SLO_BY}) (rate(vtoken:requests_total[{window}]))")
+    return (f"1 - sum by ({SLO_BY}) (rate({names.SLO_MET.total}[{window}]))\n"
+            f"  / sum by ({SLO_BY}) (rate({names.REQUESTS.total}[{window}]))")
 
 
 def _threshold(factor: float) -> str:
@@ -64,14 +71,14 @@ def slo_rules() -> list[dict]:
 def kv_rules() -> list[dict]:
     return [
         _alert("VTokenKVFragmentationHigh",
-               f"vtoken:fragmentation_ratio > {FRAGMENTATION_MAX}\n"
-               f"and\nvtoken:kv_utilization > {FRAGMENTATION_WHEN_KV_ABOVE}\n",
+               f"{names.FRAGMENTATION_RATIO.name} > {FRAGMENTATION_MAX}\n"
+               f"and\n{names.KV_UTILIZATION.name} > {FRAGMENTATION_WHEN_KV_ABOVE}\n",
                "warning", "15m",
                "vToken KV fragmentation high on replica {{ $labels.replica }}",
                "{{ $value | humanizePercentage }} of the KV slots held by replica {{ $labels.replica }} "
                f"(mode {{{{ $labels.mode }}}}) hold no live token while its pool is over "
                f"{FRAGMENTATION_WHEN_KV_ABOVE:.0%} full."),
-        _alert("VTokenKVSaturated", f"vtoken:kv_utilization > {KV_SATURATED}\n", "warning", "10m",
+        _alert("VTokenKVSaturated", f"{names.KV_UTILIZATION.name} > {KV_SATURATED}\n", "warning", "10m",
                "vToken KV cache saturated on replica {{ $labels.replica }}",
                "Replica {{ $labels.replica }} holds {{ $value | humanizePercentage }} of its KV blocks "
                "for 10 minutes; new requests queue or preempt."),

@@ -1,5 +1,5 @@
-"""Helpers for the operations tests (test_k8s.py, test_dashboards.py): CRD schemas as JSON Schema, the
-metric names the app really exports, PromQL selectors, promtool.
+"""Helpers for the operations tests (test_k8s.py, test_dashboards.py, test_serve_metrics.py): CRD schemas as
+JSON Schema, the metric names the app really exports, PromQL selectors, promtool.
 """
 
 from __future__ import annotations
@@ -122,9 +122,10 @@ def schema_errors(file_name: str, obj: dict) -> list[str]:
 
 # ------------------------------------------------------------------------------------ exported names
 @lru_cache(maxsize=1)
-def exposition() -> dict[str, dict]:
-    """Sample name -> labels of one sample, from the replica's real exposition code (vtoken/serve/metrics.py)
-    after one KV snapshot, one repack plan and one finished request — the ``vtoken:*`` names as scraped."""
+def exposition_families() -> tuple:
+    """The metric families the replica's real exposition code (vtoken/serve/metrics.py ``ReplicaMetrics``
+    and its labelled view) writes after one KV snapshot, one repack plan and one finished request, parsed
+    back from ``generate_latest`` text — the ``vtoken:*`` names exactly as scraped. No vLLM in it."""
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -137,8 +138,12 @@ def exposition() -> dict[str, dict]:
                              include_process_registry=False)
     sink.put(KVSnapshot(96, 4, 3, 6, 63, 32, 1, 0, 12, 3, 9, 0.004, 2))
     sink.finished(RequestLatency(0.2, 0.05, 1.0, 10, "length"))
-    text = generate_latest(metrics.view).decode()
-    return {s.name: s.labels for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return tuple(text_string_to_metric_families(generate_latest(metrics.view).decode()))
+
+
+def exposition() -> dict[str, dict]:
+    """Sample name -> labels of one sample, from ``exposition_families()``."""
+    return {s.name: s.labels for fam in exposition_families() for s in fam.samples}
 
 
 @lru_cache(maxsize=1)
@@ -154,7 +159,13 @@ def vllm_metric_names() -> frozenset[str]:
 
 
 def exported_names() -> set[str]:
-    return set(exposition()) | set(vllm_metric_names())
+    """What a dashboard or alert may read: every sample name the real exporter writes (not the declarations
+    of vtoken/metric_names.py, so a name that is declared but not exported still fails), plus the series of
+    the vLLM metrics declared there (the replica relays vLLM's registry unchanged; test_serve_metrics.py
+    checks that the installed vLLM defines them)."""
+    from vtoken.metric_names import VLLM_METRICS, series_names
+
+    return set(exposition()) | set(series_names(VLLM_METRICS))
 
 
 # ---------------------------------------------------------------------------------------------- PromQL

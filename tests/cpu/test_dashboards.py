@@ -14,6 +14,8 @@ import httpx
 import pytest
 from ops_support import ROOT, exported_names, load_module, promtool_check_exprs, selectors
 
+from vtoken import metric_names as mn
+
 build = load_module(ROOT / "dashboards" / "build.py")
 rules = load_module(ROOT / "k8s" / "rules.py")
 MODELS = build.dashboards()
@@ -65,8 +67,19 @@ def test_dashboards_cover_the_kv_and_sla_series_and_share_the_alert_thresholds()
     quantiles = [e for _, _, e in all_queries() if "histogram_quantile" in e]
     found = {float(q) for e in quantiles for q in re.findall(r"histogram_quantile\(([\d.]+)", e)}
     assert found == {0.5, 0.95, 0.99}
-    assert (build.SLO_TARGET, build.KV_SATURATED, build.FRAGMENTATION_MAX) == \
-        (rules.SLO_TARGET, rules.KV_SATURATED, rules.FRAGMENTATION_MAX)
+    # the panel thresholds and the alert expressions use the thresholds declared in vtoken/metric_names.py
+    steps = {p["title"]: {s["value"] for s in p["fieldConfig"]["defaults"]["thresholds"]["steps"]} - {None}
+             for model in MODELS.values() for p in model["panels"]
+             if "thresholds" in p.get("fieldConfig", {}).get("defaults", {})}
+    assert steps == {"KV utilization per replica": {mn.KV_SATURATED},
+                     "Fragmentation ratio per replica": {mn.FRAGMENTATION_MAX},
+                     "SLA attainment (time range)": {mn.SLO_TARGET},
+                     "SLA attainment, overall and per replica": {mn.SLO_TARGET}}
+    exprs = {r["alert"]: r["expr"] for r in rules.kv_rules()}
+    assert f"{mn.KV_UTILIZATION.name} > {mn.KV_SATURATED}\n" == exprs["VTokenKVSaturated"]
+    fragmentation = f"{mn.FRAGMENTATION_RATIO.name} > {mn.FRAGMENTATION_MAX}\n"
+    assert exprs["VTokenKVFragmentationHigh"].startswith(fragmentation)
+    assert all(f"target {mn.SLO_TARGET:.0%}" in r["annotations"]["description"] for r in rules.slo_rules())
 
 
 def test_every_panel_promql_parses_with_promtool(tmp_path):

@@ -1,4 +1,5 @@
-"""KV snapshots from scheduler stats, SLA accounting and the per-replica Prometheus exposition."""
+"""KV snapshots from scheduler stats, SLA accounting, the per-replica Prometheus exposition, and the metric
+declarations of vtoken/metric_names.py against what that exposition really writes."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from ops_support import exposition, exposition_families, vllm_metric_names
 from prometheus_client.parser import text_string_to_metric_families
 
+from vtoken import metric_names as names
 from vtoken.serve.local import free_port
 from vtoken.serve.metrics import ReplicaMetrics, start_metrics_server
 from vtoken.serve.sla import RequestLatency, SloTargets, latency_of, meets_slo
@@ -174,3 +177,49 @@ def test_busy_metrics_port_falls_back_to_the_next_one():
         finally:
             server.shutdown()
             server.server_close()
+
+
+# ------------------------------------------------- vtoken/metric_names.py against the real exporter
+def test_exporter_writes_exactly_the_declared_vtoken_metrics_with_their_kind_help_and_labels():
+    """Both directions: every ``vtoken:*`` sample the real exporter writes is declared in
+    vtoken/metric_names.py, and every declared ``vtoken:*`` series is really written."""
+    families = {f.name: f for f in exposition_families() if not f.name.endswith("_created")}
+    exported = {s.name for fam in families.values() for s in fam.samples}
+    declared = names.series_names(names.VTOKEN_METRICS)
+    assert sorted(exported - declared) == [], "exported but not declared in vtoken/metric_names.py"
+    assert sorted(declared - exported) == [], "declared in vtoken/metric_names.py but not exported"
+    assert {m.owner for m in names.VTOKEN_METRICS} == {"vtoken"}
+    assert {m.owner for m in names.VLLM_METRICS} == {"vllm"}
+    assert len({m.name for m in names.ALL_METRICS}) == len(names.ALL_METRICS)
+    for metric in names.VTOKEN_METRICS:
+        (fam,) = [f for f in families.values() if metric.series[0] in {s.name for s in f.samples}]
+        assert (fam.type, fam.documentation) == (metric.kind, metric.help), metric.name
+        own = {k for s in fam.samples for k in s.labels} - set(names.REPLICA_LABELS) - {"le"}
+        assert own == set(metric.labels), metric.name
+        assert all(set(names.REPLICA_LABELS) <= s.labels.keys() for s in fam.samples), metric.name
+
+
+def test_declared_vllm_metrics_are_defined_by_the_installed_vllm():
+    """The vLLM-owned names the router, autoscaler and dashboards read exist in vLLM's stat logger."""
+    assert sorted(names.series_names(names.VLLM_METRICS) - vllm_metric_names()) == []
+
+
+def test_router_and_autoscaler_keys_are_declared_and_exported_names():
+    from vtoken.serve.stats import AUTOSCALING_KEYS, StatsSink, routing_stats
+
+    keys = {k for k in (*routing_stats(StatsSink().latest, 0.0), *AUTOSCALING_KEYS) if ":" in k}
+    assert keys and sorted(keys - names.series_names()) == []
+    assert sorted({k for k in keys if k.startswith("vtoken:")} - set(exposition())) == []
+
+
+def test_metric_declarations_give_the_scraped_series_names():
+    assert names.EVICTED_TOKENS.total == "vtoken:evicted_tokens_total"
+    assert names.TTFT_SECONDS.series == ("vtoken:ttft_seconds_bucket", "vtoken:ttft_seconds_sum",
+                                         "vtoken:ttft_seconds_count")
+    assert names.KV_UTILIZATION.series == ("vtoken:kv_utilization",)
+    with pytest.raises(ValueError, match="not a counter"):
+        _ = names.KV_UTILIZATION.total
+    with pytest.raises(ValueError, match="kind"):
+        names.Metric("vtoken:x", "summary", "x")
+    with pytest.raises(ValueError, match="_total"):
+        names.Metric("vtoken:x_total", names.COUNTER, "x")
