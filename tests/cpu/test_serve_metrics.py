@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from ops_support import exposition, exposition_families, vllm_metric_names
+from ops_support import ROOT, exposition, exposition_families, vllm_metric_names
 from prometheus_client.parser import text_string_to_metric_families
 
 from vtoken import metric_names as names
@@ -210,6 +210,11 @@ def test_router_and_autoscaler_keys_are_declared_and_exported_names():
     keys = {k for k in (*routing_stats(StatsSink().latest, 0.0), *AUTOSCALING_KEYS) if ":" in k}
     assert keys and sorted(keys - names.series_names()) == []
     assert sorted({k for k in keys if k.startswith("vtoken:")} - set(exposition())) == []
+
+
+def test_docs_metrics_md_lists_every_declared_metric():
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    assert [m.name for m in names.ALL_METRICS if f"`{m.series[0]}`" not in text] == []
 
 
 def test_metric_declarations_give_the_scraped_series_names():
