@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import typer
 
-from vtoken.models.cli import model_app, trace_app  # light: heavy deps are imported lazily
+from vtoken.models.cli import model_app  # light: heavy deps are imported lazily
 from vtoken.bench.cli import bench_app
 from vtoken.serve.cli import serve_app
 from vtoken.sim.cli import simulate
-from vtoken.vllm.verify import verify
+from vtoken.sim.trace_cli import trace_app
+from vtoken.vllm.verify_cli import verify
 
 app = typer.Typer(
     name="vtoken",
@@ -41,10 +42,10 @@ def policies() -> None:
 
 
 app.command("simulate")(simulate)
-app.command("verify")(verify)  # vtoken/vllm/verify.py (vLLM/transformers imported only when it runs)
+app.command("verify")(verify)  # vtoken/vllm/verify_cli.py (vLLM/transformers imported only when it runs)
 app.add_typer(bench_app, name="bench")
 app.add_typer(model_app, name="model")
-app.add_typer(trace_app, name="trace")
+app.add_typer(trace_app, name="trace")  # vtoken/sim/trace_cli.py
 app.add_typer(serve_app, name="serve")  # vtoken/serve/cli.py (Ray/vLLM imported only when it runs)
 
 

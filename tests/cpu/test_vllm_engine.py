@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from vtoken.vllm.launch import start_engine
 from vtoken.vllm.trace import RequestTrace
-from vtoken.vllm.verify import VerifyCase, reference_scores, run_cases, start_engine
+from vtoken.vllm.verify import VerifyCase, reference_scores, run_cases
 
 pytestmark = pytest.mark.slow
 

@@ -36,7 +36,7 @@ def test_vllm_console_script_written_by_make_install_starts(tmp_path):
     import subprocess
     import sys
 
-    from vtoken.serve.vllm_cli import write_console_script
+    from vtoken.vllm.console import write_console_script
 
     script = write_console_script(tmp_path)
     assert script == tmp_path / "vllm" and script.read_text().startswith(f"#!{sys.executable}\n")

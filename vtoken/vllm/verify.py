@@ -1,38 +1,35 @@
-"""The fidelity oracle: vToken in vLLM versus Hugging Face transformers with exactly the same keys masked.
+"""The fidelity check: vToken in vLLM versus Hugging Face transformers with exactly the same keys masked.
 
-``vtoken verify --model PATH --policy P --budget F --mode M --block-size B --seed S --json``
+Library API (the ``vtoken verify`` command is ``vtoken/vllm/verify_cli.py``; engines come from
+``vtoken/vllm/launch.py``):
 
-1. Runs greedy generation in vLLM (in-process engine, fp32, vToken on) for the requested mode and, paired
-   with it, ``naive`` (same prompt, same policy, same salt ⇒ the same eviction decisions). Every request
-   writes a trace: which tokens each forward step could see (``vtoken.vllm.trace``).
-2. Replays each trace through the HF model (eager attention, fp32; ``vtoken.models.hf_reference``): one
-   teacher-forced forward per epoch with the trace's visibility mask.
-3. Reports ``match`` (vLLM's greedy tokens == the masked model's argmax at every step),
-   ``max_abs_logprob_diff`` (|vLLM's log-prob − HF's| of each generated token), ``steps``,
+1. ``run_cases`` runs greedy generation in vLLM (in-process engine, fp32, vToken on) for each case as
+   concurrent requests in one engine (per-request settings via ``SamplingParams.extra_args``). A ``naive``
+   case paired with another mode (same prompt, same policy, same salt) makes the same eviction decisions.
+   Every request writes a trace: which tokens each forward step could see (``vtoken.vllm.trace``).
+2. ``reference_scores`` replays each trace through the HF model (eager attention, fp32;
+   ``vtoken.models.hf_reference``): one teacher-forced forward per epoch with the trace's visibility mask.
+3. Each ``VerifyResult`` reports ``match`` (vLLM's greedy tokens == the masked model's argmax at every
+   step), ``max_abs_logprob_diff`` (|vLLM's log-prob − HF's| of each generated token), ``steps``,
    ``evicted_tokens``, ``retained_blocks_mean`` / ``packing_bound_mean`` / ``naive_blocks_mean`` (per
    scheduled step, from vLLM's own pool), and ``paired_naive_match`` (identical tokens to the naive run).
 
-``run_cases`` is the library entry: one engine, many (policy, mode, budget) cases as concurrent requests
-(per-request settings via ``SamplingParams.extra_args``), which is what the test matrix uses.
+Side effects: ``run_cases`` starts an engine unless given one (writing traces to a temporary directory it
+removes) and loads the HF reference model unless given one; ``make_prompt`` loads the tokenizer. Importing
+this module imports nothing heavy (vLLM/transformers are imported when these run).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import shlex
-import sys
 import tempfile
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated
 
 import numpy as np
-import typer
 
-from vtoken.core.config import Budget, ConfigError, Mode, VTokenConfig
+from vtoken.core.config import Budget, Mode, VTokenConfig
+from vtoken.vllm.launch import start_engine
 
 PROSE = (
     "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
@@ -158,7 +155,8 @@ def run_cases(
     requests = []
     for c in cases:
         extra = {"vtoken": {"policy": c.policy, "mode": Mode.parse(c.mode).value, "budget": c.budget,
-                            "trace_id": c.key(), "sinks": sinks, "recent": recent, "seed": seed, "salt": salt}}
+                            "trace_id": c.key(), "sinks": sinks, "recent": recent, "seed": seed,
+                            "salt": salt}}
         requests.append(SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, seed=seed,
                                        ignore_eos=True, extra_args=extra))
     outs = llm.generate([{"prompt_token_ids": list(prompt)}] * len(cases), requests, use_tqdm=False)
@@ -188,7 +186,8 @@ def run_cases(
                 tokens=tokens,
             )
         )
-    by_policy_naive = {(r.case.policy, r.case.budget): r.tokens for r in results if Mode.parse(r.case.mode) is Mode.NAIVE}
+    by_policy_naive = {(r.case.policy, r.case.budget): r.tokens
+                       for r in results if Mode.parse(r.case.mode) is Mode.NAIVE}
     for r in results:
         naive = by_policy_naive.get((r.case.policy, r.case.budget))
         if naive is not None:
@@ -196,120 +195,3 @@ def run_cases(
     if tmp is not None:
         tmp.cleanup()
     return results
-
-
-@contextlib.contextmanager
-def scoped_env(**values: str):
-    """Set environment variables for the ``with`` body only (vLLM reads these when an engine is built).
-
-    vLLM memoises its environment once an engine core starts (``vllm.envs.enable_envs_cache``); the cache
-    is cleared on entry and exit so this engine sees ``values`` and later engines see the real environment.
-    """
-    import vllm.envs as envs
-
-    old = {k: os.environ.get(k) for k in values}
-    envs.disable_envs_cache()
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        envs.disable_envs_cache()
-
-
-def start_engine(model: str, block_size: int, trace_dir: str, *, sinks: int = 4, recent: int = 16, seed: int = 0,
-                 max_model_len: int = 1024, **kwargs):
-    """An in-process fp32 vLLM engine with vToken on (hooks enabled; policies come per request).
-
-    In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with a 1 GiB KV pool unless the caller's environment
-    says otherwise; the environment is only changed while the engine is built."""
-    from vllm import LLM
-
-    from vtoken.vllm import engine_kwargs
-
-    cfg = VTokenConfig(policy="h2o", budget=0.5, mode="repack", block_size=block_size, sinks=sinks, recent=recent,
-                       seed=seed)
-    kw = engine_kwargs(cfg, trace_dir=trace_dir, check=True)
-    kw.update(kwargs)
-    kw.setdefault("enable_prefix_caching", False)  # paired requests share a prompt: keep their blocks private
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    with scoped_env(**env):
-        return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=seed,
-                   gpu_memory_utilization=0.5, **kw)
-
-
-# ---------------------------------------------------------------------------------------------- CLI
-def verify(
-    model: Annotated[str, typer.Option(help="default | tiny-llama | tiny-qwen2 | PATH to an HF checkpoint")] = "tiny-llama",
-    policy: Annotated[str, typer.Option(help="eviction policy (see `vtoken policies`)")] = "h2o",
-    budget: Annotated[str, typer.Option(help="fraction in (0, 1] or a token count")] = "0.3",
-    mode: Annotated[str, typer.Option(help="naive | repack | reuse+repack")] = "repack",
-    block_size: Annotated[int, typer.Option("--block-size", help="KV block size (multiple of 32 on CPU)")] = 32,
-    seed: Annotated[int, typer.Option(help="seed (random policy, vLLM)")] = 0,
-    prompt_len: Annotated[int, typer.Option("--prompt-len", help="prompt tokens")] = 160,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="generated tokens")] = 24,
-    sinks: Annotated[int, typer.Option(help="protected first tokens")] = 4,
-    recent: Annotated[int, typer.Option(help="protected last tokens")] = 16,
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
-) -> None:
-    """Run vToken in vLLM, replay through HF with the same keys masked, and compare (exit 1 on mismatch)."""
-    from vtoken.models.default import resolve_model
-
-    from vtoken.vllm import engine_kwargs
-
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the report
-    try:
-        b = Budget.parse(budget)
-        m = Mode.parse(mode)
-        if not m.evicts:
-            raise ConfigError("mode 'none' evicts nothing; verify one of: naive, repack, reuse+repack")
-        cfg = VTokenConfig(policy=policy, budget=b, mode=m, block_size=block_size, sinks=sinks, recent=recent,
-                           seed=seed)
-        engine_kwargs(cfg)  # also checks the block size against the installed vLLM
-        path = resolve_model(model)
-    except (ConfigError, ValueError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    bval = b.count if b.count is not None else b.fraction
-    cases = [VerifyCase(policy, m.value, bval)]
-    if m is not Mode.NAIVE:
-        cases.append(VerifyCase(policy, Mode.NAIVE.value, bval))
-    from rich.console import Console
-
-    with Console(stderr=True).status(f"verifying {policy} {m.value} (+ paired naive) in vLLM and HF …"):
-        results = run_cases(path, block_size, cases, prompt_len=prompt_len, max_tokens=max_tokens, sinks=sinks,
-                            recent=recent, seed=seed)
-    main, naive = results[0], results[-1]
-    report = {
-        "command": "vtoken " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "model": str(path),
-        "policy": policy,
-        "budget": str(b),
-        "mode": m.value,
-        "block_size": block_size,
-        "seed": seed,
-        "match": main.match,
-        "max_abs_logprob_diff": main.max_abs_logprob_diff,
-        "steps": main.steps,
-        "evicted_tokens": main.evicted_tokens,
-        "moves": main.moves,
-        "retained_blocks_mean": main.retained_blocks_mean,
-        "packing_bound_mean": main.packing_bound_mean,
-        "naive_blocks_mean": main.naive_blocks_mean,
-        "paired_naive_match": True if m is Mode.NAIVE else main.tokens == naive.tokens,
-        "paired_naive_retained_blocks_mean": naive.retained_blocks_mean,
-        "naive_match": naive.match,
-        "naive_max_abs_logprob_diff": naive.max_abs_logprob_diff,
-    }
-    if as_json:
-        typer.echo(json.dumps(report))
-    else:
-        for k, v in report.items():
-            typer.echo(f"{k:36s} {v}")
-    ok = report["match"] and report["paired_naive_match"] and report["naive_match"]
-    raise typer.Exit(0 if ok else 1)

