@@ -131,12 +131,16 @@ def exposition_families() -> tuple:
 
     from vtoken.serve.metrics import ReplicaMetrics
     from vtoken.serve.sla import RequestLatency, SloTargets
-    from vtoken.serve.stats import KVSnapshot, StatsSink
+    from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
+    from vtoken.serve.stats import StatsSink
 
     sink = StatsSink()
     metrics = ReplicaMetrics(sink, SloTargets.from_ms(1000, 100), "h2o", "repack", REPLICA_LABELS,
                              include_process_registry=False)
-    sink.put(KVSnapshot(96, 4, 3, 6, 63, 32, 1, 0, 12, 3, 9, 0.004, 2))
+    sink.put(KVSnapshot(live_tokens=96, held_blocks=4, packing_bound_blocks=3, naive_blocks=6, pool_blocks=63,
+                        block_size=32, num_running=1,
+                        counters=ReclaimCounters(evicted_tokens=12, reclaimed_blocks=3, repack_moves=9,
+                                                 repack_seconds=0.004, repack_plans=2)))
     sink.finished(RequestLatency(0.2, 0.05, 1.0, 10, "length"))
     return tuple(text_string_to_metric_families(generate_latest(metrics.view).decode()))
 

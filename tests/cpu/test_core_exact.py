@@ -181,7 +181,7 @@ def test_config_errors_name_the_value(kwargs, needle):
 
 
 def test_derived_gauges():
-    from vtoken.core.gauges import fragmentation_ratio, kv_utilization
+    from vtoken.core.kvstats import fragmentation_ratio, kv_utilization
 
     assert fragmentation_ratio(live_tokens=6, held_blocks=3, block_size=4) == 0.5  # ARCHITECTURE §1 naive
     assert fragmentation_ratio(6, 2, 4) == 0.25  # packed

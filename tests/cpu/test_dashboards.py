@@ -117,14 +117,14 @@ class Replica:
 
     def tick(self) -> None:
         from vtoken.serve.sla import RequestLatency
-        from vtoken.serve.stats import KVSnapshot
+        from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
 
         i = self.step = self.step + 1
         self.sink.put(KVSnapshot(live_tokens=90 + i % 7, held_blocks=4, packing_bound_blocks=3,
                                  naive_blocks=6, pool_blocks=63, block_size=32, num_running=1,
-                                 evicted_tokens_total=10 * i,
-                                 reclaimed_blocks_total=i, repack_moves_total=5 * i,
-                                 repack_seconds_total=0.001 * i, num_plans=i))
+                                 counters=ReclaimCounters(evicted_tokens=10 * i, reclaimed_blocks=i,
+                                                          repack_moves=5 * i, repack_seconds=0.001 * i,
+                                                          repack_plans=i)))
         self.sink.finished(RequestLatency(0.2 if i % 3 else 3.0, 0.05, 1.0, 10, "length"))
 
 

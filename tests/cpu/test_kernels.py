@@ -139,9 +139,9 @@ def test_score_accumulator_reads_the_row_through_the_block_table():
     out = acc.finish()["r"]
     keys = torch.cat([k[:32], k[32:40]])  # row slots 0..39 = block 3 then block 1
     ref = attention_probs(q, keys, 0.1)[0].double().numpy()
-    assert np.allclose(out["attn_sum"], ref, atol=1e-6) and np.allclose(out["attn_last"], ref, atol=1e-6)
-    assert out["bits"].dtype == np.uint64 and out["n_q"] == 1
-    assert np.allclose(out["key_norm"], key.norm(dim=-1).mean().item(), atol=1e-6)
+    assert np.allclose(out.accumulated, ref, atol=1e-6) and np.allclose(out.last, ref, atol=1e-6)
+    assert out.unimportant.dtype == np.uint64 and out.n_queries == 1
+    assert np.allclose(out.key_norm, key.norm(dim=-1).mean().item(), atol=1e-6)
 
 
 def test_score_accumulator_decode_batch_equals_one_by_one():
@@ -164,8 +164,8 @@ def test_score_accumulator_decode_batch_equals_one_by_one():
         return acc.finish()
 
     together = run({"a", "b", "c", "d"})
-    assert together["a"]["n_q"] == 1 and together["c"]["n_q"] == 3
+    assert together["a"].n_queries == 1 and together["c"].n_queries == 3
     for name in "abcd":
         alone = run({name})[name]
-        for f in ("attn_sum", "attn_last", "bits"):
-            assert np.allclose(together[name][f], alone[f], atol=1e-6), (name, f)
+        for f in ("accumulated", "last", "unimportant"):
+            assert np.allclose(getattr(together[name], f), getattr(alone, f), atol=1e-6), (name, f)

@@ -27,7 +27,7 @@ def run(policy: str, mode: Mode, source, r: int = 0):
     m.add_request(rid)
     m.place(rid, P, source.key_norm[r, :P])
     total, last, bits = source.prefill(P, need_bits=True)
-    m.observe(rid, StepScores(np.arange(P), total[r], last[r], bits[r], P))
+    m.observe(rid, StepScores(np.arange(P), P, total[r], last[r], bits[r]))
     history = []
     for d in range(M):
         n = P + d
@@ -35,7 +35,7 @@ def run(policy: str, mode: Mode, source, r: int = 0):
         t = m.tables[rid]
         live = t.live_logicals()
         a = source.attention_row(r, n, live)
-        m.observe(rid, StepScores(live, a, a, (a < 1 / (n + 1)).astype(np.uint64), 1))
+        m.observe(rid, StepScores(live, 1, a, a, (a < 1 / (n + 1)).astype(np.uint64)))
         check_integrity(m, dense=True)
         assert plan.num_moves == plan.slot_plan.lower_bound
         history.append((live.copy(), len(m.rows[rid])))
@@ -88,18 +88,18 @@ def test_every_policy_cites_its_paper_and_is_small(policy):
 
 def test_select_orders_by_score_then_age():
     policy = make_policy("streamingllm")
-    from vtoken.policies.base import EvictionContext
+    from vtoken.policies.context import EvictionContext
 
     logical = np.arange(10)
     z = np.zeros(10)
-    ctx = EvictionContext(logical, z, z, np.zeros(10, np.uint64), z, 10, 0)
+    ctx = EvictionContext(logical, 10, 0, z, z, np.zeros(10, np.uint64), z)
     evictable = np.ones(10, bool)
     evictable[:2] = False
     assert policy.select(ctx, 3, evictable).tolist() == [2, 3, 4]
     h2o = make_policy("h2o")
     assert h2o.select(ctx, 2, evictable).tolist() == [2, 3]  # all tied: oldest first
-    batch = EvictionContext(np.stack([logical] * 2), np.stack([z] * 2), np.stack([z] * 2),
-                            np.zeros((2, 10), np.uint64), np.stack([z] * 2), 10, np.array([[0], [1]]))
+    batch = EvictionContext(np.stack([logical] * 2), 10, np.array([[0], [1]]), np.stack([z] * 2),
+                            np.stack([z] * 2), np.zeros((2, 10), np.uint64), np.stack([z] * 2))
     mask = h2o.select_batch(batch, np.array([2, 2]), np.stack([evictable] * 2))
     assert np.flatnonzero(mask[0]).tolist() == [2, 3]
     mask = h2o.select_batch(batch, np.array([6, 6]), np.stack([evictable] * 2))
@@ -107,9 +107,9 @@ def test_select_orders_by_score_then_age():
 
 
 def test_non_finite_scores_are_rejected():
-    from vtoken.policies.base import EvictionContext
+    from vtoken.policies.context import EvictionContext
 
     bad = np.array([0.0, np.nan, 1.0])
-    ctx = EvictionContext(np.arange(3), bad, bad, np.zeros(3, np.uint64), bad, 3, 0)
+    ctx = EvictionContext(np.arange(3), 3, 0, bad, bad, np.zeros(3, np.uint64), bad)
     with pytest.raises(ValueError, match="non-finite"):
         make_policy("h2o").select(ctx, 1, np.ones(3, bool))

@@ -62,7 +62,7 @@ def test_load_from_inline_json_yaml_file_and_env(tmp_path, monkeypatch):
     path = tmp_path / "serve.yaml"
     path.write_text("model: tiny-llama\nvtoken:\n  policy: tova\n  budget: 128\n")
     cfg = ServeAppConfig.load(path)
-    assert (cfg.vtoken.policy, cfg.core.budget.count) == ("tova", 128)
+    assert (cfg.vtoken.policy, cfg.vtoken.budget.count) == ("tova", 128)
     monkeypatch.setenv("VTOKEN_SERVE_CONFIG", json.dumps({"vtoken": {"mode": "naive"}}))
     assert ServeAppConfig.load().vtoken.mode == "naive"
 

@@ -14,8 +14,9 @@ from vtoken import metric_names as names
 from vtoken.serve.local import free_port
 from vtoken.serve.metrics import ReplicaMetrics, start_metrics_server
 from vtoken.serve.sla import RequestLatency, SloTargets, latency_of, meets_slo
-from vtoken.serve.stats import KVSnapshot, StatsSink, snapshot_from
-from vtoken.vllm.stats import VTokenStats, encode
+from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
+from vtoken.serve.stats import StatsSink, snapshot_from
+from vtoken.vllm.stats import encode
 
 
 def sched(usage=0.0, running=0, waiting=0, extra=None):
@@ -39,27 +40,25 @@ def test_snapshot_from_vanilla_and_from_vtoken_stats():
         53 * 32,
         0.0,
     )
-    vt = VTokenStats(
+    vt = KVSnapshot(
         live_tokens=100,
         held_blocks=4,
         packing_bound_blocks=4,
         naive_blocks=7,
         pool_blocks=63,
         block_size=32,
-        evicted_tokens_total=50,
-        reclaimed_blocks_total=3,
-        repack_moves_total=20,
-        repack_seconds_total=0.002,
-        num_plans=5,
+        counters=ReclaimCounters(evicted_tokens=50, reclaimed_blocks=3, repack_moves=20, repack_seconds=0.002,
+                                 repack_plans=5),
         policy="h2o",
         mode="repack",
     )
     snap = snapshot_from(sched(usage=0.5, running=1, extra=encode(vt)), 63, 32, vtoken_stats_from)
-    assert (snap.source, snap.held_blocks, snap.naive_blocks, snap.evicted_tokens_total) == (
+    assert (snap.source, snap.held_blocks, snap.naive_blocks, snap.counters.evicted_tokens, snap.num_running) == (
         "vtoken",
         4,
         7,
         50,
+        1,
     )
     assert snap.fragmentation_ratio == pytest.approx(1 - 100 / 128)
     assert snap.kv_utilization == pytest.approx(4 / 63)
@@ -127,14 +126,17 @@ def test_exposition_has_architecture_names_and_replica_labels():
                 pool_blocks=63,
                 block_size=32,
                 num_running=1,
-                evicted_tokens_total=10,
-                reclaimed_blocks_total=2,
-                repack_moves_total=7,
-                repack_seconds_total=0.0,
-                num_plans=0,
+                counters=ReclaimCounters(evicted_tokens=10, reclaimed_blocks=2, repack_moves=7),
             )
         )
-        sink.put(KVSnapshot(96, 4, 3, 6, 63, 32, 1, 0, 12, 3, 9, 0.004, 2))
+        sink.put(
+            KVSnapshot(
+                live_tokens=96, held_blocks=4, packing_bound_blocks=3, naive_blocks=6, pool_blocks=63, block_size=32,
+                num_running=1,
+                counters=ReclaimCounters(evicted_tokens=12, reclaimed_blocks=3, repack_moves=9, repack_seconds=0.004,
+                                         repack_plans=2),
+            )
+        )
         sink.finished(RequestLatency(0.2, 0.05, 1.0, 10, "length"))
         sink.finished(RequestLatency(2.0, 0.05, 3.0, 10, "length"))
         m = scrape(port)

@@ -14,8 +14,10 @@ from types import SimpleNamespace
 import pytest
 
 from vtoken.serve.autoscaling import KVAutoscalingPolicy, ScalingParams, decide
-from vtoken.serve.router import KVAwareRouter, RouterParams, effective_free_tokens, rank_by_kv
-from vtoken.serve.stats import KVSnapshot, routing_stats
+from vtoken.core.kvstats import KVSnapshot
+from vtoken.serve.ranking import RouterParams, effective_free_tokens, rank_by_kv
+from vtoken.serve.router import KVAwareRouter
+from vtoken.serve.stats import routing_stats
 
 NOW = 1_000_000.0
 P = RouterParams(stale_after_s=5.0, fragmentation_weight=0.5, tokens_per_queued_request=256, tie_tokens=64)
@@ -31,7 +33,8 @@ def stats(
     polled: float = NOW,
 ) -> dict:
     snap = KVSnapshot(
-        live if live is not None else held * 32, held, held, held, pool, 32, running, waiting, at=at
+        live_tokens=live if live is not None else held * 32, held_blocks=held, packing_bound_blocks=held,
+        naive_blocks=held, pool_blocks=pool, block_size=32, num_running=running, num_waiting=waiting, at=at,
     )
     return routing_stats(snap, polled)
 
@@ -178,8 +181,10 @@ def test_hysteresis_band_prevents_flapping():
 
 
 def test_params_are_validated():
-    with pytest.raises(ValueError, match="downscale_kv_utilization < upscale_kv_utilization"):
+    with pytest.raises(ValueError, match=r"downscale_kv_utilization 0.5 must be below upscale_kv_utilization 0.3"):
         ScalingParams(upscale_kv_utilization=0.3, downscale_kv_utilization=0.5)
+    with pytest.raises(ValueError, match="tie_tokens must be >= 0, got -1"):
+        RouterParams(tie_tokens=-1)
 
 
 def test_policy_callable_reads_serve_context_and_ignores_departed_replicas():

@@ -28,8 +28,8 @@ def tallies_equal(a, b):
 @pytest.mark.parametrize("trigger", ["step", "block"])
 @pytest.mark.parametrize("policy", policy_names())
 def test_fast_engine_equals_exact_engine(policy, trigger):
-    cfg = SimConfig(policy=policy, budget="0.3", block_size=8, prompt_len=150, gen_len=40, requests=3,
-                    sinks=2, recent=8, trigger=trigger).core()
+    cfg = SimConfig.of(policy=policy, budget="0.3", block_size=8, prompt_len=150, gen_len=40, requests=3,
+                       sinks=2, recent=8, trigger=trigger).vtoken
     source = SyntheticSource(SyntheticConfig(), 3, 190, seed=11, first=5)
     exact = simulate_exact(cfg, source, 150, 40, first_request=5, check=True)
     fast = simulate_fast(cfg, source, 150, 40, first_request=5)
@@ -51,8 +51,8 @@ def test_recorded_trace_source_replays_like_the_formula():
     s_idx = np.arange(P + M)
     attn = np.stack([np.tril(np.stack([syn.attention_row(r, s, s_idx) for s in s_idx])) for r in range(2)])
     trace = TraceSource(attn, syn.key_norm)
-    cfg = SimConfig(policy="h2o", budget="0.25", block_size=8, prompt_len=P, gen_len=M, requests=2,
-                    sinks=2, recent=8).core()
+    cfg = SimConfig.of(policy="h2o", budget="0.25", block_size=8, prompt_len=P, gen_len=M, requests=2,
+                       sinks=2, recent=8).vtoken
     a, b = simulate_fast(cfg, syn, P, M), simulate_fast(cfg, trace, P, M)
     for m in a.modes:
         np.testing.assert_allclose(a.modes[m].per_step_sum, b.modes[m].per_step_sum, atol=1.0, err_msg=m)
@@ -112,8 +112,8 @@ def test_bad_input_exits_2_naming_the_value(args, needle):
 
 def test_workers_give_the_same_answer():
     base = dict(policy="random", budget="0.5", block_size=16, prompt_len=200, gen_len=20, requests=12, chunk=4)
-    one, _ = run_simulation(SimConfig(**base))
-    two, _ = run_simulation(SimConfig(**base, workers=2))
+    one, _ = run_simulation(SimConfig.of(**base))
+    two, _ = run_simulation(SimConfig.of(**base, workers=2))
     assert one["modes"] == two["modes"]
 
 
@@ -125,7 +125,7 @@ def test_simulator_leaves_no_llvmlite_behind():
     import sys
 
     code = ("import sys; from vtoken.sim.run import SimConfig, run_simulation; "
-            "run_simulation(SimConfig(requests=2, prompt_len=64, gen_len=4)); "
+            "run_simulation(SimConfig.of(requests=2, prompt_len=64, gen_len=4)); "
             "print('llvmlite' in sys.modules or 'numba' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

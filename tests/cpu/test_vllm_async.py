@@ -24,11 +24,12 @@ def test_async_llm_multiprocess(tmp_path, monkeypatch):
     from vtoken.models.hf_reference import load_reference_model
     from vtoken.models.tiny import tiny_model
     from vtoken.vllm import engine_kwargs
-    from vtoken.vllm.stats import VTokenStats, vtoken_stats_from
+    from vtoken.core.kvstats import KVSnapshot
+    from vtoken.vllm.stats import vtoken_stats_from
     from vtoken.vllm.trace import RequestTrace
     from vtoken.vllm.verify import reference_scores
 
-    seen: list[VTokenStats] = []
+    seen: list[KVSnapshot] = []
 
     class Capture(StatLoggerBase):
         def __init__(self, vllm_config, engine_index: int = 0):
@@ -76,8 +77,8 @@ def test_async_llm_multiprocess(tmp_path, monkeypatch):
         assert trace.evicted > 0
     last = seen[-1]
     assert last.policy == "h2o" and last.mode == "repack" and last.block_size == 32 and last.pool_blocks > 0
-    assert max(s.evicted_tokens_total for s in seen) > 0
-    assert last.reclaimed_blocks_total > 0 and last.repack_moves_total > 0 and last.repack_seconds_total > 0
+    assert max(s.counters.evicted_tokens for s in seen) > 0
+    assert last.counters.reclaimed_blocks > 0 and last.counters.repack_moves > 0 and last.counters.repack_seconds > 0
     busy = [s for s in seen if s.num_requests == 3]
     assert busy and all(s.held_blocks <= s.naive_blocks for s in busy)
     assert any(s.held_blocks < s.naive_blocks for s in busy)

@@ -149,7 +149,7 @@ def test_abort_frees_state_and_blocks(prefix_engine):
                         sp(200, mode="repack", budget=0.2))
     for _ in range(12):
         eng.step()
-    assert sched._vt_reqs and sched.vtoken_stats().evicted_tokens_total > 0
+    assert sched._vt_reqs and sched.vtoken_stats().counters.evicted_tokens > 0
     eng.abort_request([f"abort-{i}" for i in range(3)])
     for _ in range(2):
         eng.step()
@@ -202,12 +202,12 @@ def test_repack_returns_blocks_and_vllm_admits_more(small_engine):
             vt = {"mode": mode, "budget": 32} if mode != "none" else {"mode": "none"}
             eng.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, sp(40, **vt))
         peak, drops = 0, 0
-        usage, reclaimed = sched.kv_cache_manager.usage, sched.vtoken_stats().reclaimed_blocks_total
+        usage, reclaimed = sched.kv_cache_manager.usage, sched.vtoken_stats().counters.reclaimed_blocks
         for _ in range(1000):
             if not eng.has_unfinished_requests():
                 break
             done = sum(o.finished for o in eng.step())
-            now, rec = sched.kv_cache_manager.usage, sched.vtoken_stats().reclaimed_blocks_total
+            now, rec = sched.kv_cache_manager.usage, sched.vtoken_stats().counters.reclaimed_blocks
             peak = max(peak, sum(1 for r in sched.running if r.num_computed_tokens > 0))
             if now < usage and rec > reclaimed and done == 0:
                 drops += 1  # vLLM's own kv_cache_usage fell because a repack returned blocks
@@ -222,8 +222,8 @@ def test_repack_returns_blocks_and_vllm_admits_more(small_engine):
     stats1 = sched.vtoken_stats()
     assert peak_none < 4 and peak_rep == 4
     assert drops_none == 0 and drops_rep > 0
-    assert stats1.reclaimed_blocks_total > stats0.reclaimed_blocks_total
-    assert stats1.evicted_tokens_total > stats0.evicted_tokens_total
+    assert stats1.counters.reclaimed_blocks > stats0.counters.reclaimed_blocks
+    assert stats1.counters.evicted_tokens > stats0.counters.evicted_tokens
 
 
 def test_max_model_len_is_logical(small_engine):

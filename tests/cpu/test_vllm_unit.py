@@ -14,7 +14,8 @@ from vtoken.vllm.internals import (
     installed_vllm_version,
     is_vtoken_worker,
 )
-from vtoken.vllm.stats import VTokenStats, decode, encode, encode_stats, vtoken_stats_from
+from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
+from vtoken.vllm.stats import decode, encode, encode_stats, vtoken_stats_from
 
 
 def test_installed_vllm_is_the_pinned_version():
@@ -105,13 +106,12 @@ def test_request_overrides():
         request_settings(eng, {"vtoken": {"block_size": 64}})
 
 
-def _stats(**kw) -> VTokenStats:
-    base = dict(live_tokens=100, held_blocks=5, packing_bound_blocks=4, naive_blocks=7, pool_blocks=99,
-                block_size=32, evicted_tokens_total=50, reclaimed_blocks_total=3, repack_moves_total=40,
-                repack_seconds_total=0.0123, num_plans=9, free_blocks=94, num_requests=2, policy="h2o",
-                mode="repack")
-    base.update(kw)
-    return VTokenStats(**base)
+def _stats(repack_seconds: float = 0.0123, at: float = 1.0) -> KVSnapshot:
+    counters = ReclaimCounters(evicted_tokens=50, reclaimed_blocks=3, repack_moves=40, repack_seconds=repack_seconds,
+                               repack_plans=9, preemptions=1, carried_reservations=2)
+    return KVSnapshot(live_tokens=100, held_blocks=5, packing_bound_blocks=4, naive_blocks=7, pool_blocks=99,
+                      block_size=32, num_requests=2, counters=counters, policy="h2o", mode="repack",
+                      source="vtoken", at=at)
 
 
 def test_stats_survive_vllm_msgspec_transport():
@@ -126,7 +126,7 @@ def test_stats_survive_vllm_msgspec_transport():
     back = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=s)))
     got = vtoken_stats_from(back.scheduler_stats)
     assert got is not None
-    assert got == _stats(repack_seconds_total=round(0.0123 * 1e6) / 1e6)
+    assert got == _stats(repack_seconds=round(0.0123 * 1e6) / 1e6, at=got.at)
     assert got.fragmentation_ratio == pytest.approx(1 - 100 / 160)
     assert got.kv_utilization == pytest.approx(5 / 99)
     assert vtoken_stats_from(SchedulerStats()) is None and vtoken_stats_from(None) is None

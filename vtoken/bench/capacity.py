@@ -108,7 +108,7 @@ def run_batch(llm, setup: CapacitySetup, mode: str, count: int, tag: str, stop_o
     params = SamplingParams(max_tokens=setup.gen_len, temperature=0.0, ignore_eos=True,
                             extra_args={"vtoken": {"mode": mode}})
     ids = [f"{tag}-{i}" for i in range(count)]
-    preempted_before = sched.vtoken_stats().preemptions_total
+    preempted_before = sched.vtoken_stats().counters.preemptions
     t0 = time.perf_counter()
     for rid in ids:
         eng.add_request(rid, {"prompt_token_ids": rng.integers(3, vocab, setup.prompt_len).tolist()}, params)
@@ -126,7 +126,7 @@ def run_batch(llm, setup: CapacitySetup, mode: str, count: int, tag: str, stop_o
                 first[out.request_id] = now
             if out.finished:
                 done[out.request_id] = (now, n)
-        preemptions = sched.vtoken_stats().preemptions_total - preempted_before
+        preemptions = sched.vtoken_stats().counters.preemptions - preempted_before
         if preemptions and stop_on_preemption:
             eng.abort_request([r for r in ids if r not in done])
             while eng.has_unfinished_requests():

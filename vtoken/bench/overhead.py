@@ -104,13 +104,13 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
                 llm = engines[label]
                 sched = llm.llm_engine.engine_core.engine_core.scheduler
                 name = "none" if m is None else ("repack+scores" if label == "scores" else m)
-                before = sched.vtoken_stats().repack_moves_total if m else 0
+                before = sched.vtoken_stats().counters.repack_moves if m else 0
                 progress.update(task, description=f"{name} (run {r + 1}/{repeats})")
                 t = _decode_steps(llm, prompts, gen_len, m, f"{name}-{r}", lambda: progress.advance(task))
                 per_run[name].append(statistics.fmean(t) * 1e3)
                 steps[name].extend(x * 1e3 for x in t)
                 if m:
-                    moves[name] = sched.vtoken_stats().repack_moves_total - before
+                    moves[name] = sched.vtoken_stats().counters.repack_moves - before
     for llm in engines.values():
         llm.llm_engine.engine_core.shutdown()
     engines.clear()

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from vtoken.bench.report import emit, refuse
-from vtoken.core.config import ConfigError
+from vtoken.errors import ConfigError
 
 PAPER_RANGE_PCT = (-72.3, -27.2)
 
@@ -23,11 +23,9 @@ def run_retained(policies: str, budgets: str, block_sizes: str, prompt_len: int,
     try:
         grid = [(p.strip(), b.strip(), int(bs)) for p in policies.split(",") for b in budgets.split(",")
                 for bs in block_sizes.split(",")]
-        cfgs = [SimConfig(policy=p, budget=b, block_size=bs, prompt_len=prompt_len, gen_len=gen_len,
-                          requests=requests, traces=Path(traces) if traces else None, sinks=sinks, recent=recent)
+        cfgs = [SimConfig.of(policy=p, budget=b, block_size=bs, prompt_len=prompt_len, gen_len=gen_len,
+                             requests=requests, traces=Path(traces) if traces else None, sinks=sinks, recent=recent)
                 for p, b, bs in grid]
-        for c in cfgs:
-            c.core()
     except (ConfigError, ValueError) as err:
         refuse(err)
     rows = []
@@ -37,7 +35,7 @@ def run_retained(policies: str, budgets: str, block_sizes: str, prompt_len: int,
             result, _ = run_simulation(cfg)
             m = result["modes"]
             rows.append({
-                "policy": cfg.policy, "budget": result["budget"], "block_size": cfg.block_size,
+                "policy": cfg.vtoken.policy, "budget": result["budget"], "block_size": cfg.vtoken.block_size,
                 "none": m["none"]["retained_blocks_mean"], "naive": m["naive"]["retained_blocks_mean"],
                 "repack": m["repack"]["retained_blocks_mean"], "packing_bound": result["packing_bound_mean"],
                 "repack_vs_naive_pct": m["repack"]["vs_naive_pct"],

@@ -8,7 +8,7 @@ import shlex
 import sys
 
 from vtoken.bench.report import emit, refuse
-from vtoken.core.config import ConfigError
+from vtoken.errors import ConfigError
 
 
 def run_sim_scale(requests: int, prompt_len: int, gen_len: int, policy: str, budget: str, block_size: int,
@@ -18,9 +18,8 @@ def run_sim_scale(requests: int, prompt_len: int, gen_len: int, policy: str, bud
     from vtoken.sim.run import SimConfig, run_simulation
 
     try:
-        cfg = SimConfig(policy=policy, budget=budget, block_size=block_size, prompt_len=prompt_len,
-                        gen_len=gen_len, requests=requests, workers=workers)
-        cfg.core()
+        cfg = SimConfig.of(policy=policy, budget=budget, block_size=block_size, prompt_len=prompt_len,
+                           gen_len=gen_len, requests=requests, workers=workers)
     except ConfigError as err:
         refuse(err)
     with Progress("{task.description}", BarColumn(), "{task.completed}/{task.total}", TimeElapsedColumn(),

@@ -7,16 +7,42 @@ CLI flag or in vLLM's ``--additional-config`` fails at start-up, not mid-request
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from enum import Enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from enum import StrEnum
+from typing import Any
+
+from vtoken.errors import ConfigError
+from vtoken.policies import get_policy_class, make_policy
+
+__all__ = ["Budget", "ConfigError", "Mode", "Trigger", "VTokenConfig", "check_block_size", "reject_unknown"]
 
 
-class ConfigError(ValueError):
-    """A vToken setting has an invalid value; the message names the setting and the value."""
+def _edge_schema(parse: Callable[[Any], Any], dump: Callable[[Any], Any], values: tuple[str, ...] = ()) -> Any:
+    """Pydantic core schema for a value the edge (pydantic) validates with our own ``parse`` and dumps
+    with ``dump``, so messages stay ours; ``values``: the valid strings (else a number or a string).
+    Called only by pydantic (imported here, never at import time)."""
+    from pydantic_core import core_schema as cs
+
+    shown = cs.literal_schema(list(values)) if values else cs.union_schema([cs.float_schema(), cs.str_schema()])
+    return cs.no_info_plain_validator_function(
+        parse, serialization=cs.plain_serializer_function_ser_schema(dump), json_schema_input_schema=shown
+    )
 
 
-class Mode(str, Enum):
-    """Reclamation mode (ARCHITECTURE §3). One mechanism, four accountings.
+def _parse_member(cls: type[StrEnum], value: object, what: str, plural: str):
+    """``cls(value)``, or ``ConfigError`` naming the bad value and the valid ones."""
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(str(value))
+    except ValueError:
+        valid = ", ".join(m.value for m in cls)
+        raise ConfigError(f"unknown {what} {value!r}; valid {plural}: {valid}") from None
+
+
+class Mode(StrEnum):
+    """Reclamation mode (docs/architecture.md §3). One mechanism, four accountings.
 
     ``none``          no eviction at all, vanilla paging: a request holds ceil(seen/B) blocks.
     ``naive``         paired baseline: same victims as ``repack``; a block returns to the pool only when
@@ -40,16 +66,13 @@ class Mode(str, Enum):
 
     @classmethod
     def parse(cls, value: str | Mode) -> Mode:
-        if isinstance(value, Mode):
-            return value
-        try:
-            return cls(str(value))
-        except ValueError:
-            valid = ", ".join(m.value for m in cls)
-            raise ConfigError(f"unknown reclamation mode {value!r}; valid modes: {valid}") from None
+        return _parse_member(cls, value, "reclamation mode", "modes")
 
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        return _edge_schema(cls.parse, str, tuple(m.value for m in cls))
 
-class Trigger(str, Enum):
+class Trigger(StrEnum):
     """When eviction (and so a repack) runs.
 
     ``step``   every step in which the request is over budget (one small plan per step).
@@ -62,14 +85,11 @@ class Trigger(str, Enum):
 
     @classmethod
     def parse(cls, value: str | Trigger) -> Trigger:
-        if isinstance(value, Trigger):
-            return value
-        try:
-            return cls(str(value))
-        except ValueError:
-            valid = ", ".join(t.value for t in cls)
-            raise ConfigError(f"unknown repack trigger {value!r}; valid triggers: {valid}") from None
+        return _parse_member(cls, value, "repack trigger", "triggers")
 
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        return _edge_schema(cls.parse, str, tuple(t.value for t in cls))
 
 @dataclass(frozen=True)
 class Budget:
@@ -120,14 +140,31 @@ class Budget:
     def __str__(self) -> str:
         return str(self.count) if self.count is not None else f"{self.fraction:g}"
 
+    def to_json(self) -> int | float:
+        """The token count or the fraction, as written in a config (``parse`` reads it back)."""
+        return self.count if self.count is not None else self.fraction
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        return _edge_schema(cls.parse, cls.to_json)
+
 
 @dataclass(frozen=True)
 class VTokenConfig:
     """Static vToken settings for one engine (one block size, one policy, one mode).
 
+    This is the one declaration of the settings: vLLM's ``additional_config["vtoken"]`` keys and
+    per-request overrides (``vtoken.vllm.config``), the serving config's ``vtoken:`` section (pydantic
+    validates this dataclass directly) and the simulator's settings are its fields.
+
+    ``policy``: a registered policy name. ``budget``: ``Budget.parse`` input (fraction or token count).
+    ``mode``: reclamation mode. ``block_size``: tokens per KV block (a power of two).
     ``sinks``: the first ``sinks`` logical tokens are never evicted (attention sinks).
     ``recent``: the last ``recent`` logical tokens are never evicted (recent window).
+    ``trigger``: when eviction runs. ``seed``: seed of the ``random`` policy.
     """
+
+    __pydantic_config__ = {"extra": "forbid"}  # read by pydantic only (the serving config's edge)
 
     policy: str = "h2o"
     budget: Budget = Budget(fraction=0.5)
@@ -147,16 +184,42 @@ class VTokenConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
-        # Imported here: policies depend on core, not the other way round at import time.
-        from vtoken.policies import get_policy_class
-
         get_policy_class(self.policy)
 
     def make_policy(self):
         """A fresh policy instance for this config (policies are frozen dataclasses)."""
-        from vtoken.policies import make_policy
-
         return make_policy(self.policy, seed=self.seed)
+
+    @property
+    def policy_class(self):
+        return get_policy_class(self.policy)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able ``{field: value}`` (budget as its number, enums as strings); ``from_dict`` inverts it."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["budget"] = self.budget.to_json()
+        out["mode"], out["trigger"] = self.mode.value, self.trigger.value
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], where: str = "vtoken") -> VTokenConfig:
+        """Build from a mapping of field names; raises ``ConfigError`` naming an unknown key or bad value."""
+        reject_unknown(raw, cls.keys(), where)
+        return cls(**raw)
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The setting names, in declaration order."""
+        return tuple(f.name for f in fields(cls))
+
+
+def reject_unknown(given: Mapping[str, Any], valid: tuple[str, ...], where: str) -> None:
+    """Raise ``ConfigError`` listing the unknown keys of ``given`` and the valid ones."""
+    unknown = sorted(set(given) - set(valid))
+    if unknown:
+        raise ConfigError(
+            f"unknown {where} setting(s) {', '.join(map(repr, unknown))}; valid settings: {', '.join(valid)}"
+        )
 
 
 def check_block_size(block_size: object) -> int:

@@ -1,12 +1,26 @@
-"""Turning a policy's scores into victims for one request (pure: reads the table, returns positions)."""
+"""One request's eviction decision, in the order every engine follows (docs/architecture.md §2).
+
+``decide_step`` is the single definition of the step order; the engine-free ``CacheManager`` and the vLLM
+scheduler both call it and differ only in what they do with blocks afterwards::
+
+    victims = choose_victims(table, policy, cfg, salt)   policy + budget + protection     (pure)
+    table.evict(victims)                                   holes appear
+    [reuse+repack, one new token] table.place(1)           the new token takes the lowest hole
+    plan = table.plan(); table.apply(plan)                 minimal moves; the row is dense again
+    → the caller copies plan.moves and keeps the row's first plan.keep_blocks blocks
+    [other modes] the step's new tokens are placed after, appended at ``live``
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from vtoken.core.config import Trigger, VTokenConfig
-from vtoken.core.token_table import TokenTable
-from vtoken.policies.base import EvictionContext, ScorerPolicy
+from vtoken.core.token_table import SlotPlan, TokenTable
+from vtoken.policies.base import ScorerPolicy
+from vtoken.policies.context import EvictionContext
 
 
 def eviction_count(live: int, seen: int, cfg: VTokenConfig) -> int:
@@ -19,23 +33,54 @@ def eviction_count(live: int, seen: int, cfg: VTokenConfig) -> int:
     return max(over, 0)
 
 
-def context_for(table: TokenTable, logicals: np.ndarray, salt: int) -> EvictionContext:
-    return EvictionContext(
-        logical=logicals,
-        accumulated=table.acc[logicals],
-        last=table.last[logicals],
-        unimportant_bits=table.unimportant[logicals],
-        key_norm=table.key_norm[logicals],
-        seen=table.seen,
-        salt=salt,
-    )
+def context_for(table: TokenTable, logicals: np.ndarray, salt: int, policy: ScorerPolicy) -> EvictionContext:
+    """The policy's view of ``logicals``: the statistics it ``needs`` (the others stay None)."""
+    stats = {stat.value: table.stat(stat)[logicals] for stat in policy.needs}
+    return EvictionContext(logical=logicals, seen=table.seen, salt=salt, **stats)
 
 
 def choose_victims(table: TokenTable, policy: ScorerPolicy, cfg: VTokenConfig, salt: int) -> np.ndarray:
-    """Logical positions to evict now (ascending). Never a protected token; may be empty."""
+    """Logical positions to evict now (ascending). Never a protected token; may be empty. Pure."""
     n = eviction_count(table.live, table.seen, cfg)
     if n == 0:
         return np.zeros(0, np.int64)
     logicals = table.live_logicals()
     evictable = table.evictable(logicals, cfg.sinks, cfg.recent)
-    return policy.select(context_for(table, logicals, salt), n, evictable)
+    return policy.select(context_for(table, logicals, salt, policy), n, evictable)
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """What ``decide_step`` did to one request's table (read-only record for the block owner)."""
+
+    victims: np.ndarray  # int64 logical positions evicted (ascending; may be empty)
+    placed: np.ndarray | None  # reuse+repack: row slot(s) the step's new token took before the plan
+    plan: SlotPlan  # already applied to the table: copy its moves, keep its first keep_blocks blocks
+
+    @property
+    def first_written_block(self) -> int:
+        """The lowest row block this step writes (a move destination, the placed token's hole, or the live
+        frontier where later tokens append): a prefix-cached block from here on must lose its hash."""
+        B = self.plan.block_size
+        first = self.plan.live // B
+        if self.plan.num_moves:
+            first = min(first, int(self.plan.moves[:, 1].min()) // B)
+        if self.placed is not None and self.placed.size:
+            first = min(first, int(self.placed.min()) // B)
+        return first
+
+
+def decide_step(
+    table: TokenTable, policy: ScorerPolicy, cfg: VTokenConfig, salt: int, n_new: int
+) -> StepDecision:
+    """Evict down to the budget, place a lone new token into a hole (reuse+repack), plan and apply the
+    repack. Mutates ``table``; ``n_new`` is the number of tokens this step will compute (the caller places
+    them afterwards unless ``placed`` is set). Without victims the row is already dense: nothing is placed
+    and the plan is empty."""
+    victims = choose_victims(table, policy, cfg, salt)
+    if victims.size:
+        table.evict(victims, cfg.sinks, cfg.recent)
+    placed = table.place(1) if victims.size and cfg.mode.reuses_holes and n_new == 1 else None
+    plan = table.plan()
+    table.apply(plan)
+    return StepDecision(victims=victims, placed=placed, plan=plan)

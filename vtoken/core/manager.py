@@ -1,13 +1,11 @@
 """The engine-free vToken cache manager: token tables + block rows + a pool + the step order.
 
-One step of one request, in the order every engine follows (ARCHITECTURE §2)::
+One step of one request is ``vtoken.core.eviction.decide_step`` (the order every engine follows,
+docs/architecture.md §2), then this owner's block work::
 
-    victims = choose_victims(...)      policy + budget + protection     (pure)
-    evict(victims)                      holes appear                     (table)
-    place(n_new)      [reuse+repack]    new tokens take the lowest holes (table; rows grow)
-    plan() -> RepackPlan                minimal moves, blocks to free    (pure)
-    apply(plan)                         moves booked; tail blocks freed  (table + pool)
-    place(n_new)      [other modes]     new tokens append at ``live``    (table; rows grow)
+    decision = decide_step(table, ...)  evict, [reuse+repack] place 1, plan, apply   (table)
+    free row[plan.keep_blocks:]          tail blocks back to the pool (tail first)     (pool)
+    place(n_new)      [unless placed]    new tokens append at ``live``; rows grow      (table + pool)
 
 ``apply`` frees the plan's blocks only after its moves are booked; a consumer that copies KV
 (the vLLM worker) must run the copies before anything writes the freed blocks.
@@ -21,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from vtoken.core.config import VTokenConfig
-from vtoken.core.eviction import choose_victims
+from vtoken.core.eviction import choose_victims, decide_step
+from vtoken.core.kvstats import ReclaimCounters
 from vtoken.core.pool import BlockPool, PoolExhausted
 from vtoken.core.stats import StepScores, observe
 from vtoken.core.token_table import SlotPlan, TokenTable
@@ -65,8 +64,7 @@ class CacheManager:
         self.policy = cfg.make_policy()
         self.tables: dict[str, TokenTable] = {}
         self.rows: dict[str, list[int]] = {}
-        self.moves_total = 0
-        self.reclaimed_blocks_total = 0
+        self.counters = ReclaimCounters()
 
     # -------------------------------------------------------------- request lifecycle (mutating)
     def add_request(self, request_id: str) -> TokenTable:
@@ -100,6 +98,7 @@ class CacheManager:
 
     def evict(self, request_id: str, logicals: np.ndarray) -> None:
         self.tables[request_id].evict(logicals, self.cfg.sinks, self.cfg.recent)
+        self.counters = self.counters.add(evicted_tokens=int(np.unique(logicals).size))
 
     def victims(self, request_id: str) -> np.ndarray:
         """The policy's victims for this request now (pure)."""
@@ -119,10 +118,15 @@ class CacheManager:
         if tuple(row[plan.slot_plan.keep_blocks :]) != plan.freed_blocks:
             raise ValueError("stale plan: the request's row changed since it was planned")
         table.apply(plan.slot_plan)
-        del row[plan.slot_plan.keep_blocks :]
+        self._free_tail(plan)
+
+    def _free_tail(self, plan: RepackPlan) -> None:
+        """Return an applied plan's tail blocks to the pool (tail first) and count the plan."""
+        del self.rows[plan.request_id][plan.slot_plan.keep_blocks :]
         self.pool.free(list(reversed(plan.freed_blocks)))
-        self.moves_total += plan.num_moves
-        self.reclaimed_blocks_total += len(plan.freed_blocks)
+        self.counters = self.counters.add(
+            repack_moves=plan.num_moves, reclaimed_blocks=len(plan.freed_blocks), repack_plans=1
+        )
 
     def mark_shared(self, request_id: str, n_blocks: int) -> None:
         self.tables[request_id].mark_shared(n_blocks)
@@ -131,17 +135,23 @@ class CacheManager:
         observe(self.tables[request_id], scores)
 
     def step(self, request_id: str, n_new: int, key_norm: np.ndarray | None = None) -> tuple[RepackPlan, np.ndarray]:
-        """One scheduler step for one request, in the canonical order; returns (plan, new slots)."""
-        victims = self.victims(request_id)
-        if victims.size:
-            self.evict(request_id, victims)
-        reuse = self.cfg.mode.reuses_holes
-        slots = self.place(request_id, n_new, key_norm) if reuse else None
-        plan = self.plan(request_id)
-        self.apply(plan)
-        if not reuse:
-            slots = self.place(request_id, n_new, key_norm)
-        return plan, slots
+        """One scheduler step for one request (``decide_step``, then blocks); returns (plan, new slots).
+
+        Raises ``PoolExhausted`` if the new tokens' blocks cannot be allocated (the decision stands).
+        """
+        table, row = self.tables[request_id], self.rows[request_id]
+        decision = decide_step(table, self.policy, self.cfg, request_salt(request_id), n_new)
+        self.counters = self.counters.add(evicted_tokens=int(decision.victims.size))
+        sp = decision.plan
+        moves = physical_slots(row, sp.moves.reshape(-1), self.cfg.block_size).reshape(-1, 2)
+        moves.setflags(write=False)
+        plan = RepackPlan(request_id, moves, tuple(row[sp.keep_blocks :]), sp)
+        self._free_tail(plan)
+        if decision.placed is None:
+            return plan, self.place(request_id, n_new, key_norm)
+        if key_norm is not None:
+            table.key_norm[table.seen - 1] = key_norm[0]
+        return plan, physical_slots(row, decision.placed, self.cfg.block_size)
 
     # -------------------------------------------------------------- read-only views
     def held_blocks(self) -> int:

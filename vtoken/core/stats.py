@@ -1,14 +1,16 @@
-"""Per-token attention statistics that policies score from, and how a step's scores update them.
+"""One step's per-token statistics, and how they update a token table.
 
-A step's queries (one decode token, or a prefill chunk) attend over the request's live keys. The
-worker (or a trace) reduces the attention probabilities over heads and layers by their mean and hands
-back one ``StepScores`` per request. ``observe()`` folds it into the token table:
+The statistics and their names are declared once in ``vtoken.policies.context`` (``Stat``); every field
+below is named by one. A step's queries (one decode token, or a prefill chunk) attend over the request's
+live keys; the worker (or a trace) reduces the attention probabilities over heads and layers by their
+mean and hands back one ``SlotScores`` per request, indexed by *row slot* (the worker knows no logical
+positions). The scheduler turns it into ``StepScores`` (indexed by logical position) through the token
+table, and ``observe()`` folds that into the table:
 
-  * ``acc``          += Σ over the step's queries of the key's attention   (H2O)
-  * ``last``          = attention from the step's last query               (TOVA)
-  * ``unimportant``   = history bitmask; bit j set ⇔ the j-th most recent query gave the key less
-                        than the uniform share 1/(keys that query saw)      (Scissorhands)
-  * ``key_norm``      = mean L2 norm of the key over heads and layers, set once when written (KNorm)
+  * ``accumulated``  += Σ over the step's queries of the key's attention
+  * ``last``          = attention from the step's last query (every other live token: 0)
+  * ``unimportant``   = history bits shifted by the step's queries, the step's bits in (bit 0: newest)
+  * ``key_norm``      = the new keys' norms, set once when written
 """
 
 from __future__ import annotations
@@ -17,20 +19,56 @@ from dataclasses import dataclass
 
 import numpy as np
 
-HISTORY_BITS = 64  # the unimportance history is a uint64 bitmask: at most 64 recent queries
+from vtoken.policies.context import HISTORY_BITS
 
 
 @dataclass(frozen=True)
 class StepScores:
-    """One request's attention statistics for one step (all arrays aligned with ``logicals``)."""
+    """One request's statistics for one step, by logical position (attention arrays aligned with
+    ``logicals``; ``key_norm`` aligned with ``key_norm_logicals``). Absent statistics are ``None``."""
 
     logicals: np.ndarray  # int64 [k]: the live keys the step's queries attended
-    attn_sum: np.ndarray  # float [k]
-    attn_last: np.ndarray  # float [k]
-    unimportant_bits: np.ndarray  # uint64 [k]
     n_queries: int
+    accumulated: np.ndarray | None = None  # float [k]: Σ over the step's queries
+    last: np.ndarray | None = None  # float [k]: the step's last query
+    unimportant: np.ndarray | None = None  # uint64 [k]: the step's bits, bit 0 = its newest query
     key_norm_logicals: np.ndarray | None = None  # tokens written this step …
     key_norm: np.ndarray | None = None  # … and their key norms
+
+
+@dataclass(frozen=True)
+class SlotScores:
+    """What the worker measured for one request in one step: the typed worker → scheduler boundary.
+
+    Attention statistics cover the request's row slots ``0..seq_len-1`` (its dense live keys, in slot
+    order) and are ``None`` when they were not asked for; ``key_norm`` holds the step's ``n_queries`` new
+    keys' norms in order, or ``None``. Plain numpy: it is pickled across the engine's process boundary.
+    """
+
+    n_queries: int
+    seq_len: int
+    accumulated: np.ndarray | None = None
+    last: np.ndarray | None = None
+    unimportant: np.ndarray | None = None
+    key_norm: np.ndarray | None = None
+
+    def by_logical(self, token_at: np.ndarray, first_new: int) -> StepScores:
+        """Map slots to logical positions through the table's ``token_at`` (holes are dropped); the new
+        keys are logical ``first_new .. first_new + n_queries - 1`` (pure)."""
+        new = np.arange(first_new, first_new + self.n_queries, dtype=np.int64) if self.key_norm is not None else None
+        if self.accumulated is None:
+            return StepScores(np.zeros(0, np.int64), self.n_queries, key_norm_logicals=new, key_norm=self.key_norm)
+        logicals = np.asarray(token_at[: self.seq_len], dtype=np.int64)
+        ok = logicals >= 0
+        return StepScores(
+            logicals=logicals[ok],
+            n_queries=self.n_queries,
+            accumulated=np.asarray(self.accumulated)[ok],
+            last=np.asarray(self.last)[ok],
+            unimportant=np.asarray(self.unimportant, dtype=np.uint64)[ok],
+            key_norm_logicals=new,
+            key_norm=self.key_norm,
+        )
 
 
 def shift_history(bits: np.ndarray, n_queries: int, new_bits: np.ndarray) -> np.ndarray:
@@ -57,19 +95,19 @@ def unimportance_bits(probs: np.ndarray, visible: np.ndarray) -> np.ndarray:
 
 
 def observe(table, scores: StepScores) -> None:
-    """Fold one step's scores into ``table``'s per-token state (mutates the table).
+    """Fold one step's scores into ``table``'s per-token statistics (mutates the table).
 
     Scores for tokens evicted since the step ran are ignored (their state is dead anyway).
     """
     idx = np.asarray(scores.logicals, dtype=np.int64)
-    if idx.size:
+    if idx.size and scores.accumulated is not None:
         keep = idx < table.seen
         idx = idx[keep]
-        table.acc[idx] += np.asarray(scores.attn_sum)[keep]
+        table.accumulated[idx] += np.asarray(scores.accumulated)[keep]
         table.last[: table.seen] = 0.0
-        table.last[idx] = np.asarray(scores.attn_last)[keep]
+        table.last[idx] = np.asarray(scores.last)[keep]
         table.unimportant[idx] = shift_history(
-            table.unimportant[idx], scores.n_queries, np.asarray(scores.unimportant_bits)[keep]
+            table.unimportant[idx], scores.n_queries, np.asarray(scores.unimportant)[keep]
         )
     if scores.key_norm_logicals is not None and scores.key_norm is not None:
         table.key_norm[np.asarray(scores.key_norm_logicals, dtype=np.int64)] = scores.key_norm

@@ -6,7 +6,7 @@ scheduler hook), because the row's block ids belong to whoever owns the pool.
 
 ::
 
-    B = 4, 12 tokens seen, t1 t2 t4 t5 t7 t10 evicted (ARCHITECTURE §1)
+    B = 4, 12 tokens seen, t1 t2 t4 t5 t7 t10 evicted (docs/architecture.md §1)
 
     slot      0   1   2   3 |  4   5   6   7 |  8   9  10  11
     token    t0  __  __  t3 | __  __  t6  __ | t8  t9  __ t11     live = 6, extent = 12
@@ -29,18 +29,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vtoken.core.config import ConfigError, Mode
+from vtoken.core.config import Mode
+from vtoken.errors import ConfigError, IntegrityError
+from vtoken.policies.context import Stat
 
 NO_SLOT = -1  # slot_of[logical] for a token that is dead (or not yet placed)
 NO_TOKEN = -1  # token_at[slot] for a hole
-
-
-class IntegrityError(AssertionError):
-    """An invariant of ARCHITECTURE §4 is broken; ``invariant`` names it."""
-
-    def __init__(self, invariant: str, detail: str) -> None:
-        super().__init__(f"invariant '{invariant}' broken: {detail}")
-        self.invariant = invariant
 
 
 @dataclass(frozen=True)
@@ -55,6 +49,8 @@ class SlotPlan:
     keep_blocks: int
     version: int
     lower_bound: int  # live tokens outside [0, live): each must move once for a dense row
+    live: int  # live tokens when planned (after the plan they occupy slots 0..live-1)
+    block_size: int
 
     @property
     def num_moves(self) -> int:
@@ -85,13 +81,17 @@ class TokenTable:
     token_at: np.ndarray = field(default_factory=lambda: np.full(0, NO_TOKEN, np.int64))
     orig_live: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # per original block
     naive_nonempty: int = 0
-    # Per-token policy state, indexed by logical position (see vtoken.core.stats).
-    acc: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    # Per-token statistics (one array per ``Stat``, named by it), indexed by logical position.
+    accumulated: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
     last: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
     unimportant: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     key_norm: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
 
     # ---------------------------------------------------------------- queries (no side effects)
+    def stat(self, stat: Stat) -> np.ndarray:
+        """The array of statistic ``stat`` over logical positions (a view; writing it mutates the table)."""
+        return getattr(self, stat.value)
+
     def live_logicals(self) -> np.ndarray:
         """Logical indices of live tokens, ascending."""
         return np.flatnonzero(self.slot_of[: self.seen] != NO_SLOT)
@@ -213,7 +213,14 @@ class TokenTable:
         elif self.mode is Mode.NONE:
             keep = math.ceil(self.seen / self.block_size)
         lower_bound = int(np.count_nonzero(self.slot_of[: self.seen] >= self.live))
-        return SlotPlan(moves=moves, keep_blocks=keep, version=self.version, lower_bound=lower_bound)
+        return SlotPlan(
+            moves=moves,
+            keep_blocks=keep,
+            version=self.version,
+            lower_bound=lower_bound,
+            live=self.live,
+            block_size=self.block_size,
+        )
 
     def apply(self, plan: SlotPlan) -> None:
         """Apply a plan's moves to the bookkeeping. Raises if the table changed since ``plan()``."""
@@ -253,10 +260,9 @@ class TokenTable:
         self.slot_of = _grow(self.slot_of, n, NO_SLOT)
         self.token_at = _grow(self.token_at, n, NO_TOKEN)
         self.orig_live = _grow(self.orig_live, n // self.block_size + 1, 0)
-        self.acc = _grow(self.acc, n, 0.0)
-        self.last = _grow(self.last, n, 0.0)
-        self.unimportant = _grow(self.unimportant, n, np.uint64(0))
-        self.key_norm = _grow(self.key_norm, n, 0.0)
+        for stat in Stat:
+            arr = getattr(self, stat.value)
+            setattr(self, stat.value, _grow(arr, n, arr.dtype.type(0)))
 
     # ---------------------------------------------------------------- checks
     def check(self, dense: bool = False) -> None:

@@ -6,7 +6,7 @@ recompute ``softmax(q·Kᵀ·scale)`` for the requests that need scores, reading
 row, and the step's ``n_q`` queries see the keys causally (query ``i`` sees slots ``< seq_len - n_q + i + 1``;
 a single decode query written into a hole sees all ``seq_len`` slots, which the same formula gives).
 
-``ScoreAccumulator`` averages the probabilities over heads and layers (ARCHITECTURE §5: one decision per
+``ScoreAccumulator`` averages the probabilities over heads and layers (docs/architecture.md §5: one decision per
 token, shared by every layer and head) and, separately, the L2 norm of each new key (KNorm).
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vtoken.core.stats import unimportance_bits
+from vtoken.core.stats import SlotScores, unimportance_bits
 from vtoken.kernels.layout import TokenLayout
 from vtoken.kernels.moves import read_k
 
@@ -140,27 +140,24 @@ class ScoreAccumulator:
         for rs in self._dec:
             rs.layers += 1
 
-    def finish(self) -> dict[str, dict]:
-        """Per request: mean over layers, reduced to the arrays ``vtoken.core.stats.StepScores`` needs.
-
-        Returns plain numpy payloads (picklable across the scheduler↔worker boundary), keyed by request:
-        ``n_q``, ``attn_sum``/``attn_last``/``bits`` over the row's slots ``0..seq_len-1`` (or absent) and
-        ``key_norm`` for the step's new tokens in order (or absent).
+    def finish(self) -> dict[str, SlotScores]:
+        """Per request: mean over layers, reduced to the statistics (``SlotScores``, plain numpy, picklable
+        across the scheduler↔worker boundary): attention statistics over the row's slots ``0..seq_len-1``
+        and ``key_norm`` for the step's new tokens in order, each ``None`` when not collected.
         """
         if self._dec and self._dec_probs is not None:
             for i, rs in enumerate(self._dec):
                 rs.probs = self._dec_probs[i, : rs.seq_len].unsqueeze(0)
-        out: dict[str, dict] = {}
+        out: dict[str, SlotScores] = {}
         for rid, rs in self.requests.items():
-            item: dict = {"n_q": rs.n_q, "seq_len": rs.seq_len}
+            stats: dict[str, np.ndarray] = {}
             if rs.probs is not None and rs.layers:
                 probs = (rs.probs / rs.layers).cpu().numpy().astype(np.float64)
                 n_q, n_k = probs.shape
                 visible = np.arange(n_k)[None, :] <= (np.arange(n_q)[:, None] + (n_k - n_q))
-                item["attn_sum"] = probs.sum(axis=0)
-                item["attn_last"] = probs[-1].copy()
-                item["bits"] = unimportance_bits(probs, visible)
+                stats.update(accumulated=probs.sum(axis=0), last=probs[-1].copy(),
+                             unimportant=unimportance_bits(probs, visible))
             if rs.key_norm is not None and rs.norm_layers:
-                item["key_norm"] = (rs.key_norm / rs.norm_layers).cpu().numpy().astype(np.float64)
-            out[rid] = item
+                stats["key_norm"] = (rs.key_norm / rs.norm_layers).cpu().numpy().astype(np.float64)
+            out[rid] = SlotScores(n_queries=rs.n_q, seq_len=rs.seq_len, **stats)
         return out

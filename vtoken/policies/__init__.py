@@ -1,7 +1,8 @@
 """Eviction policies. Importing this package registers every policy in ``REGISTRY``."""
 
 from vtoken.policies import h2o, knorm, random, scissorhands, streamingllm, tova  # noqa: F401 (registration)
-from vtoken.policies.base import EvictionContext, ScorerPolicy
+from vtoken.policies.base import ScorerPolicy
+from vtoken.policies.context import ATTENTION_STATS, HISTORY_BITS, EvictionContext, Stat
 from vtoken.policies.registry import REGISTRY, register_policy
 
 
@@ -18,5 +19,5 @@ def policy_names() -> list[str]:
     return REGISTRY.names()
 
 
-__all__ = ["EvictionContext", "ScorerPolicy", "REGISTRY", "register_policy", "get_policy_class",
+__all__ = ["ATTENTION_STATS", "HISTORY_BITS", "EvictionContext", "Stat", "ScorerPolicy", "REGISTRY", "register_policy", "get_policy_class",
            "make_policy", "policy_names"]

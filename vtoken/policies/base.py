@@ -7,7 +7,7 @@ Selection rules, shared by every policy and by every engine (token table, fast s
   * scores must be finite.
 
 One decision per token per request, shared by all layers and heads: statistics are the mean over
-heads and layers of each key's attention probability (see ``vtoken.core.stats``).
+heads and layers of each key's attention probability (``vtoken.policies.context``).
 """
 
 from __future__ import annotations
@@ -17,34 +17,33 @@ from typing import ClassVar
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class EvictionContext:
-    """Per-candidate statistics (arrays aligned with ``logical``; 1-D for one request or 2-D
-    ``[requests, tokens]`` for the batched simulator, with per-request scalars as ``[requests, 1]``)."""
-
-    logical: np.ndarray
-    accumulated: np.ndarray
-    last: np.ndarray
-    unimportant_bits: np.ndarray
-    key_norm: np.ndarray
-    seen: np.ndarray | int
-    salt: np.ndarray | int  # per-request salt for seeded randomness
+from vtoken.policies.context import ATTENTION_STATS, EvictionContext, Stat
 
 
 @dataclass(frozen=True)
 class ScorerPolicy:
-    """Base of every policy. Subclasses implement ``score`` only (higher = keep)."""
+    """Base of every policy. Subclasses implement ``score`` only (higher = keep).
+
+    ``needs`` names the statistics ``score()`` reads (``Stat`` members; engines measure and pass only
+    those). It is checked when the subclass is defined: an unknown name fails at import, not at run time.
+    """
 
     name: ClassVar[str] = "base"
-    # Which statistics score() reads: "accumulated", "last", "unimportant", "key_norm" (engines skip the rest).
-    needs: ClassVar[frozenset[str]] = frozenset()
+    needs: ClassVar[frozenset[Stat]] = frozenset()
     seed: int = 0
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        valid = {s.value for s in Stat}
+        unknown = sorted(str(n) for n in cls.needs if str(n) not in valid)
+        if unknown:
+            raise TypeError(f"{cls.__name__}.needs names unknown statistics {unknown}; valid: {sorted(valid)}")
+        cls.needs = frozenset(Stat(n) for n in cls.needs)
+
     @classmethod
-    def uses_attention(cls) -> bool:
+    def needs_attention(cls) -> bool:
         """False for query-free policies: no attention scores need collecting."""
-        return bool(cls.needs & {"accumulated", "last", "unimportant"})
+        return bool(cls.needs & ATTENTION_STATS)
 
     def score(self, ctx: EvictionContext) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} must implement score()")

@@ -4,7 +4,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vtoken.policies.base import EvictionContext, ScorerPolicy
+from vtoken.policies.base import ScorerPolicy
+from vtoken.policies.context import EvictionContext, Stat
 from vtoken.policies.registry import register_policy
 
 
@@ -17,7 +18,7 @@ class H2OPolicy(ScorerPolicy):
     Models", NeurIPS 2023, https://arxiv.org/abs/2306.14048. Attention is the mean over heads and layers.
     """
 
-    needs = frozenset({"accumulated"})
+    needs = frozenset({Stat.ACCUMULATED})
 
     def score(self, ctx: EvictionContext) -> np.ndarray:
         return ctx.accumulated

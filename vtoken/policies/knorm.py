@@ -4,7 +4,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vtoken.policies.base import EvictionContext, ScorerPolicy
+from vtoken.policies.base import ScorerPolicy
+from vtoken.policies.context import EvictionContext, Stat
 from vtoken.policies.registry import register_policy
 
 
@@ -17,7 +18,7 @@ class KNormPolicy(ScorerPolicy):
     https://arxiv.org/abs/2406.11430. Norm = mean over heads and layers; needs no attention scores.
     """
 
-    needs = frozenset({"key_norm"})
+    needs = frozenset({Stat.KEY_NORM})
 
     def score(self, ctx: EvictionContext) -> np.ndarray:
         return -np.asarray(ctx.key_norm, dtype=np.float64)

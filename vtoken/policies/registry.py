@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from vtoken.core.config import ConfigError
+from vtoken.errors import ConfigError
 from vtoken.policies.base import ScorerPolicy
 
 P = TypeVar("P", bound=type[ScorerPolicy])

@@ -4,8 +4,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vtoken.core.stats import HISTORY_BITS
-from vtoken.policies.base import EvictionContext, ScorerPolicy
+from vtoken.policies.base import ScorerPolicy
+from vtoken.policies.context import HISTORY_BITS, EvictionContext, Stat
 from vtoken.policies.registry import register_policy
 
 
@@ -19,7 +19,7 @@ class ScissorhandsPolicy(ScorerPolicy):
     Compression at Test Time", NeurIPS 2023, https://arxiv.org/abs/2305.17118.
     """
 
-    needs = frozenset({"unimportant"})
+    needs = frozenset({Stat.UNIMPORTANT})
 
     history: int = 32
 
@@ -29,4 +29,4 @@ class ScissorhandsPolicy(ScorerPolicy):
 
     def score(self, ctx: EvictionContext) -> np.ndarray:
         mask = np.uint64((1 << self.history) - 1)
-        return -np.bitwise_count(ctx.unimportant_bits & mask).astype(np.float64)
+        return -np.bitwise_count(ctx.unimportant & mask).astype(np.float64)

@@ -4,7 +4,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vtoken.policies.base import EvictionContext, ScorerPolicy
+from vtoken.policies.base import ScorerPolicy
+from vtoken.policies.context import EvictionContext
 from vtoken.policies.registry import register_policy
 
 

@@ -4,7 +4,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vtoken.policies.base import EvictionContext, ScorerPolicy
+from vtoken.policies.base import ScorerPolicy
+from vtoken.policies.context import EvictionContext, Stat
 from vtoken.policies.registry import register_policy
 
 
@@ -16,7 +17,7 @@ class TOVAPolicy(ScorerPolicy):
     Oren et al., "Transformers are Multi-State RNNs", 2024, https://arxiv.org/abs/2401.06104.
     """
 
-    needs = frozenset({"last"})
+    needs = frozenset({Stat.LAST})
 
     def score(self, ctx: EvictionContext) -> np.ndarray:
         return ctx.last

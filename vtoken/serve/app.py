@@ -37,36 +37,14 @@ def deployment_options(cfg: ServeAppConfig) -> dict[str, Any]:
         graceful_shutdown_timeout_s=d.graceful_shutdown_timeout_s,
     )
     if a.enabled:
-        policy = AutoscalingPolicy(
-            policy_function=POLICY_CLASS,
-            policy_kwargs={
-                "upscale_kv_utilization": a.upscale_kv_utilization,
-                "downscale_kv_utilization": a.downscale_kv_utilization,
-                "target_kv_utilization": a.target_kv_utilization,
-                "upscale_waiting_per_replica": a.upscale_waiting_per_replica,
-            },
-        )
-        opts["autoscaling_config"] = AutoscalingConfig(
-            min_replicas=a.min_replicas,
-            max_replicas=a.max_replicas,
-            initial_replicas=a.initial_replicas,
-            metrics_interval_s=a.metrics_interval_s,
-            look_back_period_s=a.look_back_period_s,
-            upscale_delay_s=a.upscale_delay_s,
-            downscale_delay_s=a.downscale_delay_s,
-            policy=policy,
-        )
+        policy = AutoscalingPolicy(policy_function=POLICY_CLASS, policy_kwargs=a.params.kwargs())
+        opts["autoscaling_config"] = AutoscalingConfig(**a.serve_options(), policy=policy)
     else:
         opts["num_replicas"] = d.num_replicas
     if r.enabled:
         opts["request_router_config"] = RequestRouterConfig(
             request_router_class=ROUTER_CLASS,
-            request_router_kwargs={
-                "stale_after_s": r.stale_after_s,
-                "fragmentation_weight": r.fragmentation_weight,
-                "tokens_per_queued_request": r.tokens_per_queued_request,
-                "tie_tokens": r.tie_tokens,
-            },
+            request_router_kwargs=r.params.kwargs(),
             request_routing_stats_period_s=r.stats_period_s,
             request_routing_stats_timeout_s=r.stats_timeout_s,
         )
@@ -85,6 +63,6 @@ def build_app(cfg: ServeAppConfig | dict | None = None):
 
     if not isinstance(cfg, ServeAppConfig):
         cfg = ServeAppConfig.model_validate(cfg or {})
-    vtoken_engine_kwargs(cfg.core)  # fail now if vToken is requested but not installed
+    vtoken_engine_kwargs(cfg.vtoken)  # fail now if vToken is requested but not installed
     deployment = serve.deployment(serve.ingress()(VTokenReplica), **deployment_options(cfg))
     return deployment.bind(cfg)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from vtoken.serve.stats import KV_UTILIZATION, NUM_WAITING
@@ -28,6 +28,17 @@ from vtoken.serve.stats import KV_UTILIZATION, NUM_WAITING
 
 @dataclass(frozen=True)
 class ScalingParams:
+    """The policy's thresholds: their one declaration (``autoscaling.*`` in the serving config, Serve's
+    ``policy_kwargs``, ``KVAutoscalingPolicy``). Validated on construction, the hysteresis band included.
+
+    ``upscale_kv_utilization``: mean kv_utilization that adds replicas; ``downscale_kv_utilization``:
+    at or below it (and no engine queue) one is removed — strictly below the upscale threshold;
+    ``target_kv_utilization``: sizing target when scaling; ``upscale_waiting_per_replica``:
+    engine-waiting requests per replica that also add replicas.
+    """
+
+    __pydantic_config__ = {"extra": "forbid"}  # read by pydantic only (the serving config's edge)
+
     upscale_kv_utilization: float = 0.75
     downscale_kv_utilization: float = 0.25
     target_kv_utilization: float = 0.5
@@ -36,11 +47,17 @@ class ScalingParams:
     def __post_init__(self) -> None:
         if not 0.0 <= self.downscale_kv_utilization < self.upscale_kv_utilization <= 1.0:
             raise ValueError(
-                "need 0 <= downscale_kv_utilization < upscale_kv_utilization <= 1, got "
-                f"{self.downscale_kv_utilization}, {self.upscale_kv_utilization}"
+                f"downscale_kv_utilization {self.downscale_kv_utilization} must be below "
+                f"upscale_kv_utilization {self.upscale_kv_utilization} (hysteresis band), both in [0, 1]"
             )
         if not 0.0 < self.target_kv_utilization <= 1.0:
             raise ValueError(f"target_kv_utilization must be in (0, 1], got {self.target_kv_utilization}")
+        if not self.upscale_waiting_per_replica > 0:
+            raise ValueError(f"upscale_waiting_per_replica must be > 0, got {self.upscale_waiting_per_replica}")
+
+    def kwargs(self) -> dict[str, Any]:
+        """``{field: value}`` of these thresholds: Serve's ``policy_kwargs`` for ``KVAutoscalingPolicy``."""
+        return {f.name: getattr(self, f.name) for f in fields(ScalingParams)}
 
 
 @dataclass(frozen=True)

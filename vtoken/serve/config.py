@@ -17,12 +17,16 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from vtoken.core.config import Budget, ConfigError, VTokenConfig
+from vtoken.core.config import VTokenConfig
+from vtoken.errors import ConfigError
+from vtoken.serve.autoscaling import ScalingParams
+from vtoken.serve.ranking import RouterParams
 from vtoken.vllm.config import check_platform_block_size
 
 CONFIG_ENV = "VTOKEN_SERVE_CONFIG"  # path to a YAML/JSON file, or inline JSON, read by serve_app.py
@@ -30,45 +34,6 @@ CONFIG_ENV = "VTOKEN_SERVE_CONFIG"  # path to a YAML/JSON file, or inline JSON, 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class VTokenSection(_Section):
-    """Mirror of ``vtoken.core.config.VTokenConfig``; validated by building one."""
-
-    policy: str = "h2o"
-    budget: str | float | int = Field(0.5, description="fraction of the context in (0, 1], or a token count")
-    mode: str = Field("repack", description="none | naive | repack | reuse+repack")
-    block_size: int = 32
-    sinks: int = 4
-    recent: int = 16
-    trigger: str = "step"
-    seed: int = 0
-
-    @model_validator(mode="after")
-    def _validate_with_core(self) -> VTokenSection:
-        try:
-            self.to_core()
-        except ConfigError as exc:  # re-raised as ValueError so pydantic reports it with its location
-            raise ValueError(str(exc)) from None
-        try:
-            check_platform_block_size(self.block_size)
-        except ConfigError as exc:
-            raise ValueError(str(exc)) from None
-        return self
-
-    def to_core(self) -> VTokenConfig:
-        """The frozen core config (raises ``ConfigError`` naming a bad value)."""
-        budget = Budget.parse(self.budget)
-        return VTokenConfig(
-            policy=self.policy,
-            budget=budget,
-            mode=self.mode,
-            block_size=self.block_size,
-            sinks=self.sinks,
-            recent=self.recent,
-            trigger=self.trigger,
-            seed=self.seed,
-        )
 
 
 class EngineSection(_Section):
@@ -127,49 +92,69 @@ class DeploymentSection(_Section):
     graceful_shutdown_timeout_s: float = Field(10.0, ge=0)
 
 
-class AutoscalingSection(_Section):
-    """KV-utilization autoscaling (``vtoken.serve.autoscaling.KVAutoscalingPolicy``)."""
+@dataclass(frozen=True)
+class AutoscalingSettings(ScalingParams):
+    """KV-utilization autoscaling: the policy's thresholds (``ScalingParams``, declared there) plus
+    Serve's ``AutoscalingConfig`` options. ``enabled`` switches from a fixed ``deployment.num_replicas``."""
 
     enabled: bool = False
-    min_replicas: int = Field(1, ge=1)
-    max_replicas: int = Field(2, ge=1)
-    initial_replicas: int | None = Field(None, ge=1)
-    upscale_kv_utilization: float = Field(0.75, gt=0, le=1, description="mean kv_utilization to add replicas")
-    downscale_kv_utilization: float = Field(0.25, ge=0, lt=1, description="… to remove one (hysteresis)")
-    target_kv_utilization: float = Field(0.5, gt=0, le=1, description="sizing target when scaling up")
-    upscale_waiting_per_replica: float = Field(2.0, gt=0, description="engine-waiting requests per replica")
-    metrics_interval_s: float = Field(1.0, gt=0)
-    look_back_period_s: float = Field(5.0, gt=0)
-    upscale_delay_s: float = Field(5.0, ge=0)
-    downscale_delay_s: float = Field(30.0, ge=0)
+    min_replicas: int = 1
+    max_replicas: int = 2
+    initial_replicas: int | None = None
+    metrics_interval_s: float = 1.0
+    look_back_period_s: float = 5.0
+    upscale_delay_s: float = 5.0
+    downscale_delay_s: float = 30.0
 
-    @model_validator(mode="after")
-    def _check_bounds(self) -> AutoscalingSection:
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _at_least(self, 1, "min_replicas", "max_replicas")
+        _positive(self, "metrics_interval_s", "look_back_period_s")
+        _at_least(self, 0, "upscale_delay_s", "downscale_delay_s")
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
-        if (
-            self.initial_replicas is not None
-            and not self.min_replicas <= self.initial_replicas <= self.max_replicas
-        ):
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
             raise ValueError(f"initial_replicas {self.initial_replicas} outside [min_replicas, max_replicas]")
-        if self.downscale_kv_utilization >= self.upscale_kv_utilization:
-            raise ValueError(
-                f"downscale_kv_utilization {self.downscale_kv_utilization} must be below "
-                f"upscale_kv_utilization {self.upscale_kv_utilization} (hysteresis band)"
-            )
-        return self
+
+    @property
+    def params(self) -> ScalingParams:
+        return ScalingParams(**ScalingParams.kwargs(self))
+
+    def serve_options(self) -> dict[str, Any]:
+        """The fields Ray Serve's ``AutoscalingConfig`` takes by the same names (all but the policy's
+        thresholds and ``enabled``)."""
+        own = {f.name for f in fields(AutoscalingSettings)} - {f.name for f in fields(ScalingParams)}
+        return {name: getattr(self, name) for name in sorted(own - {"enabled"})}
 
 
-class RouterSection(_Section):
-    """KV-aware routing (``vtoken.serve.router.KVAwareRouter``); see its ``initialize_state``."""
+@dataclass(frozen=True)
+class RouterSettings(RouterParams):
+    """KV-aware routing: the router's hyperparameters (``RouterParams``, declared there) plus how Serve
+    feeds it (``stats_period_s``: how often it polls ``record_routing_stats``; ``stats_timeout_s``)."""
 
     enabled: bool = True
-    stats_period_s: float = Field(1.0, gt=0, description="how often Serve polls record_routing_stats")
-    stats_timeout_s: float = Field(2.0, gt=0)
-    stale_after_s: float = Field(5.0, gt=0, description="stats older than this are ignored")
-    fragmentation_weight: float = Field(0.5, ge=0)
-    tokens_per_queued_request: int = Field(256, ge=0)
-    tie_tokens: int = Field(64, ge=0)
+    stats_period_s: float = 1.0
+    stats_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "stats_period_s", "stats_timeout_s")
+
+    @property
+    def params(self) -> RouterParams:
+        return RouterParams(**RouterParams.kwargs(self))
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        if not getattr(obj, name) > 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(obj, name)!r}")
+
+
+def _at_least(obj: Any, low: int, *names: str) -> None:
+    for name in names:
+        if not getattr(obj, name) >= low:
+            raise ValueError(f"{name} must be >= {low}, got {getattr(obj, name)!r}")
 
 
 class MetricsSection(_Section):
@@ -187,13 +172,13 @@ class ServeAppConfig(_Section):
     served_model_name: str | None = None
     app_name: str = "vtoken"
     route_prefix: str = "/"
-    vtoken: VTokenSection = Field(default_factory=VTokenSection)
+    vtoken: VTokenConfig = Field(default_factory=VTokenConfig)
     engine: EngineSection = Field(default_factory=EngineSection)
     slo: SloSection = Field(default_factory=SloSection)
     limits: LimitsSection = Field(default_factory=LimitsSection)
     deployment: DeploymentSection = Field(default_factory=DeploymentSection)
-    autoscaling: AutoscalingSection = Field(default_factory=AutoscalingSection)
-    router: RouterSection = Field(default_factory=RouterSection)
+    autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
+    router: RouterSettings = Field(default_factory=RouterSettings)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
 
     @field_validator("route_prefix")
@@ -205,6 +190,10 @@ class ServeAppConfig(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> ServeAppConfig:
+        try:
+            check_platform_block_size(self.vtoken.block_size)
+        except ConfigError as exc:  # as ValueError, so pydantic reports it like every other bad value
+            raise ValueError(str(exc)) from None
         if self.limits.max_tokens >= self.engine.max_model_len:
             raise ValueError(
                 f"limits.max_tokens {self.limits.max_tokens} must be below "
@@ -217,10 +206,6 @@ class ServeAppConfig(_Section):
                 f"(one block is vLLM's null block), less than max_model_len {self.engine.max_model_len}"
             )
         return self
-
-    @property
-    def core(self) -> VTokenConfig:
-        return self.vtoken.to_core()
 
     @property
     def model_name(self) -> str:

@@ -73,7 +73,7 @@ def engine_args(cfg: ServeAppConfig, model_path: str) -> dict[str, Any]:
         kwargs["kv_cache_memory_bytes"] = max(64 << 20, int(e.kv_cache_gib * (1 << 30)) // 16)
     else:
         kwargs["kv_cache_memory_bytes"] = int(e.kv_cache_gib * (1 << 30))
-    kwargs.update(vtoken_engine_kwargs(cfg.core))
+    kwargs.update(vtoken_engine_kwargs(cfg.vtoken))
     return kwargs
 
 

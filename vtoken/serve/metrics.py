@@ -27,7 +27,8 @@ from prometheus_client.registry import REGISTRY, Collector
 
 from vtoken import metric_names as names
 from vtoken.serve.sla import RequestLatency, SloTargets, meets_slo
-from vtoken.serve.stats import KVSnapshot, StatsSink
+from vtoken.core.kvstats import KVSnapshot
+from vtoken.serve.stats import StatsSink
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +65,12 @@ class KVCollector(Collector):
         evicted = CounterMetricFamily(
             names.EVICTED_TOKENS.name, names.EVICTED_TOKENS.help, labels=list(names.EVICTED_TOKENS.labels)
         )
-        evicted.add_metric([self._policy], float(snap.evicted_tokens_total))
+        evicted.add_metric([self._policy], float(snap.counters.evicted_tokens))
         yield evicted
         for metric, value in (
-            (names.RECLAIMED_BLOCKS, snap.reclaimed_blocks_total),
-            (names.REPACK_MOVES, snap.repack_moves_total),
-            (names.REPACK_PLANS, snap.num_plans),
+            (names.RECLAIMED_BLOCKS, snap.counters.reclaimed_blocks),
+            (names.REPACK_MOVES, snap.counters.repack_moves),
+            (names.REPACK_PLANS, snap.counters.repack_plans),
         ):
             fam = CounterMetricFamily(metric.name, metric.help)
             fam.add_metric([], float(value))
@@ -149,10 +150,10 @@ class ReplicaMetrics:
         self.e2e.observe(lat.e2e_s)
 
     def _on_snapshot(self, previous: KVSnapshot, snap: KVSnapshot) -> None:
-        plans = snap.num_plans - previous.num_plans
+        plans = snap.counters.repack_plans - previous.counters.repack_plans
         if plans <= 0:
             return
-        mean = max(0.0, snap.repack_seconds_total - previous.repack_seconds_total) / plans
+        mean = max(0.0, snap.counters.repack_seconds - previous.counters.repack_seconds) / plans
         for _ in range(min(plans, 64)):
             self.repack.observe(mean)
 

@@ -29,117 +29,22 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from vtoken.serve.stats import (
-    BLOCK_SIZE,
-    FRAGMENTATION,
-    FREE_KV_TOKENS,
-    HELD_BLOCKS,
-    NUM_RUNNING,
-    NUM_WAITING,
-    POLLED_AT,
-)
+from vtoken.serve.ranking import RouterParams, effective_free_tokens, rank_by_kv
 
 logger = logging.getLogger("ray.serve")
-
-
-@dataclass(frozen=True)
-class RouterParams:
-    """Hyperparameters (documented in ``KVAwareRouter.initialize_state``)."""
-
-    stale_after_s: float = 5.0
-    fragmentation_weight: float = 0.5
-    tokens_per_queued_request: int = 256
-    tie_tokens: int = 64
-
-
-def effective_free_tokens(
-    stats: Mapping[str, Any], queue_len: int | None, params: RouterParams, now: float, reserved: int = 0
-) -> float | None:
-    """The ranking score of one replica, or None if its stats are missing or stale (pure).
-
-    ``reserved``: requests this router has just ranked first on the replica but not sent yet."""
-    try:
-        polled_at = float(stats[POLLED_AT])
-        free = float(stats[FREE_KV_TOKENS])
-        frag = float(stats[FRAGMENTATION])
-        held_slots = float(stats[HELD_BLOCKS]) * float(stats[BLOCK_SIZE])
-        waiting = float(stats[NUM_WAITING])
-        running = float(stats[NUM_RUNNING])
-    except (KeyError, TypeError, ValueError):
-        return None
-    if now - polled_at > params.stale_after_s:
-        return None
-    pending = max(waiting, float(queue_len or 0) - running) + reserved
-    wasted = min(1.0, max(0.0, frag)) * held_slots
-    return free - params.fragmentation_weight * wasted - pending * params.tokens_per_queued_request
-
-
-def rank_by_kv(
-    scores: Sequence[tuple[Any, float | None]], tie_tokens: float, rng: random.Random | None = None
-) -> list[list[Any]] | None:
-    """Group ``(replica, score)`` pairs into ranks, best first (pure apart from ``rng``).
-
-    Scored replicas are sorted by score (equal scores in random order: Serve breaks queue-length ties
-    by list order, so a fixed order would pin idle traffic on one replica); a new rank starts when a
-    score falls more than ``tie_tokens`` below the current rank's best. Unscored (None) replicas form
-    the last rank. Returns None when no replica has a score (caller falls back to power of two).
-    """
-    rng = rng or random
-    keyed = [(s, rng.random(), r) for r, s in scores if s is not None]
-    scored = sorted(keyed, key=lambda t: (-t[0], t[1]))
-    if not scored:
-        return None
-    ranks: list[list[Any]] = []
-    best = None
-    for score, _, replica in scored:
-        if best is None or best - score > tie_tokens:
-            ranks.append([])
-            best = score
-        ranks[-1].append(replica)
-    unscored = [r for r, s in scores if s is None]
-    if unscored:
-        ranks.append(unscored)
-    return ranks
 
 
 class KVAwareRouter(RequestRouter):
     """Ranks replicas by free KV capacity after vToken reclamation (see the module docstring)."""
 
-    def initialize_state(
-        self,
-        stale_after_s: float = 5.0,
-        fragmentation_weight: float = 0.5,
-        tokens_per_queued_request: int = 256,
-        tie_tokens: int = 64,
-        reservation_ttl_s: float = 5.0,
-        **_: Any,
-    ) -> None:
-        """Hyperparameters (``request_router_kwargs``; ``router.*`` in ServeAppConfig):
-
-        - ``stale_after_s`` (5.0): stats whose poll is older than this (the replica stopped answering
-          ``record_routing_stats``) are ignored; set it to a few ``stats_period_s``. The age of the
-          engine step behind the numbers is *not* a reason to ignore them: a replica inside a long
-          prefill step still holds (at least) the KV it reported, and requests sent to it since are
-          charged through Serve's live queue-length cache. Dropping such a replica to the last rank
-          herds a burst onto the other replicas (measured: 22/2 split of 24 requests).
-        - ``fragmentation_weight`` (0.5): KV tokens charged per slot wasted inside held blocks
-          (``fragmentation_ratio · held_blocks · B``); 0 ignores fragmentation.
-        - ``tokens_per_queued_request`` (256): KV tokens charged per request queued at a replica but not
-          yet running in its engine (roughly prompt + expected output of a typical request), and per
-          reservation.
-        - ``tie_tokens`` (64): replicas within this many effective free tokens of a rank's best share
-          the rank; Serve then picks the shortest queue among them. 0 = strict KV order.
-        - ``reservation_ttl_s`` (5.0): a reservation (request ranked first on a replica, not yet routed)
-          is dropped after this long if Serve never reports the request as routed.
-        """
-        self.params = RouterParams(stale_after_s, fragmentation_weight, tokens_per_queued_request, tie_tokens)
-        self.reservation_ttl_s = reservation_ttl_s
+    def initialize_state(self, **kwargs: Any) -> None:
+        """``kwargs`` are Serve's ``request_router_kwargs``: the fields of ``RouterParams`` (documented
+        there; unknown names raise). Side effect: resets this router's reservations and counters."""
+        self.params = RouterParams(**kwargs)
         self._reservations: dict[str, tuple[Any, float]] = {}  # request id -> (replica id, expiry)
         self.fallbacks = 0
         self.kv_routed = 0
@@ -160,7 +65,7 @@ class KVAwareRouter(RequestRouter):
         target = min(rank0, key=lambda r: cache.get(r.replica_id) or 0)
         self._reservations[pending_request.metadata.internal_request_id] = (
             target.replica_id,
-            now + self.reservation_ttl_s,
+            now + self.params.reservation_ttl_s,
         )
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:

@@ -8,7 +8,7 @@ per engine step.
 
 Where the numbers come from::
 
-    vToken on  (vtoken.vllm.stats.vtoken_stats_from(scheduler_stats) -> VTokenStats)
+    vToken on  (vtoken.vllm.stats.vtoken_stats_from(scheduler_stats) -> KVSnapshot, the engine's own)
         live / held / packing-bound / naive blocks, pool, evictions, repack moves and time
     vToken off (mode "none", or the integration not installed)
         held = round(kv_cache_usage · pool); live ≈ held · B (vanilla paging: no holes are tracked)
@@ -17,54 +17,13 @@ Where the numbers come from::
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any
 
 from vtoken import metric_names as names
-from vtoken.core import gauges
+from vtoken.core.kvstats import KVSnapshot
 from vtoken.serve.sla import RequestLatency, latency_of
-
-
-@dataclass(frozen=True)
-class KVSnapshot:
-    """One engine step's KV state as seen by the replica (block counts exclude vLLM's null block)."""
-
-    live_tokens: int
-    held_blocks: int
-    packing_bound_blocks: int
-    naive_blocks: int
-    pool_blocks: int
-    block_size: int
-    num_running: int = 0
-    num_waiting: int = 0
-    evicted_tokens_total: int = 0
-    reclaimed_blocks_total: int = 0
-    repack_moves_total: int = 0
-    repack_seconds_total: float = 0.0
-    num_plans: int = 0
-    source: str = "vllm"  # "vtoken" when the numbers come from vToken's own accounting
-    at: float = field(default_factory=time.time)  # wall-clock time of the engine step
-
-    @property
-    def free_blocks(self) -> int:
-        return max(0, self.pool_blocks - self.held_blocks)
-
-    @property
-    def free_kv_tokens(self) -> int:
-        """Slots a new request can get right now (after vToken reclamation): free blocks · B."""
-        return self.free_blocks * self.block_size
-
-    @property
-    def fragmentation_ratio(self) -> float:
-        """1 − live / (held · B): share of held slots that hold no live token (0 when nothing held)."""
-        return gauges.fragmentation_ratio(self.live_tokens, self.held_blocks, self.block_size)
-
-    @property
-    def kv_utilization(self) -> float:
-        """held / pool, in [0, 1]."""
-        return gauges.kv_utilization(self.held_blocks, self.pool_blocks)
 
 
 # Keys of record_routing_stats() / record_autoscaling_stats(): the scraped metric names, declared in
@@ -112,22 +71,7 @@ def snapshot_from(
     waiting = int(getattr(scheduler_stats, "num_waiting_reqs", 0))
     vt = vtoken_reader(scheduler_stats) if vtoken_reader is not None else None
     if vt is not None:
-        return KVSnapshot(
-            live_tokens=int(vt.live_tokens),
-            held_blocks=int(vt.held_blocks),
-            packing_bound_blocks=int(vt.packing_bound_blocks),
-            naive_blocks=int(vt.naive_blocks),
-            pool_blocks=int(vt.pool_blocks),
-            block_size=int(vt.block_size),
-            num_running=running,
-            num_waiting=waiting,
-            evicted_tokens_total=int(vt.evicted_tokens_total),
-            reclaimed_blocks_total=int(vt.reclaimed_blocks_total),
-            repack_moves_total=int(vt.repack_moves_total),
-            repack_seconds_total=float(vt.repack_seconds_total),
-            num_plans=int(vt.num_plans),
-            source="vtoken",
-        )
+        return replace(vt, num_running=running, num_waiting=waiting)
     held = int(round(float(getattr(scheduler_stats, "kv_cache_usage", 0.0)) * pool_blocks))
     return KVSnapshot(
         live_tokens=held * block_size,
@@ -151,7 +95,7 @@ class StatsSink:
 
     def __init__(self, pool_blocks: int = 0, block_size: int = 32) -> None:
         self._lock = threading.Lock()
-        self._latest = KVSnapshot(0, 0, 0, 0, pool_blocks, block_size, at=0.0)
+        self._latest = KVSnapshot(pool_blocks=pool_blocks, block_size=block_size, at=0.0)
         self._on_finished: list[Callable[[RequestLatency], None]] = []
         self._on_snapshot: list[Callable[[KVSnapshot, KVSnapshot], None]] = []
 
@@ -204,7 +148,7 @@ def make_stat_logger_class(sink: StatsSink) -> type:
             self._engine_index = engine_index
 
         def _pool(self) -> int:
-            # vLLM keeps one null block out of the pool (ARCHITECTURE §4, invariant 2).
+            # vLLM keeps one null block out of the pool (docs/architecture.md §4, invariant 2).
             return max(0, int(self._cache.num_gpu_blocks or 0) - 1)
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
@@ -215,6 +159,6 @@ def make_stat_logger_class(sink: StatsSink) -> type:
                     sink.finished(latency_of(fin))
 
         def log_engine_initialized(self) -> None:
-            sink.put(KVSnapshot(0, 0, 0, 0, self._pool(), int(self._cache.block_size)))
+            sink.put(KVSnapshot(pool_blocks=self._pool(), block_size=int(self._cache.block_size)))
 
     return ReplicaStatLogger

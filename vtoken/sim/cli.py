@@ -15,7 +15,7 @@ from pathlib import Path
 
 import typer
 
-from vtoken.core.config import ConfigError
+from vtoken.errors import ConfigError
 from vtoken.sim.result import MODES
 
 
@@ -47,10 +47,9 @@ def simulate(
     if traces is not None and not traces.is_file():
         _fail(f"--traces {str(traces)!r}: no such file")
     try:
-        cfg = SimConfig(policy=policy, budget=budget, block_size=block_size, prompt_len=prompt_len,
-                        gen_len=gen_len, requests=requests, seed=seed, sinks=sinks, recent=recent,
-                        trigger=trigger, engine=engine, workers=workers, traces=traces)
-        cfg.core()  # validates the policy name, sinks, recent
+        cfg = SimConfig.of(policy=policy, budget=budget, block_size=block_size, prompt_len=prompt_len,
+                           gen_len=gen_len, requests=requests, seed=seed, sinks=sinks, recent=recent,
+                           trigger=trigger, engine=engine, workers=workers, traces=traces)
         out, tally = _run_with_progress(cfg, run_simulation, quiet=as_json)
     except ConfigError as err:
         _fail(str(err))
@@ -72,7 +71,7 @@ def _run_with_progress(cfg, run, quiet: bool):
 
     with Progress("[progress.description]{task.description}", BarColumn(), "{task.completed}/{task.total}",
                   TimeElapsedColumn(), TimeRemainingColumn(), transient=True) as bar:
-        task = bar.add_task(f"simulating {cfg.policy}", total=cfg.requests)
+        task = bar.add_task(f"simulating {cfg.vtoken.policy}", total=cfg.requests)
         return run(cfg, on_requests=lambda n: bar.advance(task, n))
 
 

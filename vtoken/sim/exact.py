@@ -16,6 +16,7 @@ from vtoken.core.config import Mode, VTokenConfig
 from vtoken.core.integrity import check_integrity
 from vtoken.core.manager import CacheManager
 from vtoken.core.stats import StepScores
+from vtoken.policies.context import Stat
 from vtoken.sim.result import MODES, SimTally
 
 
@@ -38,7 +39,7 @@ def simulate_exact(
     R = source.num_requests
     T = prompt_len + gen_len
     B = cfg.block_size
-    need_bits = "unimportant" in cfg.make_policy().needs
+    need_bits = Stat.UNIMPORTANT in cfg.policy_class.needs
     pre_total, pre_last, pre_bits = source.prefill(prompt_len, need_bits)
     tally = SimTally(gen_len)
     peaks = {m: np.zeros(R, np.int64) for m in MODES}
@@ -50,7 +51,7 @@ def simulate_exact(
             m.add_request(rid)
             m.place(rid, prompt_len, source.key_norm[r, :prompt_len])
             if mode != "none":
-                m.observe(rid, StepScores(np.arange(prompt_len), pre_total[r], pre_last[r], pre_bits[r], prompt_len))
+                m.observe(rid, StepScores(np.arange(prompt_len), prompt_len, pre_total[r], pre_last[r], pre_bits[r]))
         for d in range(gen_len):
             n = prompt_len + d  # the decode token written in this step
             retained = {}
@@ -64,7 +65,7 @@ def simulate_exact(
                     live = table.live_logicals()
                     a = source.attention_row(r, n, live)
                     low = (a < 1.0 / (n + 1)).astype(np.uint64)
-                    m.observe(rid, StepScores(live, a, a, low, 1))
+                    m.observe(rid, StepScores(live, 1, accumulated=a, last=a, unimportant=low))
                 retained[mode] = len(m.rows[rid])
                 peaks[mode][r] = max(peaks[mode][r], retained[mode])
                 if check:

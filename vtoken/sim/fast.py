@@ -24,7 +24,7 @@ import numpy as np
 from vtoken.core.config import VTokenConfig
 from vtoken.core.eviction import eviction_count
 from vtoken.core.manager import request_salt
-from vtoken.policies.base import EvictionContext
+from vtoken.policies.context import EvictionContext, Stat
 from vtoken.sim.exact import request_name
 from vtoken.sim.result import SimTally
 
@@ -117,17 +117,17 @@ class _Columns:
     columns; dead columns are dropped by ``compact`` (which also reserves room for the remaining steps).
     """
 
-    NAMES = ("logical", "alive", "acc", "last", "bits", "knorm", "w")
+    NAMES = ("logical", "alive", *(s.value for s in Stat), "w")  # the statistics' columns are named by Stat
 
-    def __init__(self, P: int, source, prefill, need: frozenset[str]):
+    def __init__(self, P: int, source, prefill, need: frozenset[Stat]):
         R = source.num_requests
         total, last, bits = prefill
-        self.has_knorm = "key_norm" in need
+        self.has_knorm = Stat.KEY_NORM in need
         self.width = P
         self.logical = np.broadcast_to(np.arange(P, dtype=np.int64), (R, P)).copy()
         self.alive = np.ones((R, P), bool)
-        self.acc, self.last, self.bits = total, last, bits
-        self.knorm = source.key_norm[:, :P].copy() if self.has_knorm else np.zeros((R, P))
+        self.accumulated, self.last, self.unimportant = total, last, bits
+        self.key_norm = source.key_norm[:, :P].copy() if self.has_knorm else np.zeros((R, P))
         self.w = source.w[:, :P].copy() if hasattr(source, "w") else np.zeros((R, P))
 
     def view(self, name: str, lo: int = 0, hi: int | None = None) -> np.ndarray:
@@ -139,11 +139,11 @@ class _Columns:
             self._resize(np.ones(self.alive[0].shape, bool)[None, :].repeat(self.alive.shape[0], 0), c, 64)
         self.logical[:, c] = n
         self.alive[:, c] = True
-        self.acc[:, c] = 0.0
+        self.accumulated[:, c] = 0.0
         self.last[:, c] = 0.0
-        self.bits[:, c] = 0
+        self.unimportant[:, c] = 0
         if self.has_knorm:
-            self.knorm[:, c] = source.key_norm[:, n]
+            self.key_norm[:, c] = source.key_norm[:, n]
         if hasattr(source, "w"):
             self.w[:, c] = source.w[:, n]
         self.width += 1
@@ -180,7 +180,7 @@ def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, firs
     needs = policy.needs
     tally = tally if tally is not None else SimTally(M)
     salt = np.array([request_salt(request_name(first_request + r)) for r in range(R)], np.uint64)[:, None]
-    cols = _Columns(P, source, source.prefill(P, "unimportant" in needs), needs)
+    cols = _Columns(P, source, source.prefill(P, Stat.UNIMPORTANT in needs), needs)
     live = P
     layouts = {"repack": _Layout(R, T, P, reuse=False), "reuse+repack": _Layout(R, T, P, reuse=True)}
     nb = math.ceil(T / B)
@@ -188,16 +188,15 @@ def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, firs
     orig_live[:, : math.ceil(P / B)] = np.bincount(np.arange(P) // B, minlength=math.ceil(P / B))
     peaks = {m: np.zeros(R, np.int64) for m in ("none", "naive", "repack", "reuse+repack")}
     rows = np.arange(R)[:, None]
-    scored = bool(needs & {"accumulated", "last", "unimportant"})
+    scored = policy.needs_attention()
 
     for d in range(M):
         n = P + d
         k = eviction_count(live, n, cfg)
         lo, hi = min(cfg.sinks, cols.width), max(cols.width - min(cfg.recent, n), 0)
         if k and hi > lo:
-            ctx = EvictionContext(logical=cols.view("logical", lo, hi), accumulated=cols.view("acc", lo, hi),
-                                  last=cols.view("last", lo, hi), unimportant_bits=cols.view("bits", lo, hi),
-                                  key_norm=cols.view("knorm", lo, hi), seen=n, salt=salt)
+            stats = {s.value: cols.view(s.value, lo, hi) for s in needs}
+            ctx = EvictionContext(logical=cols.view("logical", lo, hi), seen=n, salt=salt, **stats)
             vmask = policy.select_batch(ctx, np.full(R, k), cols.view("alive", lo, hi))
             k = int(vmask[0].sum())
             victims = ctx.logical[vmask].reshape(R, k)
@@ -215,12 +214,12 @@ def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, firs
         cols.append(n, source)
         if scored:
             a = cols.attention(source, n)
-            if "accumulated" in needs:
-                cols.view("acc")[:] += a
-            if "last" in needs:
+            if Stat.ACCUMULATED in needs:
+                cols.view("accumulated")[:] += a
+            if Stat.LAST in needs:
                 cols.view("last")[:] = a
-            if "unimportant" in needs:
-                bits = cols.view("bits")
+            if Stat.UNIMPORTANT in needs:
+                bits = cols.view("unimportant")
                 bits[:] = (bits << np.uint64(1)) | (a < 1.0 / (n + 1)).astype(np.uint64)
         packing = math.ceil(live / B)
         naive = np.maximum(packing, np.count_nonzero(orig_live, axis=1))

@@ -5,12 +5,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from vtoken.core.config import Budget, ConfigError, Mode, Trigger, VTokenConfig, check_block_size
+from vtoken.core.config import Mode, VTokenConfig
+from vtoken.errors import ConfigError
 from vtoken.sim.exact import simulate_exact
 from vtoken.sim.fast import simulate_fast
 from vtoken.sim.result import SimTally
@@ -21,16 +22,14 @@ ENGINES = ("fast", "exact")
 
 @dataclass(frozen=True)
 class SimConfig:
-    policy: str = "h2o"
-    budget: Budget = Budget(fraction=0.2)
-    block_size: int = 16
+    """A simulation: the vToken settings (every mode runs, so ``vtoken.mode`` is ignored; ``vtoken.seed``
+    also seeds the synthetic attention) plus the workload and how to run it. ``of(**kw)`` takes the
+    settings' keys flat, as the CLI passes them."""
+
+    vtoken: VTokenConfig = VTokenConfig(budget=0.2, block_size=16)
     prompt_len: int = 512
     gen_len: int = 256
     requests: int = 64
-    seed: int = 0
-    sinks: int = 4
-    recent: int = 16
-    trigger: Trigger = Trigger.STEP
     engine: str = "fast"
     chunk: int = 256  # requests per batch in the fast engine (bounds memory)
     workers: int = 1  # processes for the fast engine (chunks run in parallel)
@@ -38,9 +37,6 @@ class SimConfig:
     traces: Path | None = None  # recorded attention (.npz from `vtoken trace record`) instead of synthetic
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "budget", Budget.parse(self.budget))
-        object.__setattr__(self, "trigger", Trigger.parse(self.trigger))
-        check_block_size(self.block_size)
         for name in ("prompt_len", "gen_len", "requests", "chunk", "workers"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -48,9 +44,13 @@ class SimConfig:
         if self.engine not in ENGINES:
             raise ConfigError(f"unknown engine {self.engine!r}; valid engines: {', '.join(ENGINES)}")
 
-    def core(self) -> VTokenConfig:
-        return VTokenConfig(policy=self.policy, budget=self.budget, mode=Mode.REPACK, block_size=self.block_size,
-                            sinks=self.sinks, recent=self.recent, trigger=self.trigger, seed=self.seed)
+    @classmethod
+    def of(cls, **kwargs) -> SimConfig:
+        """``SimConfig.of(policy="h2o", budget=0.2, prompt_len=512, ...)``: ``VTokenConfig`` keys go to
+        ``vtoken`` (over the default above), the rest to the simulation. Raises ``ConfigError``."""
+        given = {k: kwargs.pop(k) for k in VTokenConfig.keys() if k in kwargs}
+        default = cls.__dataclass_fields__["vtoken"].default
+        return cls(vtoken=replace(default, **given, mode=Mode.REPACK), **kwargs)
 
 
 def _trace_sources(cfg: SimConfig):
@@ -71,18 +71,18 @@ def _trace_sources(cfg: SimConfig):
 
 def _synthetic_source(cfg: SimConfig, start: int) -> SyntheticSource:
     n = min(cfg.chunk, cfg.requests - start)
-    return SyntheticSource(cfg.synthetic, n, cfg.prompt_len + cfg.gen_len, cfg.seed, first=start)
+    return SyntheticSource(cfg.synthetic, n, cfg.prompt_len + cfg.gen_len, cfg.vtoken.seed, first=start)
 
 
 def _fast_synthetic_chunk(args: tuple[SimConfig, int]) -> SimTally:
     cfg, start = args
     source = _synthetic_source(cfg, start)
-    return simulate_fast(cfg.core(), source, cfg.prompt_len, cfg.gen_len, first_request=start)
+    return simulate_fast(cfg.vtoken, source, cfg.prompt_len, cfg.gen_len, first_request=start)
 
 
 def _tallies(cfg: SimConfig):
     """Yield (requests done, partial tally) per chunk, in parallel where asked."""
-    core = cfg.core()
+    core = cfg.vtoken
     if cfg.traces is None and cfg.engine == "fast":
         starts = [(cfg, s) for s in range(0, cfg.requests, cfg.chunk)]
         if cfg.workers > 1:
@@ -113,17 +113,18 @@ def run_simulation(cfg: SimConfig, on_requests: Callable[[int], None] | None = N
         if on_requests:
             on_requests(n)
     seconds = time.perf_counter() - t0
+    vt = cfg.vtoken.to_dict()
     out = {
-        "policy": cfg.policy,
-        "budget": cfg.budget.fraction if cfg.budget.fraction is not None else cfg.budget.count,
-        "block_size": cfg.block_size,
+        "policy": vt["policy"],
+        "budget": vt["budget"],
+        "block_size": vt["block_size"],
         "requests": cfg.requests,
         "prompt_len": cfg.prompt_len,
         "gen_len": cfg.gen_len,
-        "seed": cfg.seed,
-        "sinks": cfg.sinks,
-        "recent": cfg.recent,
-        "trigger": cfg.trigger.value,
+        "seed": vt["seed"],
+        "sinks": vt["sinks"],
+        "recent": vt["recent"],
+        "trigger": vt["trigger"],
         "engine": cfg.engine,
         "workers": cfg.workers,
         "source": str(cfg.traces) if cfg.traces else "synthetic",

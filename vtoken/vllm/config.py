@@ -30,32 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from importlib import metadata
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any
 
-from vtoken.core.config import Budget, ConfigError, Mode, Trigger, VTokenConfig
+from vtoken.core.config import VTokenConfig, reject_unknown
+from vtoken.errors import ConfigError
 
 KEY = "vtoken"
-POLICY_KEYS = ("policy", "budget", "mode", "sinks", "recent", "trigger", "seed")
-ENGINE_KEYS = (*POLICY_KEYS, "block_size", "scores", "trace_dir", "check")
-REQUEST_KEYS = (*POLICY_KEYS, "trace_id", "salt")
 SCORE_MODES = ("auto", "always", "never")
-
-
-def policy_needs(policy_name: str) -> tuple[bool, bool]:
-    """(needs attention scores, needs key norms) for a registered policy (``ScorerPolicy.needs``)."""
-    from vtoken.policies import get_policy_class
-
-    cls = get_policy_class(policy_name)
-    needs = frozenset(getattr(cls, "needs", frozenset()))
-    return bool(needs & {"accumulated", "last", "unimportant"}), "key_norm" in needs
-
-
-def _check_keys(given: Mapping[str, Any], valid: tuple[str, ...], where: str) -> None:
-    unknown = sorted(set(given) - set(valid))
-    if unknown:
-        raise ConfigError(f"unknown {where} setting(s) {', '.join(map(repr, unknown))}; valid settings: {', '.join(valid)}")
 
 
 def cpu_platform() -> bool:
@@ -77,9 +60,19 @@ def check_platform_block_size(block_size: int) -> None:
         raise ConfigError(f"block size must be a multiple of 32 on vLLM's CPU backend, got {block_size}")
 
 
+def _refuse_scores_never(cfg: VTokenConfig, scores: str) -> None:
+    if scores == "never" and cfg.mode.evicts and cfg.policy_class.needs_attention():
+        raise ConfigError(f"policy {cfg.policy!r} scores tokens by attention; it cannot run with scores='never'")
+
+
+def _own_fields(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name != "cfg")
+
+
 @dataclass(frozen=True)
 class EngineSettings:
-    """Everything vToken reads from one engine's ``additional_config`` (validated on construction)."""
+    """Everything vToken reads from one engine's ``additional_config["vtoken"]``: the ``VTokenConfig`` fields
+    plus ``scores``, ``trace_dir`` and ``check`` (validated on construction; keys = ``keys()``)."""
 
     cfg: VTokenConfig
     scores: str = "auto"
@@ -93,11 +86,11 @@ class EngineSettings:
             raise ConfigError(f"check must be true or false, got {self.check!r}")
         if self.trace_dir is not None and not isinstance(self.trace_dir, str):
             raise ConfigError(f"trace_dir must be a path string, got {self.trace_dir!r}")
-        if self.scores == "never" and self.cfg.mode.evicts:
-            if policy_needs(self.cfg.policy)[0]:
-                raise ConfigError(
-                    f"policy {self.cfg.policy!r} scores tokens by attention; it cannot run with scores='never'"
-                )
+        _refuse_scores_never(self.cfg, self.scores)
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return (*VTokenConfig.keys(), *_own_fields(cls))
 
     @property
     def enabled(self) -> bool:
@@ -106,22 +99,8 @@ class EngineSettings:
 
     def to_additional_config(self) -> dict[str, Any]:
         """The JSON-able dict that round-trips through ``from_additional_config``."""
-        c = self.cfg
-        out: dict[str, Any] = {
-            "policy": c.policy,
-            "budget": c.budget.count if c.budget.count is not None else c.budget.fraction,
-            "mode": c.mode.value,
-            "sinks": c.sinks,
-            "recent": c.recent,
-            "trigger": c.trigger.value,
-            "seed": c.seed,
-            "block_size": c.block_size,
-            "scores": self.scores,
-            "check": self.check,
-        }
-        if self.trace_dir is not None:
-            out["trace_dir"] = self.trace_dir
-        return out
+        own = {name: getattr(self, name) for name in _own_fields(type(self))}
+        return {**self.cfg.to_dict(), **{k: v for k, v in own.items() if v is not None}}
 
     @classmethod
     def from_additional_config(cls, additional_config: Any, block_size: int) -> EngineSettings:
@@ -135,29 +114,38 @@ class EngineSettings:
             raw = {}
         if not isinstance(raw, Mapping):
             raise ConfigError(f"additional_config[{KEY!r}] must be a JSON object, got {raw!r}")
-        _check_keys(raw, ENGINE_KEYS, "vtoken engine")
+        reject_unknown(raw, cls.keys(), "vtoken engine")
         if "block_size" in raw and raw["block_size"] != block_size:
             raise ConfigError(
                 f"vtoken block_size {raw['block_size']!r} differs from vLLM's block size {block_size}; "
                 "set --block-size (or LLM(block_size=...)) and leave vtoken.block_size out or equal"
             )
-        kwargs = {k: raw[k] for k in POLICY_KEYS if k in raw}
-        cfg = VTokenConfig(block_size=block_size, **kwargs)
-        return cls(
-            cfg=cfg,
-            scores=raw.get("scores", "auto"),
-            trace_dir=raw.get("trace_dir"),
-            check=raw.get("check", False),
-        )
+        own = {k: raw[k] for k in _own_fields(cls) if k in raw}
+        cfg = VTokenConfig(**{**{k: v for k, v in raw.items() if k not in own}, "block_size": block_size})
+        return cls(cfg=cfg, **own)
 
 
 @dataclass(frozen=True)
 class RequestSettings:
-    """A request's effective config (engine values with its overrides) and its trace name."""
+    """A request's effective config (engine values with its overrides) plus its own keys: ``trace_id``
+    names its trace file, ``salt`` seeds per-request randomness (equal salts ⇒ paired, identical decisions).
+    Per-request keys = ``keys()``: every ``VTokenConfig`` field but ``block_size``, plus these two."""
 
     cfg: VTokenConfig
     trace_id: str | None = None
-    salt: int | None = None  # seeds per-request randomness; equal salts ⇒ paired (identical) decisions
+    salt: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.trace_id
+        if t is not None and (not isinstance(t, str) or not t or "/" in t):
+            raise ConfigError(f"trace_id must be a non-empty string without '/', got {t!r}")
+        s = self.salt
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
+            raise ConfigError(f"salt must be a non-negative integer, got {s!r}")
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return (*(k for k in VTokenConfig.keys() if k != "block_size"), *_own_fields(cls))
 
 
 def request_settings(engine: EngineSettings, extra_args: Mapping[str, Any] | None) -> RequestSettings:
@@ -173,22 +161,10 @@ def request_settings(engine: EngineSettings, extra_args: Mapping[str, Any] | Non
         raw = {**(raw or {}), **flat}
     if not raw:
         return RequestSettings(engine.cfg)
-    _check_keys(raw, REQUEST_KEYS, "vtoken request")
-    over = {k: raw[k] for k in POLICY_KEYS if k in raw}
-    if "budget" in over:
-        over["budget"] = Budget.parse(over["budget"])
-    if "mode" in over:
-        over["mode"] = Mode.parse(over["mode"])
-    if "trigger" in over:
-        over["trigger"] = Trigger.parse(over["trigger"])
+    reject_unknown(raw, RequestSettings.keys(), "vtoken request")
+    own = {k: raw[k] for k in _own_fields(RequestSettings) if k in raw}
+    over = {k: v for k, v in raw.items() if k not in own}
     cfg = dataclasses.replace(engine.cfg, **over) if over else engine.cfg
-    trace_id = raw.get("trace_id")
-    if trace_id is not None and (not isinstance(trace_id, str) or not trace_id or "/" in trace_id):
-        raise ConfigError(f"trace_id must be a non-empty string without '/', got {trace_id!r}")
-    if engine.scores == "never" and cfg.mode.evicts:
-        if policy_needs(cfg.policy)[0]:
-            raise ConfigError(f"policy {cfg.policy!r} needs attention scores; this engine runs with scores='never'")
-    salt = raw.get("salt")
-    if salt is not None and (isinstance(salt, bool) or not isinstance(salt, int) or salt < 0):
-        raise ConfigError(f"salt must be a non-negative integer, got {salt!r}")
-    return RequestSettings(cfg, trace_id, salt)
+    if engine.scores == "never" and cfg.mode.evicts and cfg.policy_class.needs_attention():
+        raise ConfigError(f"policy {cfg.policy!r} needs attention scores; this engine runs with scores='never'")
+    return RequestSettings(cfg, **own)

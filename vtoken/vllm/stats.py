@@ -16,7 +16,7 @@ Reading them in a stat logger::
 
     class MyLogger(StatLoggerBase):
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
-            vt = vtoken_stats_from(scheduler_stats)      # VTokenStats | None
+            vt = vtoken_stats_from(scheduler_stats)      # KVSnapshot | None
             if vt is not None:
                 self.free_kv_tokens = vt.free_blocks * vt.block_size
 
@@ -27,88 +27,39 @@ The values refresh once per engine step; consumers must tolerate staleness.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
-from vtoken.core import gauges
+from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
 
 PREFIX = "vtoken:"
 _US = 1_000_000
-
-
-@dataclass(frozen=True)
-class VTokenStats:
-    """One engine's vToken state at the end of a scheduling step.
-
-    Gauges: ``live_tokens`` (Σ live tokens over requests with a token table), ``held_blocks`` (blocks those
-    requests hold from vLLM's pool), ``packing_bound_blocks`` (Σ ⌈live/B⌉), ``naive_blocks`` (what the paired
-    naive accounting would hold), ``pool_blocks`` (usable blocks in the pool), ``free_blocks``,
-    ``num_requests``. Counters (monotonic since engine start): ``evicted_tokens_total``,
-    ``reclaimed_blocks_total`` (blocks returned by repacks), ``repack_moves_total``, ``repack_seconds_total``
-    (worker time spent moving KV), ``num_plans``, ``preemptions_total``. Labels: ``policy``, ``mode``.
-    """
-
-    live_tokens: int
-    held_blocks: int
-    packing_bound_blocks: int
-    naive_blocks: int
-    pool_blocks: int
-    block_size: int
-    evicted_tokens_total: int
-    reclaimed_blocks_total: int
-    repack_moves_total: int
-    repack_seconds_total: float
-    num_plans: int
-    free_blocks: int = 0
-    num_requests: int = 0
-    preemptions_total: int = 0
-    policy: str = ""
-    mode: str = ""
-
-    @property
-    def fragmentation_ratio(self) -> float:
-        """1 − live / (held·B): the share of held slots that hold no live token."""
-        return gauges.fragmentation_ratio(self.live_tokens, self.held_blocks, self.block_size)
-
-    @property
-    def kv_utilization(self) -> float:
-        """held / pool."""
-        return gauges.kv_utilization(self.held_blocks, self.pool_blocks)
-
-
-@dataclass
-class Counters:
-    """The scheduler's running totals (mutable; one per engine)."""
-
-    evicted_tokens: int = 0
-    reclaimed_blocks: int = 0
-    moves: int = 0
-    move_seconds: float = 0.0
-    plans: int = 0
-    preemptions: int = 0
-    carried_reservations: int = 0  # reuse+repack: steps a pre-placed decode slot waited because vLLM did not schedule it
-
-
 _LABELS = ("policy", "mode")
+_GAUGES = ("live_tokens", "held_blocks", "packing_bound_blocks", "naive_blocks", "pool_blocks", "block_size",
+           "num_requests")  # the KVSnapshot fields the engine fills (the replica adds its queues)
+_SECONDS = "repack_seconds"  # the one float counter: carried as integer microseconds
 
 
-def encode(stats: VTokenStats) -> dict[str, int]:
-    """``VTokenStats`` → ``{"vtoken:<field>": int}`` (labels as ``"vtoken:policy=h2o": 1``)."""
-    out: dict[str, int] = {}
-    for f in fields(stats):
-        value = getattr(stats, f.name)
-        if f.name in _LABELS:
-            out[f"{PREFIX}{f.name}={value}"] = 1
-        elif f.name == "repack_seconds_total":
-            out[f"{PREFIX}repack_us_total"] = int(round(value * _US))
+def encode(snap: KVSnapshot) -> dict[str, int]:
+    """``KVSnapshot`` → ``{"vtoken:<field>": int}`` (counters by their names, ``repack_seconds`` as
+    ``vtoken:repack_seconds_us``, labels as ``"vtoken:policy=h2o": 1``)."""
+    out = {f"{PREFIX}{name}": int(getattr(snap, name)) for name in _GAUGES}
+    for name in ReclaimCounters.names():
+        value = getattr(snap.counters, name)
+        if name == _SECONDS:
+            out[f"{PREFIX}{name}_us"] = int(round(value * _US))
         else:
-            out[f"{PREFIX}{f.name}"] = int(value)
+            out[f"{PREFIX}{name}"] = int(value)
+    for label in _LABELS:
+        out[f"{PREFIX}{label}={getattr(snap, label)}"] = 1
     return out
 
 
-def decode(items: dict[str, int]) -> VTokenStats | None:
-    """Inverse of ``encode``; ``None`` when the dict carries no vToken keys."""
-    kw: dict[str, Any] = {}
+def decode(items: dict[str, int]) -> KVSnapshot | None:
+    """Inverse of ``encode`` (``source="vtoken"``, ``at`` = now); ``None`` when the dict carries no vToken
+    keys or a different field set (an engine of another version)."""
+    raw: dict[str, Any] = {}
+    labels: dict[str, str] = {}
     for key, value in items.items():
         if not key.startswith(PREFIX):
             continue
@@ -116,28 +67,26 @@ def decode(items: dict[str, int]) -> VTokenStats | None:
         if "=" in name:
             label, text = name.split("=", 1)
             if label in _LABELS:
-                kw[label] = text
-        elif name == "repack_us_total":
-            kw["repack_seconds_total"] = value / _US
+                labels[label] = text
+        elif name == f"{_SECONDS}_us":
+            raw[_SECONDS] = value / _US
         else:
-            kw[name] = int(value)
-    if not kw:
+            raw[name] = int(value)
+    if not raw:
         return None
-    known = {f.name for f in fields(VTokenStats)}
-    kw = {k: v for k, v in kw.items() if k in known}
-    try:
-        return VTokenStats(**kw)
-    except TypeError:  # an older/newer engine sent a different field set
+    counters = {name: raw.pop(name) for name in ReclaimCounters.names() if name in raw}
+    if set(raw) != set(_GAUGES) or len(counters) != len(fields(ReclaimCounters)):
         return None
+    return KVSnapshot(**raw, counters=ReclaimCounters(**counters), source="vtoken", **labels)
 
 
-def encode_stats(scheduler_stats: Any, stats: VTokenStats) -> None:
-    """Write ``stats`` into a vLLM ``SchedulerStats`` (mutates its ``running_lora_adapters`` dict)."""
-    scheduler_stats.running_lora_adapters.update(encode(stats))
+def encode_stats(scheduler_stats: Any, snap: KVSnapshot) -> None:
+    """Write ``snap`` into a vLLM ``SchedulerStats`` (mutates its ``running_lora_adapters`` dict)."""
+    scheduler_stats.running_lora_adapters.update(encode(snap))
 
 
-def vtoken_stats_from(scheduler_stats: Any) -> VTokenStats | None:
-    """The vToken gauges riding on a ``SchedulerStats`` (``None``: no stats, or vToken is off)."""
+def vtoken_stats_from(scheduler_stats: Any) -> KVSnapshot | None:
+    """The vToken snapshot riding on a ``SchedulerStats`` (``None``: no stats, or vToken is off)."""
     if scheduler_stats is None:
         return None
     items = getattr(scheduler_stats, "running_lora_adapters", None)

@@ -18,6 +18,7 @@ The file is JSON (small: ints per token), written when the request finishes.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 NEVER = -1
+logger = logging.getLogger("vtoken.vllm")
 
 
 @dataclass
@@ -113,3 +115,68 @@ class RequestTrace:
             if ep.start <= q:
                 best = ep
         return best
+
+
+class RequestObserver:
+    """What the scheduler reports about one request, step by step. This base ignores everything (the
+    observer of a request nobody traces); ``TraceRecorder`` writes it into a ``RequestTrace``."""
+
+    def new_table(self, computed_before: int) -> None:
+        """A fresh token table (first step, or after a preemption); ``computed_before`` prefix-cache hits."""
+
+    def decided(self, victims: np.ndarray, moves: int, shared_blocks: int) -> None:
+        """A decision evicted ``victims`` and moved ``moves`` slots, with ``shared_blocks`` protected."""
+
+    def placed(self, first: int, n: int) -> None:
+        """This step computes logical tokens ``first .. first + n - 1`` (one forward round)."""
+
+    def stepped(self, held_blocks: int, table, engine_step: int) -> None:
+        """The request's blocks and table after this step's allocation."""
+
+    def finished(self) -> None:
+        """The request left the engine (finished, aborted)."""
+
+
+class TraceRecorder(RequestObserver):
+    """Records one request into ``self.trace``; ``finished`` writes it into ``trace_dir`` (a failed write
+    is logged, never raised: a trace must not take the engine down). Mutates ``self.trace`` only."""
+
+    def __init__(self, trace: RequestTrace, trace_dir: str | os.PathLike) -> None:
+        self.trace = trace
+        self.trace_dir = trace_dir
+        self.rounds = 0  # forward rounds of the current epoch
+
+    def new_table(self, computed_before: int) -> None:
+        prev = self.trace.epochs
+        ep = self.trace.new_epoch(0 if not prev else len(prev[-1].placed_round))
+        self.rounds = 0
+        if computed_before:  # prefix-cache hits: computed with full visibility, in round 0
+            ep.place(0, computed_before, 0)
+            ep.hits = computed_before
+
+    def decided(self, victims: np.ndarray, moves: int, shared_blocks: int) -> None:
+        t = self.trace
+        t.shared_blocks_max = max(t.shared_blocks_max, shared_blocks)
+        t.epochs[-1].evict(victims, self.rounds)
+        t.evicted += int(victims.size)
+        t.moves += moves
+
+    def placed(self, first: int, n: int) -> None:
+        self.trace.epochs[-1].place(first, n, self.rounds)
+        self.rounds += 1
+
+    def stepped(self, held_blocks: int, table, engine_step: int) -> None:
+        t = self.trace
+        t.held_blocks.append(held_blocks)
+        t.packing_bound.append(table.packing_bound())
+        t.naive_blocks.append(table.naive_blocks())
+        t.live_tokens.append(table.live)
+        t.engine_steps.append(engine_step)
+
+    def finished(self) -> None:
+        if not self.trace.epochs:  # never scheduled (aborted while waiting): nothing to replay
+            return
+        try:
+            self.trace.write(self.trace_dir)
+        except OSError as e:
+            logger.warning("vToken: could not write trace of %s: %s", self.trace.request_id, e)

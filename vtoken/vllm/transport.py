@@ -26,6 +26,8 @@ import numpy as np
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 
+from vtoken.core.stats import SlotScores
+
 
 @dataclass
 class RequestStep:
@@ -33,7 +35,7 @@ class RequestStep:
 
     offset: int  # tokens ever seen minus live tokens after this step's placement: seq_len_phys = seq_len - offset
     slots: np.ndarray | None = None  # row-relative slots of the new tokens when not simply appended (reuse)
-    scores: bool = False  # collect attention scores over the live keys
+    scores: bool = False  # collect the attention statistics over the live keys
     key_norm: bool = False  # collect the new keys' L2 norms
 
 
@@ -58,7 +60,7 @@ class StepPlan:
 class StepResult:
     """What the worker hands back: per-request score payloads and the time its moves took."""
 
-    scores: dict[str, dict] = field(default_factory=dict)  # see vtoken.kernels.scores.ScoreAccumulator.finish
+    scores: dict[str, SlotScores] = field(default_factory=dict)  # request id -> what the worker measured
     move_seconds: float = 0.0
     num_moves: int = 0
 

@@ -1,0 +1,58 @@
+"""What a policy scores from: the per-token statistics, named once.
+
+Every place that holds or moves a statistic uses these names as its field names: the token table's
+arrays (``vtoken.core.token_table``), one step's measurements (``vtoken.core.stats.StepScores`` and the
+worker's ``SlotScores``), the policy's view (``EvictionContext``) and ``ScorerPolicy.needs``.
+
+  ``accumulated``  Σ over every query so far of the key's attention                       (H2O)
+  ``last``         attention from the most recent query                                    (TOVA)
+  ``unimportant``  uint64 history bitmask: bit j set ⇔ the j-th most recent query gave the key
+                   less than the uniform share 1/(keys that query saw)                      (Scissorhands)
+  ``key_norm``     L2 norm of the key, set once when it is written                          (KNorm)
+
+Attention is the mean over heads and layers of each key's probability: one decision per token per
+request, shared by all layers and heads (one block table per request; docs/architecture.md §5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+
+HISTORY_BITS = 64  # the unimportance history is a uint64 bitmask: at most 64 recent queries
+
+
+class Stat(StrEnum):
+    """A per-token statistic; its value is the field name everywhere it is stored."""
+
+    ACCUMULATED = "accumulated"
+    LAST = "last"
+    UNIMPORTANT = "unimportant"
+    KEY_NORM = "key_norm"
+
+    @property
+    def needs_attention(self) -> bool:
+        """Whether measuring it needs the step's attention probabilities (q·K), not only the keys."""
+        return self is not Stat.KEY_NORM
+
+
+ATTENTION_STATS = frozenset(s for s in Stat if s.needs_attention)
+
+
+@dataclass(frozen=True)
+class EvictionContext:
+    """Per-candidate statistics (arrays aligned with ``logical``; 1-D for one request or 2-D
+    ``[requests, tokens]`` for the batched simulator, with per-request scalars as ``[requests, 1]``).
+
+    A statistic the policy does not need (``ScorerPolicy.needs``) may be ``None``: engines skip it.
+    """
+
+    logical: np.ndarray
+    seen: np.ndarray | int
+    salt: np.ndarray | int  # per-request salt for seeded randomness
+    accumulated: np.ndarray | None = None
+    last: np.ndarray | None = None
+    unimportant: np.ndarray | None = None
+    key_norm: np.ndarray | None = None
