@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from vtoken.models.cli import model_app  # light: heavy deps are imported lazily
 from vtoken.bench.cli import bench_app
+from vtoken.models.cli import model_app  # light: heavy deps are imported lazily
 from vtoken.serve.cli import serve_app
 from vtoken.sim.cli import simulate
 from vtoken.sim.trace_cli import trace_app

@@ -129,9 +129,9 @@ def exposition_families() -> tuple:
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
+    from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
     from vtoken.serve.metrics import ReplicaMetrics
     from vtoken.serve.sla import RequestLatency, SloTargets
-    from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
     from vtoken.serve.stats import StatsSink
 
     sink = StatsSink()

@@ -3,15 +3,16 @@
 import numpy as np
 import pytest
 
-from vtoken.core.config import Budget, ConfigError, Mode, VTokenConfig
+from vtoken.core.config import Budget, Mode, VTokenConfig
 from vtoken.core.integrity import check_integrity
 from vtoken.core.manager import CacheManager
 from vtoken.core.pool import BlockPool, PoolExhausted
-from vtoken.core.token_table import NO_TOKEN, IntegrityError, TokenTable
+from vtoken.core.token_table import NO_TOKEN, TokenTable
+from vtoken.errors import ConfigError, IntegrityError
 
 
 def architecture_picture(mode: Mode) -> TokenTable:
-    """ARCHITECTURE §1: B = 4, 12 tokens, t1 t2 t4 t5 t7 t10 evicted, 6 live."""
+    """docs/architecture.md §1: B = 4, 12 tokens, t1 t2 t4 t5 t7 t10 evicted, 6 live."""
     t = TokenTable(block_size=4, mode=mode)
     t.place(12)
     t.evict([1, 2, 4, 5, 7, 10])
@@ -183,7 +184,8 @@ def test_config_errors_name_the_value(kwargs, needle):
 def test_derived_gauges():
     from vtoken.core.kvstats import fragmentation_ratio, kv_utilization
 
-    assert fragmentation_ratio(live_tokens=6, held_blocks=3, block_size=4) == 0.5  # ARCHITECTURE §1 naive
+    # docs/architecture.md §1, the naive layout
+    assert fragmentation_ratio(live_tokens=6, held_blocks=3, block_size=4) == 0.5
     assert fragmentation_ratio(6, 2, 4) == 0.25  # packed
     assert fragmentation_ratio(0, 0, 4) == 0.0
     assert kv_utilization(3, 12) == 0.25 and kv_utilization(5, 0) == 0.0

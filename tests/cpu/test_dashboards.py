@@ -116,8 +116,8 @@ class Replica:
         self.step = 0
 
     def tick(self) -> None:
-        from vtoken.serve.sla import RequestLatency
         from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
+        from vtoken.serve.sla import RequestLatency
 
         i = self.step = self.step + 1
         self.sink.put(KVSnapshot(live_tokens=90 + i % 7, held_blocks=4, packing_bound_blocks=3,

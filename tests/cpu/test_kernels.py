@@ -9,7 +9,7 @@ import torch
 
 from vtoken.kernels.layout import TokenLayout, probe_layout, split_kv_cache
 from vtoken.kernels.moves import TorchSlotMover, read_kv
-from vtoken.kernels.scores import ScoreAccumulator, RequestScores, attention_probs
+from vtoken.kernels.scores import RequestScores, ScoreAccumulator, attention_probs
 
 ops = pytest.importorskip("vllm._custom_ops")
 

@@ -11,10 +11,10 @@ from ops_support import ROOT, exposition, exposition_families, vllm_metric_names
 from prometheus_client.parser import text_string_to_metric_families
 
 from vtoken import metric_names as names
+from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
 from vtoken.serve.local import free_port
 from vtoken.serve.metrics import ReplicaMetrics, start_metrics_server
 from vtoken.serve.sla import RequestLatency, SloTargets, latency_of, meets_slo
-from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
 from vtoken.serve.stats import StatsSink, snapshot_from
 from vtoken.vllm.stats import encode
 

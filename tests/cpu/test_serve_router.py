@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vtoken.serve.autoscaling import KVAutoscalingPolicy, ScalingParams, decide
 from vtoken.core.kvstats import KVSnapshot
+from vtoken.serve.autoscaling import KVAutoscalingPolicy, ScalingParams, decide
 from vtoken.serve.ranking import RouterParams, effective_free_tokens, rank_by_kv
 from vtoken.serve.router import KVAwareRouter
 from vtoken.serve.stats import routing_stats

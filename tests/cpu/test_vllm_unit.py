@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from vtoken.core.config import ConfigError, VTokenConfig
+from vtoken.core.config import VTokenConfig
+from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
+from vtoken.errors import ConfigError
 from vtoken.vllm import SCHEDULER_CLS, WORKER_CLS, engine_kwargs
 from vtoken.vllm.config import EngineSettings, request_settings
 from vtoken.vllm.internals import (
@@ -14,7 +16,6 @@ from vtoken.vllm.internals import (
     installed_vllm_version,
     is_vtoken_worker,
 )
-from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
 from vtoken.vllm.stats import decode, encode, encode_stats, vtoken_stats_from
 
 

@@ -63,7 +63,8 @@ def overhead_cmd(
 ) -> None:
     """Decode-step overhead in vLLM: repack vs naive vs none (no memory pressure), score collection on/off."""
     from vtoken.bench.overhead import overhead
-    from vtoken.core.config import ConfigError, VTokenConfig
+    from vtoken.core.config import VTokenConfig
+    from vtoken.errors import ConfigError
     from vtoken.vllm import engine_kwargs
 
     try:
@@ -91,7 +92,8 @@ def capacity_cmd(
 ) -> None:
     """Max feasible concurrency and burst SLA goodput per mode at a fixed KV pool (real vLLM engine)."""
     from vtoken.bench.capacity import MODES, CapacitySetup, main
-    from vtoken.core.config import ConfigError, VTokenConfig
+    from vtoken.core.config import VTokenConfig
+    from vtoken.errors import ConfigError
 
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     bad = [m for m in chosen if m not in MODES]

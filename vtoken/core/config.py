@@ -15,7 +15,7 @@ from typing import Any
 from vtoken.errors import ConfigError
 from vtoken.policies import get_policy_class, make_policy
 
-__all__ = ["Budget", "ConfigError", "Mode", "Trigger", "VTokenConfig", "check_block_size", "reject_unknown"]
+__all__ = ["Budget", "Mode", "Trigger", "VTokenConfig", "check_block_size", "reject_unknown"]
 
 
 def _edge_schema(parse: Callable[[Any], Any], dump: Callable[[Any], Any], values: tuple[str, ...] = ()) -> Any:

@@ -1,4 +1,4 @@
-"""``check_integrity``: every invariant of ARCHITECTURE §4 that holds without an engine.
+"""``check_integrity``: every invariant of docs/architecture.md §4 that holds without an engine.
 
 Raises ``IntegrityError`` whose ``invariant`` names the broken rule. Read-only.
 
@@ -16,7 +16,7 @@ import math
 
 from vtoken.core.config import Mode
 from vtoken.core.manager import CacheManager
-from vtoken.core.token_table import IntegrityError
+from vtoken.errors import IntegrityError
 
 
 def check_integrity(manager: CacheManager, dense: bool = False) -> None:

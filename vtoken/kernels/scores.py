@@ -6,8 +6,8 @@ recompute ``softmax(q·Kᵀ·scale)`` for the requests that need scores, reading
 row, and the step's ``n_q`` queries see the keys causally (query ``i`` sees slots ``< seq_len - n_q + i + 1``;
 a single decode query written into a hole sees all ``seq_len`` slots, which the same formula gives).
 
-``ScoreAccumulator`` averages the probabilities over heads and layers (docs/architecture.md §5: one decision per
-token, shared by every layer and head) and, separately, the L2 norm of each new key (KNorm).
+``ScoreAccumulator`` averages the probabilities over heads and layers (docs/architecture.md §5: one
+decision per token, shared by every layer and head) and, separately, the L2 norm of each new key (KNorm).
 """
 
 from __future__ import annotations

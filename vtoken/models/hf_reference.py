@@ -1,6 +1,6 @@
 """The correctness oracle: a Hugging Face model run with exactly vToken's evicted keys masked out.
 
-Invariant 5 of ARCHITECTURE §4 says vToken's output equals "the HF model with the same tokens masked".
+Invariant 5 (docs/architecture.md §4) says vToken's output equals "the HF model with the same tokens masked".
 This module is that HF model: transformers, eager attention, fp32, CPU, with a custom additive 4-D mask
 (0 = visible, dtype-min = evicted) and position ids = logical positions (nothing is ever removed from the
 sequence, so RoPE positions are preserved). transformers 5.19 passes a 4-D mask through unchanged

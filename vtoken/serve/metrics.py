@@ -5,7 +5,7 @@ with a plain ``prometheus_client`` HTTP server. Every sample — vLLM's, vToken'
 collector's — carries the labels ``application``, ``deployment`` and ``replica`` added at scrape time,
 so series from different replicas never collide. We do not go through Ray's metrics export port:
 it would rename everything to ``ray_vtoken_*`` / ``ray_vllm_*`` (colons are not allowed there) and
-ARCHITECTURE §6 keeps vLLM's names unchanged. Every ``vtoken:*`` name and help text comes from its
+docs/architecture.md §6 keeps vLLM's names unchanged. Every ``vtoken:*`` name and help text comes from its
 declaration in vtoken/metric_names.py (docs/metrics.md lists the scraped names).
 
 Gauges and the cumulative vToken counters are read from the latest ``KVSnapshot`` when scraped (no
@@ -26,8 +26,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import REGISTRY, Collector
 
 from vtoken import metric_names as names
-from vtoken.serve.sla import RequestLatency, SloTargets, meets_slo
 from vtoken.core.kvstats import KVSnapshot
+from vtoken.serve.sla import RequestLatency, SloTargets, meets_slo
 from vtoken.serve.stats import StatsSink
 
 logger = logging.getLogger(__name__)

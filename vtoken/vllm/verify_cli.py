@@ -21,7 +21,8 @@ from typing import Annotated
 
 import typer
 
-from vtoken.core.config import Budget, ConfigError, Mode, VTokenConfig
+from vtoken.core.config import Budget, Mode, VTokenConfig
+from vtoken.errors import ConfigError
 from vtoken.vllm.verify import VerifyCase, run_cases
 
 
@@ -44,7 +45,6 @@ def verify(
 ) -> None:
     """Run vToken in vLLM, replay through HF with the same keys masked, and compare (exit 1 on mismatch)."""
     from vtoken.models.default import resolve_model
-
     from vtoken.vllm import engine_kwargs
 
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the report
