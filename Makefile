@@ -10,7 +10,7 @@ export VLLM_NO_USAGE_STATS := 1
 export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-fast serve sim-demo clean
+.PHONY: install test test-gpu serve clean
 
 install: $(STAMP)
 
@@ -29,6 +29,10 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	sh scripts/install-system-deps.sh
 	$(BIN)/python -m pytest tests/cpu -q
+
+# on a CUDA machine with the gpu extra installed instead of the cpu one
+test-gpu:
+	$(BIN)/python -m pytest tests/gpu -q
 
 serve: $(STAMP)
 	$(BIN)/vtoken serve

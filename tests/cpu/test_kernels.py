@@ -11,7 +11,7 @@ from vtoken.kernels.layout import TokenLayout, probe_layout, split_kv_cache
 from vtoken.kernels.moves import TorchSlotMover, read_kv
 from vtoken.kernels.scores import RequestScores, ScoreAccumulator, attention_probs
 
-ops = pytest.importorskip("vllm._custom_ops")
+from vllm import _custom_ops as ops  # noqa: E402 (no importorskip: a broken vLLM must fail, not skip)
 
 
 def _writer(isa: str = "vec"):

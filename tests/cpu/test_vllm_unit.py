@@ -133,3 +133,17 @@ def test_stats_survive_vllm_msgspec_transport():
     assert vtoken_stats_from(SchedulerStats()) is None and vtoken_stats_from(None) is None
     assert decode({"lora-a": 1}) is None
     assert all(isinstance(v, int) for v in encode(st).values())
+
+
+def test_every_mode_is_paired_with_a_run_of_another_mode():
+    """paired_naive_match compares naive with repack (and repack/reuse with naive), never a run with itself."""
+    from vtoken.vllm.verify import VerifyCase, VerifyResult, pair_results
+
+    def result(mode: str, tokens: list[int]) -> VerifyResult:
+        return VerifyResult(VerifyCase("h2o", mode, 0.3), True, 0.0, len(tokens), 1, 0, 1.0, 1.0, 1.0, 0, 1, tokens)
+
+    naive, repack, reuse = result("naive", [1, 2]), result("repack", [1, 3]), result("reuse+repack", [1, 2])
+    lone = VerifyResult(VerifyCase("tova", "naive", 0.3), True, 0.0, 2, 1, 0, 1.0, 1.0, 1.0, 0, 1, [5, 6])
+    pair_results([naive, repack, reuse, lone])
+    assert (naive.paired_naive_match, repack.paired_naive_match, reuse.paired_naive_match) == (False, False, True)
+    assert lone.paired_naive_match is None  # no run of another mode to compare with

@@ -12,7 +12,9 @@ Library API (the ``vtoken verify`` command is ``vtoken/vllm/verify_cli.py``; eng
 3. Each ``VerifyResult`` reports ``match`` (vLLM's greedy tokens == the masked model's argmax at every
    step), ``max_abs_logprob_diff`` (|vLLM's log-prob − HF's| of each generated token), ``steps``,
    ``evicted_tokens``, ``retained_blocks_mean`` / ``packing_bound_mean`` / ``naive_blocks_mean`` (per
-   scheduled step, from vLLM's own pool), and ``paired_naive_match`` (identical tokens to the naive run).
+   scheduled step, from vLLM's own pool), and ``paired_naive_match``: identical tokens to the paired run of
+   a *different* mode with the same decisions — repack and reuse+repack against naive, naive against repack
+   (or reuse+repack) — so the pairing is checked for every mode, never a run against itself.
 
 Side effects: ``run_cases`` starts an engine unless given one (writing traces to a temporary directory it
 removes) and loads the HF reference model unless given one; ``make_prompt`` loads the tokenizer. Importing
@@ -114,6 +116,24 @@ def reference_scores(model, prompt: list[int], tokens: list[int], trace) -> tupl
     return top, lps
 
 
+def paired_mode(mode: Mode, present: set[Mode]) -> Mode | None:
+    """The mode a ``mode`` run is compared with: naive for the repacking modes, a repacking mode for naive."""
+    if mode is not Mode.NAIVE:
+        return Mode.NAIVE if Mode.NAIVE in present else None
+    return next((m for m in (Mode.REPACK, Mode.REUSE_REPACK) if m in present), None)
+
+
+def pair_results(results: list[VerifyResult]) -> None:
+    """Set ``paired_naive_match`` on each result that has a partner of another mode with the same policy
+    and budget (mutates the results; a result without one keeps ``None``)."""
+    runs = {(r.case.policy, r.case.budget, Mode.parse(r.case.mode)): r.tokens for r in results}
+    for r in results:
+        modes = {m for (p, b, m) in runs if (p, b) == (r.case.policy, r.case.budget)}
+        partner = paired_mode(Mode.parse(r.case.mode), modes)
+        if partner is not None:
+            r.paired_naive_match = r.tokens == runs[(r.case.policy, r.case.budget, partner)]
+
+
 def run_cases(
     model: str | Path,
     block_size: int,
@@ -186,12 +206,7 @@ def run_cases(
                 tokens=tokens,
             )
         )
-    by_policy_naive = {(r.case.policy, r.case.budget): r.tokens
-                       for r in results if Mode.parse(r.case.mode) is Mode.NAIVE}
-    for r in results:
-        naive = by_policy_naive.get((r.case.policy, r.case.budget))
-        if naive is not None:
-            r.paired_naive_match = r.tokens == naive
+    pair_results(results)
     if tmp is not None:
         tmp.cleanup()
     return results

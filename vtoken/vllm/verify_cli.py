@@ -2,7 +2,8 @@
 
 ``vtoken verify --model PATH --policy P --budget F --mode M --block-size B --seed S --json``
 
-Runs the requested mode and, paired with it, ``naive`` (same prompt, policy and salt) through
+Runs the requested mode and, paired with it, ``naive`` (``repack`` when naive is the one requested; same
+prompt, policy and salt) through
 ``vtoken.vllm.verify.run_cases`` and prints the report: one JSON object on stdout with ``--json``, else one
 ``key value`` line per field. Exit 0 when vLLM matches the reference in both runs and the paired runs
 generate the same tokens, 1 otherwise, 2 on a bad value (one-line message on stderr, no engine started).
@@ -61,15 +62,16 @@ def verify(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     bval = b.count if b.count is not None else b.fraction
-    cases = [VerifyCase(policy, m.value, bval)]
-    if m is not Mode.NAIVE:
-        cases.append(VerifyCase(policy, Mode.NAIVE.value, bval))
+    partner = Mode.REPACK if m is Mode.NAIVE else Mode.NAIVE  # the paired run: same decisions, other mode
+    cases = [VerifyCase(policy, m.value, bval), VerifyCase(policy, partner.value, bval)]
     from rich.console import Console
 
-    with Console(stderr=True).status(f"verifying {policy} {m.value} (+ paired naive) in vLLM and HF …"):
+    label = f"verifying {policy} {m.value} (+ paired {partner.value}) in vLLM and HF …"
+    with Console(stderr=True).status(label):
         results = run_cases(path, block_size, cases, prompt_len=prompt_len, max_tokens=max_tokens,
                             sinks=sinks, recent=recent, seed=seed)
-    main, naive = results[0], results[-1]
+    main, paired = results
+    naive = main if m is Mode.NAIVE else paired
     report = {
         "command": "vtoken " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "model": str(path),
@@ -86,7 +88,7 @@ def verify(
         "retained_blocks_mean": main.retained_blocks_mean,
         "packing_bound_mean": main.packing_bound_mean,
         "naive_blocks_mean": main.naive_blocks_mean,
-        "paired_naive_match": True if m is Mode.NAIVE else main.tokens == naive.tokens,
+        "paired_naive_match": main.tokens == paired.tokens,
         "paired_naive_retained_blocks_mean": naive.retained_blocks_mean,
         "naive_match": naive.match,
         "naive_max_abs_logprob_diff": naive.max_abs_logprob_diff,
@@ -96,5 +98,5 @@ def verify(
     else:
         for k, v in report.items():
             typer.echo(f"{k:36s} {v}")
-    ok = report["match"] and report["paired_naive_match"] and report["naive_match"]
+    ok = report["match"] and report["paired_naive_match"] and report["naive_match"] and paired.match
     raise typer.Exit(0 if ok else 1)
