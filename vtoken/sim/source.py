@@ -26,7 +26,7 @@ from functools import cached_property
 
 import numpy as np
 
-from vtoken.core.stats import HISTORY_BITS
+from vtoken.policies.context import HISTORY_BITS
 
 RECENCY_CUTOFF = 40  # r(d) drops its decaying term beyond 40·τ tokens (exp(-40) < 5e-18)
 
