@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vtoken.serve.app import build_app
 from vtoken.serve.config import ServeAppConfig
+from vtoken.serve.launch.app import build_app
 
 
 def build(args: dict[str, Any] | None = None):

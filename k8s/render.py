@@ -52,8 +52,9 @@ RAY_VERSION = "2.60.0"  # = the ray[serve] pin of pyproject's serve extra (check
 IMAGE = "vtoken"  # kustomization.yaml `images:` sets registry and tag
 APP_DIR = "/opt/vtoken"  # serve_app.py and the baked model cache in the image (k8s/Dockerfile)
 CONFIG_ENV = "VTOKEN_SERVE_CONFIG"
-PROXY_CALLBACK = "vtoken.serve.failover:proxy_middlewares"  # deploy/serve_config.yaml header asks for it
-METRICS_PORT = 9500  # the replica's prometheus_client server (vtoken/serve/metrics.py, local rank 0)
+PROXY_CALLBACK = "vtoken.serve.control.failover:proxy_middlewares"  # named in deploy/serve_config.yaml
+# the replica's prometheus_client server (vtoken/serve/telemetry/metrics.py), local rank 0
+METRICS_PORT = 9500
 CLUSTER_APP_CONFIG = {"metrics": {"host": "0.0.0.0", "port": METRICS_PORT}}
 REPLICA_GPUS = 1
 

@@ -2,10 +2,10 @@
 
 The only vtoken import is vtoken/metric_names.py (standard library only): every metric name and the
 thresholds SLO_TARGET, KV_SATURATED and FRAGMENTATION_MAX come from there, the same declarations the
-exporter (vtoken/serve/metrics.py) and the dashboards use. k8s/render.py puts the repository root on
+exporter (vtoken/serve/telemetry/metrics.py) and the dashboards use. k8s/render.py puts the repository root on
 ``sys.path`` before importing this file, so rendering needs pyyaml and the checkout, not an installed vtoken.
 
-Every expression uses only names a replica exports (vtoken/serve/metrics.py, docs/metrics.md) plus
+Every expression uses only names a replica exports (vtoken/serve/telemetry/metrics.py, docs/metrics.md) plus
 Prometheus' own ``up`` for the scrape target; tests/cpu/test_k8s.py checks that, parses each expression
 with ``promtool check rules`` and proves each alert fires and stays silent with ``promtool test rules``
 on k8s/tests/rules_test.yaml. The runbook of every alert is the section of docs/operations.md whose

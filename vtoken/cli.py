@@ -6,7 +6,7 @@ import typer
 
 from vtoken.bench.cli import bench_app
 from vtoken.models.cli import model_app  # light: heavy deps are imported lazily
-from vtoken.serve.cli import serve_app
+from vtoken.serve.launch.cli import serve_app
 from vtoken.sim.cli import simulate
 from vtoken.sim.trace_cli import trace_app
 from vtoken.vllm.verify_cli import verify
@@ -46,7 +46,7 @@ app.command("verify")(verify)  # vtoken/vllm/verify_cli.py (vLLM/transformers im
 app.add_typer(bench_app, name="bench")
 app.add_typer(model_app, name="model")
 app.add_typer(trace_app, name="trace")  # vtoken/sim/trace_cli.py
-app.add_typer(serve_app, name="serve")  # vtoken/serve/cli.py (Ray/vLLM imported only when it runs)
+app.add_typer(serve_app, name="serve")  # vtoken/serve/launch/cli.py (Ray/vLLM imported only when it runs)
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -7,11 +7,11 @@ exposition order; ``VLLM_METRICS`` the vLLM-owned series the project reads (vLLM
 unchanged); ``ALL_METRICS`` both. The alert thresholds at the bottom are shared by the dashboards and the
 alert rules.
 
-Imported by vtoken/serve/metrics.py (builds the collectors from these declarations), vtoken/serve/stats.py
-(router/autoscaler keys), dashboards/build.py and k8s/rules.py (PromQL), and the tests that check that
-dashboards and alerts read only exported series. Standard library only, no vtoken import, so the two
-generator scripts can import it from the checkout without the serving stack. Importing it has no side
-effects. docs/metrics.md describes the same series for readers.
+Imported by vtoken/serve/telemetry/metrics.py (builds the collectors from these declarations),
+vtoken/serve/telemetry/stats.py (router/autoscaler keys), dashboards/build.py and k8s/rules.py (PromQL),
+and the tests that check that dashboards and alerts read only exported series. Standard library only, no
+vtoken import, so the two generator scripts can import it from the checkout without the serving stack.
+Importing it has no side effects. docs/metrics.md describes the same series for readers.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
 KINDS = (GAUGE, COUNTER, HISTOGRAM)
-# Added to every sample of a replica at scrape time (vtoken/serve/metrics.py LabelledView).
+# Added to every sample of a replica at scrape time (vtoken/serve/telemetry/metrics.py LabelledView).
 REPLICA_LABELS = ("application", "deployment", "replica")
 
 

@@ -123,16 +123,17 @@ def schema_errors(file_name: str, obj: dict) -> list[str]:
 # ------------------------------------------------------------------------------------ exported names
 @lru_cache(maxsize=1)
 def exposition_families() -> tuple:
-    """The metric families the replica's real exposition code (vtoken/serve/metrics.py ``ReplicaMetrics``
-    and its labelled view) writes after one KV snapshot, one repack plan and one finished request, parsed
-    back from ``generate_latest`` text — the ``vtoken:*`` names exactly as scraped. No vLLM in it."""
+    """The metric families the replica's real exposition code (vtoken/serve/telemetry/metrics.py
+    ``ReplicaMetrics`` and its labelled view) writes after one KV snapshot, one repack plan and one finished
+    request, parsed back from ``generate_latest`` text — the ``vtoken:*`` names exactly as scraped. No vLLM
+    in it."""
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
     from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
-    from vtoken.serve.metrics import ReplicaMetrics
-    from vtoken.serve.sla import RequestLatency, SloTargets
-    from vtoken.serve.stats import StatsSink
+    from vtoken.serve.telemetry.metrics import ReplicaMetrics
+    from vtoken.serve.telemetry.sla import RequestLatency, SloTargets
+    from vtoken.serve.telemetry.stats import StatsSink
 
     sink = StatsSink()
     metrics = ReplicaMetrics(sink, SloTargets.from_ms(1000, 100), "h2o", "repack", REPLICA_LABELS,

@@ -98,9 +98,9 @@ class Replica:
     def __init__(self, name: str, port: int) -> None:
         from prometheus_client import CollectorRegistry, Gauge
 
-        from vtoken.serve.metrics import LabelledView, ReplicaMetrics, start_metrics_server
-        from vtoken.serve.sla import SloTargets
-        from vtoken.serve.stats import StatsSink
+        from vtoken.serve.telemetry.metrics import LabelledView, ReplicaMetrics, start_metrics_server
+        from vtoken.serve.telemetry.sla import SloTargets
+        from vtoken.serve.telemetry.stats import StatsSink
 
         labels = {"application": "vtoken", "deployment": "VTokenReplica", "replica": name}
         self.sink = StatsSink(pool_blocks=63)
@@ -117,7 +117,7 @@ class Replica:
 
     def tick(self) -> None:
         from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
-        from vtoken.serve.sla import RequestLatency
+        from vtoken.serve.telemetry.sla import RequestLatency
 
         i = self.step = self.step + 1
         self.sink.put(KVSnapshot(live_tokens=90 + i % 7, held_blocks=4, packing_bound_blocks=3,
@@ -132,7 +132,7 @@ class Replica:
 def test_every_panel_returns_data_from_prometheus_scraping_the_replica_exporter():
     from serve_support import PrometheusServer
 
-    from vtoken.serve.local import free_port
+    from vtoken.serve.launch.local import free_port
 
     base = free_port(n=2)
     replicas = [Replica("r1", base), Replica("r2", base + 1)]

@@ -77,8 +77,8 @@ def test_serve_config_v2_is_deploy_serve_config_plus_exactly_the_two_cluster_cha
 
 
 def test_serve_deployment_options_agree_with_the_code_for_the_cluster_config():
-    from vtoken.serve.app import deployment_options
     from vtoken.serve.config import ServeAppConfig
+    from vtoken.serve.launch.app import deployment_options
 
     app = serve_v2()["applications"][0]
     (dep,) = app["deployments"]

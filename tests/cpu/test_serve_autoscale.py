@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from vtoken.serve.config import ServeAppConfig
-from vtoken.serve.local import LocalCluster, free_port
+from vtoken.serve.launch.local import LocalCluster, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

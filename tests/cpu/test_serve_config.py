@@ -37,7 +37,7 @@ def test_bad_config_names_the_value(bad, needle):
 
 
 def test_bad_config_fails_when_the_app_is_built():
-    from vtoken.serve.app import build_app
+    from vtoken.serve.launch.app import build_app
 
     with pytest.raises(ValidationError, match="unknown policy 'nope'"):
         build_app({"vtoken": {"policy": "nope"}})
@@ -79,7 +79,7 @@ def test_api_key_from_env_or_config():
 def test_deployment_options_router_autoscaling_and_serve_schema():
     from ray.serve.schema import ServeDeploySchema
 
-    from vtoken.serve.app import POLICY_CLASS, ROUTER_CLASS, deployment_options
+    from vtoken.serve.launch.app import POLICY_CLASS, ROUTER_CLASS, deployment_options
 
     cfg = ServeAppConfig.model_validate(
         {
@@ -104,7 +104,7 @@ def test_deployment_options_router_autoscaling_and_serve_schema():
 
 
 def test_engine_args_and_cpu_binding():
-    from vtoken.serve.engine import cpu_binding, engine_args
+    from vtoken.serve.replica.engine import cpu_binding, engine_args
 
     cfg = ServeAppConfig.model_validate(
         {"vtoken": {"mode": "repack", "budget": 64}, "engine": {"kv_cache_blocks": 65}}
@@ -134,7 +134,7 @@ def test_checked_in_serve_build_yaml_matches_the_default_config():
     assert app["import_path"] == "serve_app:app"
     dep = app["deployments"][0]
     assert dep["name"] == ServeAppConfig().deployment.name
-    assert dep["request_router_config"]["request_router_class"] == "vtoken.serve.router:KVAwareRouter"
+    assert dep["request_router_config"]["request_router_class"] == "vtoken.serve.control.router:KVAwareRouter"
 
 
 def test_serve_app_entry_points_build_from_env_and_dotted_args(monkeypatch):

@@ -23,8 +23,8 @@ import pytest
 from serve_support import PrometheusServer, malformed_cases, vllm_cli_command
 
 from vtoken.serve.config import ServeAppConfig
-from vtoken.serve.local import LocalCluster, free_port
-from vtoken.serve.replica import FAULT_FILE_ENV
+from vtoken.serve.launch.local import LocalCluster, free_port
+from vtoken.serve.replica.deployment import FAULT_FILE_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from vtoken.serve.config import ServeAppConfig
-from vtoken.serve.failover import FailoverMiddleware
-from vtoken.serve.openai_app import RequestGuard, limit_violation
+from vtoken.serve.control.failover import FailoverMiddleware
+from vtoken.serve.replica.openai_app import RequestGuard, limit_violation
 
 CFG = ServeAppConfig.model_validate(
     {"limits": {"max_body_bytes": 4096, "max_tokens": 100, "max_n": 2, "max_prompt_chars": 200}}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vtoken.serve.local import free_port
+from vtoken.serve.launch.local import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -128,7 +128,7 @@ def test_vtoken_serve_on_a_busy_port_says_so_and_starts_nothing():
 
 
 def test_free_port_stays_out_of_rays_and_the_kernels_port_ranges():
-    from vtoken.serve.local import FREE_PORT_RANGE, port_is_free
+    from vtoken.serve.launch.local import FREE_PORT_RANGE, port_is_free
 
     lo, hi = FREE_PORT_RANGE
     assert 19999 < lo and hi <= 32768  # Ray workers use 10002-19999; Linux ephemeral ports start at 32768
@@ -146,7 +146,7 @@ def test_port_lost_between_the_check_and_the_proxy_bind_is_a_clear_error_and_ray
 
     import ray
 
-    from vtoken.serve import local
+    from vtoken.serve.launch import local
 
     assert not ray.is_initialized()  # this test owns the process's Ray for its duration
     port = free_port()

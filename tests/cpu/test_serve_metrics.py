@@ -12,10 +12,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from vtoken import metric_names as names
 from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
-from vtoken.serve.local import free_port
-from vtoken.serve.metrics import ReplicaMetrics, start_metrics_server
-from vtoken.serve.sla import RequestLatency, SloTargets, latency_of, meets_slo
-from vtoken.serve.stats import StatsSink, snapshot_from
+from vtoken.serve.launch.local import free_port
+from vtoken.serve.telemetry.metrics import ReplicaMetrics, start_metrics_server
+from vtoken.serve.telemetry.sla import RequestLatency, SloTargets, latency_of, meets_slo
+from vtoken.serve.telemetry.stats import StatsSink, snapshot_from
 from vtoken.vllm.stats import encode
 
 
@@ -207,7 +207,7 @@ def test_declared_vllm_metrics_are_defined_by_the_installed_vllm():
 
 
 def test_router_and_autoscaler_keys_are_declared_and_exported_names():
-    from vtoken.serve.stats import AUTOSCALING_KEYS, StatsSink, routing_stats
+    from vtoken.serve.telemetry.stats import AUTOSCALING_KEYS, StatsSink, routing_stats
 
     keys = {k for k in (*routing_stats(StatsSink().latest, 0.0), *AUTOSCALING_KEYS) if ":" in k}
     assert keys and sorted(keys - names.series_names()) == []

@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 
 from vtoken.core.kvstats import KVSnapshot
-from vtoken.serve.autoscaling import KVAutoscalingPolicy, ScalingParams, decide
-from vtoken.serve.ranking import RouterParams, effective_free_tokens, rank_by_kv
-from vtoken.serve.router import KVAwareRouter
-from vtoken.serve.stats import routing_stats
+from vtoken.serve.control.autoscaling import KVAutoscalingPolicy, ScalingParams, decide
+from vtoken.serve.control.ranking import RouterParams, effective_free_tokens, rank_by_kv
+from vtoken.serve.control.router import KVAwareRouter
+from vtoken.serve.telemetry.stats import routing_stats
 
 NOW = 1_000_000.0
 P = RouterParams(stale_after_s=5.0, fragmentation_weight=0.5, tokens_per_queued_request=256, tie_tokens=64)
@@ -106,7 +106,7 @@ def make_router(queue: dict) -> KVAwareRouter:
 
 
 def test_choose_replicas_kv_first_then_power_of_two_fallback(monkeypatch):
-    monkeypatch.setattr("vtoken.serve.router.time.time", lambda: NOW)
+    monkeypatch.setattr("vtoken.serve.control.router.time.time", lambda: NOW)
     loaded = FakeReplica(replica_id="A", routing_stats=stats(held=50, running=2))
     empty = FakeReplica(replica_id="B", routing_stats=stats(held=2, running=1))
     router = make_router({"A": 2, "B": 1})
@@ -121,7 +121,7 @@ def test_choose_replicas_kv_first_then_power_of_two_fallback(monkeypatch):
 def test_concurrent_choices_are_spread_by_reservations(monkeypatch):
     """Serve runs several routing tasks before any request is sent: the numbers they read are the
     same, so without reservations a burst lands on one replica."""
-    monkeypatch.setattr("vtoken.serve.router.time.time", lambda: NOW)
+    monkeypatch.setattr("vtoken.serve.control.router.time.time", lambda: NOW)
     a = FakeReplica(replica_id="A", routing_stats=stats(held=0))
     b = FakeReplica(replica_id="B", routing_stats=stats(held=0))
     router = make_router({})
@@ -204,7 +204,7 @@ def test_policy_callable_reads_serve_context_and_ignores_departed_replicas():
 
 
 def test_autoscaling_keys_are_numeric_routing_stats():
-    from vtoken.serve.stats import AUTOSCALING_KEYS, KV_UTILIZATION, NUM_WAITING
+    from vtoken.serve.telemetry.stats import AUTOSCALING_KEYS, KV_UTILIZATION, NUM_WAITING
 
     snap = stats(held=10, waiting=3)
     assert {KV_UTILIZATION, NUM_WAITING} <= set(AUTOSCALING_KEYS) <= set(snap)

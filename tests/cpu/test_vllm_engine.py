@@ -317,7 +317,7 @@ def test_openai_server_with_vtoken_on(tmp_path):
     from serve_support import vllm_cli_command
 
     from vtoken.models.tiny import tiny_model
-    from vtoken.serve.local import free_port
+    from vtoken.serve.launch.local import free_port
     from vtoken.vllm import SCHEDULER_CLS, WORKER_CLS
 
     port = free_port()

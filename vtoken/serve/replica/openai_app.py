@@ -24,9 +24,9 @@ from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
-from vtoken.serve.asgi import replay_body
 from vtoken.serve.config import ServeAppConfig
-from vtoken.serve.errors import error_body, openai_errors, sse_errors
+from vtoken.serve.replica.asgi import replay_body
+from vtoken.serve.replica.errors import error_body, openai_errors, sse_errors
 
 GUARD_EXEMPT = ("/health", "/ready", "/ping")  # liveness/readiness probes need no key
 _LIMITED_BODIES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")

@@ -18,8 +18,8 @@ from typing import Any
 
 from vtoken.serve.config import ServeAppConfig
 
-ROUTER_CLASS = "vtoken.serve.router:KVAwareRouter"
-POLICY_CLASS = "vtoken.serve.autoscaling:KVAutoscalingPolicy"
+ROUTER_CLASS = "vtoken.serve.control.router:KVAwareRouter"
+POLICY_CLASS = "vtoken.serve.control.autoscaling:KVAutoscalingPolicy"
 
 
 def deployment_options(cfg: ServeAppConfig) -> dict[str, Any]:
@@ -58,8 +58,8 @@ def build_app(cfg: ServeAppConfig | dict | None = None):
     """
     from ray import serve
 
-    from vtoken.serve.engine import vtoken_engine_kwargs
-    from vtoken.serve.replica import VTokenReplica
+    from vtoken.serve.replica.deployment import VTokenReplica
+    from vtoken.serve.replica.engine import vtoken_engine_kwargs
 
     if not isinstance(cfg, ServeAppConfig):
         cfg = ServeAppConfig.model_validate(cfg or {})

@@ -1,7 +1,8 @@
 """The KV-aware router's ranking, without Ray (pure functions and their parameters).
 
-``vtoken.serve.router.KVAwareRouter`` (which runs inside Serve's handles and proxy) calls these; the
-serving config validates ``RouterParams`` at build time. See ``vtoken.serve.router`` for the formula.
+``vtoken.serve.control.router.KVAwareRouter`` (which runs inside Serve's handles and proxy) calls these;
+the serving config validates ``RouterParams`` at build time. See ``vtoken.serve.control.router`` for the
+formula.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from vtoken.serve.stats import (
+from vtoken.serve.telemetry.stats import (
     BLOCK_SIZE,
     FRAGMENTATION,
     FREE_KV_TOKENS,

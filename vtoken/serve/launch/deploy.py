@@ -23,7 +23,7 @@ HEADER = """\
 # Regenerate: vtoken serve [--config FILE] build-config -o deploy/serve_config.yaml   (docs/serving.md)
 # The ServeAppConfig itself travels as VTOKEN_SERVE_CONFIG (JSON) in runtime_env; deployment options
 # below override what the code sets. Set on every Ray node (head/worker container env), before Serve
-# starts: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=vtoken.serve.failover:proxy_middlewares
+# starts: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=vtoken.serve.control.failover:proxy_middlewares
 """
 
 
@@ -31,7 +31,7 @@ def serve_build_yaml(cfg: ServeAppConfig, repo_root: Path | None = None) -> str:
     """The annotated Serve config YAML for ``cfg`` (runs ``serve build`` in a subprocess)."""
     import yaml
 
-    root = repo_root or Path(__file__).resolve().parents[2]
+    root = repo_root or Path(__file__).resolve().parents[3]
     cfg_json = cfg.model_dump_json(exclude_defaults=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "serve.yaml"

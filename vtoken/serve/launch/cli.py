@@ -82,7 +82,7 @@ def serve(
     ctx.obj = cfg
     if ctx.invoked_subcommand is not None:
         return
-    from vtoken.serve.local import PortInUseError, run_local
+    from vtoken.serve.launch.local import PortInUseError, run_local
 
     try:
         run_local(cfg, host=host, port=port, dashboard=dashboard, echo=typer.echo)
@@ -104,7 +104,7 @@ def build_config(
     ctx: typer.Context, output: Path = typer.Option(Path("deploy/serve_config.yaml"), "--output", "-o")
 ) -> None:
     """Write the Serve config YAML (``serve build serve_app:app`` + name, env) for serve deploy/KubeRay."""
-    from vtoken.serve.deploy import serve_build_yaml
+    from vtoken.serve.launch.deploy import serve_build_yaml
 
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(serve_build_yaml(ctx.obj))

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from vtoken.serve.config import ServeAppConfig
-from vtoken.serve.failover import CALLBACK_ENV, CALLBACK_PATH
+from vtoken.serve.control.failover import CALLBACK_ENV, CALLBACK_PATH
 
 
 def serving_env(tmp: Path) -> dict[str, str]:
@@ -149,7 +149,7 @@ class LocalCluster:
         """Build and run ``cfg`` (replaces an app of the same name); returns when it is RUNNING."""
         from ray import serve
 
-        from vtoken.serve.app import build_app
+        from vtoken.serve.launch.app import build_app
 
         app = build_app(cfg)
         return serve.run(app, name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)

@@ -12,7 +12,7 @@ pure ASGI middleware runs *in the proxy* around Serve's own app::
 Completions are stateless, so re-running a request that produced no output is safe. Requests whose
 client disconnected are not retried. Install it with Serve's documented hook, before Serve starts:
 
-    RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=vtoken.serve.failover:proxy_middlewares
+    RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=vtoken.serve.control.failover:proxy_middlewares
 
 (``vtoken serve`` and the tests set it; on KubeRay put it in the head/worker container env). Tuning:
 ``VTOKEN_FAILOVER_RETRIES`` (2), ``VTOKEN_FAILOVER_BACKOFF_S`` (0.5), ``VTOKEN_FAILOVER_MAX_BODY_BYTES``
@@ -26,10 +26,10 @@ import asyncio
 import json
 import os
 
-from vtoken.serve.asgi import replay_body
+from vtoken.serve.replica.asgi import replay_body
 
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
-CALLBACK_PATH = "vtoken.serve.failover:proxy_middlewares"
+CALLBACK_PATH = "vtoken.serve.control.failover:proxy_middlewares"
 
 
 def error_json(message: str, code: int = 503, err_type: str = "ServiceUnavailableError") -> bytes:

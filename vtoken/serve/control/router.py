@@ -1,7 +1,8 @@
 """KV-aware request router: send a request where the KV cache has the most usable room.
 
-Each replica publishes ``record_routing_stats()`` (``vtoken.serve.replica.routing_stats``); Serve polls
-it every ``router.stats_period_s`` and hands it to every router as ``replica.routing_stats``. Ranking::
+Each replica publishes ``record_routing_stats()`` (``vtoken.serve.telemetry.stats.routing_stats``);
+Serve polls it every ``router.stats_period_s`` and hands it to every router as ``replica.routing_stats``.
+Ranking::
 
     effective_free = free_kv_tokens
                      − fragmentation_weight · fragmentation_ratio · held_blocks · B     (wasted slots)
@@ -33,7 +34,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from vtoken.serve.ranking import RouterParams, effective_free_tokens, rank_by_kv
+from vtoken.serve.control.ranking import RouterParams, effective_free_tokens, rank_by_kv
 
 logger = logging.getLogger("ray.serve")
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from vtoken import metric_names as names
 from vtoken.core.kvstats import KVSnapshot
-from vtoken.serve.sla import RequestLatency, latency_of
+from vtoken.serve.telemetry.sla import RequestLatency, latency_of
 
 # Keys of record_routing_stats() / record_autoscaling_stats(): the scraped metric names, declared in
 # vtoken/metric_names.py (docs/metrics.md).
