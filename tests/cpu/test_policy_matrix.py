@@ -1,6 +1,7 @@
 """One matrix over every registered policy × reclamation mode, through the engine-free core."""
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -113,3 +114,62 @@ def test_non_finite_scores_are_rejected():
     ctx = EvictionContext(np.arange(3), 3, 0, bad, bad, np.zeros(3, np.uint64), bad)
     with pytest.raises(ValueError, match="non-finite"):
         make_policy("h2o").select(ctx, 1, np.ones(3, bool))
+
+
+# ---------------------------------------------------------------- the exact number of evictions
+# Every engine (exact sim, fast sim, vLLM scheduler) asks ``eviction_count`` how many tokens to evict, so
+# an over-eviction there would pass every bound above and inflate every retained-block figure. The test
+# below recomputes the live count with its own recurrence (no ``eviction_count``, no ``Budget.tokens``).
+EB, E_SINKS, E_RECENT = 8, 2, 6  # 8 protected tokens: ⌈0.14·seen⌉ is below that early on, above it later
+E_CHUNKS, E_DECODE = (37, 27), 40  # a chunked prefill (two decisions with several new tokens), then decode
+E_BUDGETS = {"fraction": "0.14", "count": "12"}  # 0.14·100 = 14.000000000000002 in floats
+
+
+def expected_eviction(live: int, seen: int, budget: str, trigger: str) -> int:
+    """The test's own rule: target = ⌈f·seen⌉ (exact rational arithmetic) or min(count, seen); only
+    unprotected tokens can go; trigger=block waits until the request is a whole block over."""
+    target = math.ceil(Fraction(budget) * seen) if "." in budget else min(int(budget), seen)
+    protected = len(set(range(min(E_SINKS, seen))) | set(range(max(seen - E_RECENT, 0), seen)))
+    over = live - target
+    if over <= 0 or (trigger == "block" and over < EB):
+        return 0
+    return min(over, live - protected)
+
+
+def step_scores(source, r: int, live: np.ndarray, first: int, n_new: int) -> StepScores:
+    """Synthetic attention of the step's queries ``first .. first+n_new-1`` over the live keys (causal)."""
+    acc = np.zeros(live.size)
+    bits = np.zeros(live.size, np.uint64)
+    for s in range(first, first + n_new):
+        vis = live <= s
+        a = np.zeros(live.size)
+        a[vis] = source.attention_row(r, s, live[vis])
+        acc += a
+        bits = (bits << np.uint64(1)) | ((a < 1 / vis.sum()) & vis).astype(np.uint64)
+    return StepScores(live, n_new, acc, a, bits)
+
+
+@pytest.mark.parametrize("budget", E_BUDGETS.values(), ids=E_BUDGETS.keys())
+@pytest.mark.parametrize("trigger", ["step", "block"])
+@pytest.mark.parametrize("mode", [m for m in Mode if m.evicts], ids=lambda m: m.value)
+@pytest.mark.parametrize("policy", policy_names())
+def test_every_step_evicts_exactly_down_to_the_budget(policy, mode, trigger, budget, source):
+    cfg = VTokenConfig(policy=policy, budget=budget, mode=mode, block_size=EB, sinks=E_SINKS, recent=E_RECENT,
+                       trigger=trigger)
+    m = CacheManager(cfg, num_blocks=64)
+    m.add_request("req-0")
+    live_expected, evicting_steps = 0, 0
+    for n_new in (*E_CHUNKS, *[1] * E_DECODE):
+        t = m.tables["req-0"]
+        seen = t.seen
+        assert t.live == live_expected
+        k = expected_eviction(live_expected, seen, budget, trigger)
+        evicting_steps += k > 0
+        m.step("req-0", n_new, source.key_norm[0, seen : seen + n_new])
+        live_expected += n_new - k
+        live = t.live_logicals()
+        assert live.size == t.live == live_expected, (seen, n_new, k)
+        seen = t.seen
+        assert set(range(min(E_SINKS, seen))) | set(range(max(seen - E_RECENT, 0), seen)) <= set(live.tolist())
+        m.observe("req-0", step_scores(source, 0, live, seen - n_new, n_new))
+    assert evicting_steps >= (2 if trigger == "block" else 10)  # the recurrence was exercised
