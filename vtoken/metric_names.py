@@ -118,11 +118,13 @@ TPOT_SECONDS = Metric("vtoken:tpot_seconds", HISTOGRAM, "Mean time per output to
 E2E_SECONDS = Metric("vtoken:e2e_seconds", HISTOGRAM, "End-to-end latency of finished requests", "seconds")
 REPACK_SECONDS = Metric("vtoken:repack_seconds", HISTOGRAM, "Duration of one repack plan (interval mean)",
                         "seconds")
+ROUTING_STATS_POLLS = Metric("vtoken:routing_stats_polls", COUNTER,
+                             "Polls of record_routing_stats answered (Serve feeding the KV-aware router)", "polls")
 
 KV_GAUGES = (LIVE_TOKENS, HELD_BLOCKS, PACKING_BOUND_BLOCKS, NAIVE_BLOCKS, POOL_BLOCKS, FREE_KV_TOKENS,
              FRAGMENTATION_RATIO, KV_UTILIZATION, STATS_AGE_SECONDS)
 KV_COUNTERS = (EVICTED_TOKENS, RECLAIMED_BLOCKS, REPACK_MOVES, REPACK_PLANS)
-SLA_METRICS = (REQUESTS, SLO_MET, TTFT_SECONDS, TPOT_SECONDS, E2E_SECONDS, REPACK_SECONDS)
+SLA_METRICS = (REQUESTS, SLO_MET, TTFT_SECONDS, TPOT_SECONDS, E2E_SECONDS, REPACK_SECONDS, ROUTING_STATS_POLLS)
 VTOKEN_METRICS = KV_GAUGES + KV_COUNTERS + SLA_METRICS  # everything a replica exports, exposition order
 
 # ---------------------------------- vLLM-owned series the router, autoscaler and dashboards read

@@ -143,6 +143,7 @@ class VTokenReplica:
     def record_routing_stats(self) -> dict[str, float]:
         """Called by Serve every ``router.stats_period_s``; reads the latest snapshot (no engine call)."""
         stats = routing_stats(self._sink.latest, time.time())
+        self._metrics.routing_polls.inc()
         fault = self._faulty()
         if fault == "missing":
             return {}

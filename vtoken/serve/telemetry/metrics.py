@@ -131,6 +131,7 @@ class ReplicaMetrics:
         self.tpot = _histogram(names.TPOT_SECONDS, TPOT_BUCKETS, self.registry)
         self.e2e = _histogram(names.E2E_SECONDS, LATENCY_BUCKETS, self.registry)
         self.repack = _histogram(names.REPACK_SECONDS, REPACK_BUCKETS, self.registry)
+        self.routing_polls = _counter(names.ROUTING_STATS_POLLS, self.registry)  # the replica increments it
         sources = [self.registry] + ([REGISTRY] if include_process_registry else [])
         self.view = CollectorRegistry(auto_describe=False)
         self.view.register(LabelledView(sources, labels))
