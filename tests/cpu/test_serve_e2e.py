@@ -78,6 +78,39 @@ def complete(http: httpx.Client, max_tokens: int = 2, prompt: str = "hello", **e
     )
 
 
+def replica_samples(app, name: str) -> dict[str, float]:
+    """``{replica id: value}`` of the series ``name`` scraped from every replica's metrics endpoint now."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for i in range(2):
+        text = httpx.get(f"http://127.0.0.1:{app.metrics_port + i}/metrics", timeout=10).text
+        for fam in text_string_to_metric_families(text):
+            for sample in fam.samples:
+                if sample.name == name:
+                    out[sample.labels["replica"]] = sample.value
+    return out
+
+
+def wait_for(condition, what: str, timeout: float = 60.0, period: float = 0.2):
+    """Poll ``condition()`` until it is truthy (returns its value) or fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(period)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def polls_after(app, replicas: list[str], extra: int = 2) -> None:
+    """Wait until Serve has polled ``record_routing_stats`` of every replica in ``replicas`` at least
+    ``extra`` more times: the router then holds stats taken after everything that happened before."""
+    start = replica_samples(app, "vtoken:routing_stats_polls_total")
+    wait_for(lambda: all(replica_samples(app, "vtoken:routing_stats_polls_total").get(r, 0) >= start.get(r, 0)
+                         + extra for r in replicas), f"{extra} routing-stats polls of {replicas}")
+
+
 def replicas_by_rank(http: httpx.Client, tries: int = 30) -> dict[int, str]:
     seen: dict[int, str] = {}
     for _ in range(tries):
@@ -185,12 +218,15 @@ def test_router_steers_new_requests_to_the_replica_with_more_free_kv(app):
     big = threading.Thread(target=generate, args=("big", PROMPT * 40), daemon=True)
     big.start()
     assert started["big"].wait(120)
-    time.sleep(1.0)  # the router sees the big request's KV and queue: the small one goes elsewhere
+    # the big request's KV is in its replica's stats, and the router has polled them since
+    wait_for(lambda: replica_samples(app, "vtoken:held_blocks").get(holders["big"], 0) >= 8,
+             "the big request's blocks in its replica's stats")
+    polls_after(app, [holders["big"]])
     small = threading.Thread(target=generate, args=("small", "hi"), daemon=True)
     small.start()
     assert started["small"].wait(120)
     assert holders["big"] != holders["small"]
-    time.sleep(1.0)  # two stats periods (0.5 s)
+    polls_after(app, [holders["big"], holders["small"]])  # the router knows both replicas are busy
     targets = []
     for _ in range(30):
         r = complete(app.http, max_tokens=2)
@@ -215,14 +251,14 @@ def test_stale_or_missing_stats_do_not_break_routing(app):
     try:
         # rank 1 reports stats polled an hour ago: it drops to the last rank, rank 0 takes the traffic
         app.fault_file.write_text(json.dumps({"stats_fault": {"ranks": [1], "mode": "stale"}}))
-        time.sleep(2.0)
+        polls_after(app, [ranks[1]])  # a poll that read the fault file has reached the router
         targets = [complete(app.http).headers["x-vtoken-replica"] for _ in range(12)]
         fresh = sum(t == ranks[0] for t in targets)
         print(f"\n[router] stale stats on rank 1: {fresh}/12 requests to the fresh replica")
         assert fresh >= 10
         # no replica reports stats: power-of-two-choices, both replicas still serve
         app.fault_file.write_text(json.dumps({"stats_fault": {"ranks": [0, 1], "mode": "missing"}}))
-        time.sleep(2.0)
+        polls_after(app, [ranks[0], ranks[1]])
         responses = [complete(app.http) for _ in range(16)]
         assert all(r.status_code == 200 for r in responses)
         spread = Counter(r.headers["x-vtoken-replica"] for r in responses)
@@ -302,27 +338,43 @@ def _value(prom: PrometheusServer, promql: str) -> float:
 def test_kv_pool_exhaustion_queues_or_preempts_and_every_request_completes(app):
     """24 concurrent long requests need far more KV than the two 71-block pools hold."""
     body = {"model": "tiny-llama", "prompt": PROMPT * 10, "max_tokens": 400, "ignore_eos": True}
+
+    def pressure() -> tuple[float, float]:  # (preemptions, engine queue seconds), summed over replicas
+        return (sum(replica_samples(app, "vllm:num_preemptions_total").values()),
+                sum(replica_samples(app, "vllm:request_queue_time_seconds_sum").values()))
+
+    preempted0, waited0 = pressure()
+    peak_kv = {"max": 0.0}
+    stop = threading.Event()
+
+    def watch() -> None:  # the pool's fill level while the burst runs (the metrics endpoint, 5 Hz)
+        while not stop.is_set():
+            peak_kv["max"] = max([peak_kv["max"], *replica_samples(app, "vtoken:kv_utilization").values()])
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     started = time.monotonic()
-    with ThreadPoolExecutor(24) as pool:
-        results = list(
-            pool.map(lambda _: app.http.post("/v1/completions", json=body, timeout=600), range(24))
-        )
+    try:
+        with ThreadPoolExecutor(24) as pool:
+            results = list(
+                pool.map(lambda _: app.http.post("/v1/completions", json=body, timeout=600), range(24))
+            )
+    finally:
+        stop.set()
+        watcher.join(10)
     assert [r.status_code for r in results] == [200] * 24
     spread = sorted(Counter(r.headers["x-vtoken-replica"] for r in results).values())
     assert all(r.json()["usage"]["completion_tokens"] == 400 for r in results)
-    metrics = "".join(httpx.get(f"http://127.0.0.1:{app.metrics_port + i}/metrics").text for i in range(2))
-    preempted = sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("vllm:num_preemptions_total")
-    )
-    waited = [line for line in metrics.splitlines() if line.startswith("vllm:request_queue_time_seconds_sum")]
+    preempted1, waited1 = pressure()
+    preempted, waited = preempted1 - preempted0, waited1 - waited0
     print(
         f"\n[kv] 24 x (≈{results[0].json()['usage']['prompt_tokens']}+400) tokens on 2 x 71 blocks: "
-        f"all done in "
-        f"{time.monotonic() - started:.1f} s, spread {spread}, preemptions {preempted:.0f}, "
-        f"engine queue time {[round(float(w.rsplit(' ', 1)[1]), 1) for w in waited]} s"
+        f"all done in {time.monotonic() - started:.1f} s, spread {spread}, peak kv_utilization "
+        f"{peak_kv['max']:.2f}, preemptions {preempted:.0f}, engine queue time {waited:.1f} s"
     )
+    assert peak_kv["max"] >= 0.9, "the burst never filled a pool: the test would prove nothing"
+    assert preempted > 0 or waited > 1.0, "a full pool must make requests wait or be preempted"
 
 
 def test_vllm_bench_serve_gets_completions(app):
