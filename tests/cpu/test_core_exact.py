@@ -165,7 +165,7 @@ def test_budget_parsing_and_tokens():
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        ({"policy": "lru"}, "valid policies: h2o, knorm, random, scissorhands, streamingllm, tova"),
+        ({"policy": "lru"}, "valid policies: h2o, knorm, random, scissorhands, snapkv, streamingllm, tova"),
         ({"mode": "compact"}, "valid modes: none, naive, repack, reuse+repack"),
         ({"trigger": "often"}, "valid triggers: step, block"),
         ({"block_size": 24}, "power of two, got 24"),

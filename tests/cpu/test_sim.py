@@ -87,14 +87,15 @@ def test_blocks_taken_from_the_pool_follow_the_live_set(policy, trigger):
     cfg = SimConfig.of(policy=policy, budget="0.3", block_size=B, prompt_len=P, gen_len=M, requests=R,
                        sinks=2, recent=8, trigger=trigger).vtoken
     source = SyntheticSource(SyntheticConfig(), R, P + M, seed=4)
-    total, last, bits = source.prefill(P, True)
+    total, last, bits, window = source.prefill(P, True, True)
     managers = {m.value: CacheManager(replace(cfg, mode=m), num_blocks=R * math.ceil((P + M) / B)) for m in Mode}
     for mode, m in managers.items():
         for r in range(R):
             m.add_request(request_name(r))
             m.place(request_name(r), P, source.key_norm[r, :P])
             if mode != "none":
-                m.observe(request_name(r), StepScores(np.arange(P), P, total[r], last[r], bits[r]))
+                m.observe(request_name(r), StepScores(np.arange(P), P, total[r], last[r], bits[r],
+                                                      window=window[r]))
     held = {mode: np.zeros(M) for mode in managers}
     for d in range(M):
         n = P + d  # the decode token of this step

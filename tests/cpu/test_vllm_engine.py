@@ -257,9 +257,8 @@ def test_vllm_serve_fails_at_start_up_on_bad_setting():
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode != 0
-    assert "unknown policy 'lru'; valid policies: h2o, knorm, random, scissorhands, streamingllm, tova" in (
-        proc.stdout + proc.stderr
-    )
+    assert ("unknown policy 'lru'; valid policies: h2o, knorm, random, scissorhands, snapkv, streamingllm, "
+            "tova") in (proc.stdout + proc.stderr)
 
 
 def test_bad_request_override_is_rejected_not_fatal(prefix_engine):

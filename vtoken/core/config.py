@@ -1,4 +1,4 @@
-"""Frozen configuration of vToken: reclamation mode, budget, protection, trigger.
+"""Frozen configuration of vToken: reclamation mode, budget, protection, trigger, eviction granularity.
 
 Everything here is validated on construction and names the bad value in its error, so a typo in a
 CLI flag or in vLLM's ``--additional-config`` fails at start-up, not mid-request.
@@ -15,7 +15,7 @@ from typing import Any
 from vtoken.errors import ConfigError
 from vtoken.policies import get_policy_class, make_policy
 
-__all__ = ["Budget", "Mode", "Trigger", "VTokenConfig", "check_block_size", "reject_unknown"]
+__all__ = ["Budget", "Granularity", "Mode", "Trigger", "VTokenConfig", "check_block_size", "reject_unknown"]
 
 
 def _edge_schema(parse: Callable[[Any], Any], dump: Callable[[Any], Any], values: tuple[str, ...] = ()) -> Any:
@@ -91,6 +91,28 @@ class Trigger(StrEnum):
     def __get_pydantic_core_schema__(cls, source, handler):
         return _edge_schema(cls.parse, str, tuple(t.value for t in cls))
 
+class Granularity(StrEnum):
+    """What one eviction removes.
+
+    ``token``  single tokens, the policy's lowest scores (vToken).
+    ``block``  whole original blocks (logical ``b·B .. b·B+B-1``) whose tokens are all live and evictable,
+               lowest mean score first, ``⌈over/B⌉`` of them (so up to B − 1 below the budget): the
+               block-level baseline (e.g. OpenVINO GenAI's cache eviction). Its ``naive`` mode frees each
+               evicted block outright, so naive is within a block or two of the packing bound.
+    """
+
+    TOKEN = "token"
+    BLOCK = "block"
+
+    @classmethod
+    def parse(cls, value: str | Granularity) -> Granularity:
+        return _parse_member(cls, value, "eviction granularity", "granularities")
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        return _edge_schema(cls.parse, str, tuple(g.value for g in cls))
+
+
 @dataclass(frozen=True)
 class Budget:
     """How many tokens a request may keep: a fixed count, or a fraction of the context seen so far.
@@ -161,7 +183,8 @@ class VTokenConfig:
     ``mode``: reclamation mode. ``block_size``: tokens per KV block (a power of two).
     ``sinks``: the first ``sinks`` logical tokens are never evicted (attention sinks).
     ``recent``: the last ``recent`` logical tokens are never evicted (recent window).
-    ``trigger``: when eviction runs. ``seed``: seed of the ``random`` policy.
+    ``trigger``: when eviction runs. ``granularity``: evict single tokens or whole original blocks.
+    ``seed``: seed of the ``random`` policy.
     """
 
     __pydantic_config__ = {"extra": "forbid"}  # read by pydantic only (the serving config's edge)
@@ -173,12 +196,14 @@ class VTokenConfig:
     sinks: int = 4
     recent: int = 16
     trigger: Trigger = Trigger.STEP
+    granularity: Granularity = Granularity.TOKEN
     seed: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", Budget.parse(self.budget))
         object.__setattr__(self, "mode", Mode.parse(self.mode))
         object.__setattr__(self, "trigger", Trigger.parse(self.trigger))
+        object.__setattr__(self, "granularity", Granularity.parse(self.granularity))
         check_block_size(self.block_size)
         for name in ("sinks", "recent", "seed"):
             value = getattr(self, name)
@@ -198,7 +223,8 @@ class VTokenConfig:
         """JSON-able ``{field: value}`` (budget as its number, enums as strings); ``from_dict`` inverts it."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["budget"] = self.budget.to_json()
-        out["mode"], out["trigger"] = self.mode.value, self.trigger.value
+        for name in ("mode", "trigger", "granularity"):
+            out[name] = out[name].value
         return out
 
     @classmethod

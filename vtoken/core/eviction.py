@@ -3,7 +3,8 @@
 ``decide_step`` is the single definition of the step order; the engine-free ``CacheManager`` and the vLLM
 scheduler both call it and differ only in what they do with blocks afterwards::
 
-    victims = choose_victims(table, policy, cfg, salt)   policy + budget + protection     (pure)
+    victims = choose_victims(table, policy, cfg, salt)   policy + budget + protection     (pure;
+                                                           whole original blocks with granularity=block)
     table.evict(victims)                                   holes appear
     [reuse+repack, one new token] table.place(1)           the new token takes the lowest hole
     plan = table.plan(); table.apply(plan)                 minimal moves; the row is dense again
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vtoken.core.config import Trigger, VTokenConfig
+from vtoken.core.config import Granularity, Trigger, VTokenConfig
 from vtoken.core.token_table import SlotPlan, TokenTable
 from vtoken.policies.base import ScorerPolicy
 from vtoken.policies.context import EvictionContext
@@ -40,13 +41,18 @@ def context_for(table: TokenTable, logicals: np.ndarray, salt: int, policy: Scor
 
 
 def choose_victims(table: TokenTable, policy: ScorerPolicy, cfg: VTokenConfig, salt: int) -> np.ndarray:
-    """Logical positions to evict now (ascending). Never a protected token; may be empty. Pure."""
+    """Logical positions to evict now (ascending). Never a protected token; may be empty. Pure.
+
+    ``granularity=block``: ``⌈n/B⌉`` whole original blocks instead (``ScorerPolicy.select_blocks``)."""
     n = eviction_count(table.live, table.seen, cfg)
     if n == 0:
         return np.zeros(0, np.int64)
     logicals = table.live_logicals()
     evictable = table.evictable(logicals, cfg.sinks, cfg.recent)
-    return policy.select(context_for(table, logicals, salt, policy), n, evictable)
+    ctx = context_for(table, logicals, salt, policy)
+    if cfg.granularity is Granularity.BLOCK:
+        return policy.select_blocks(ctx, n, evictable, cfg.block_size)
+    return policy.select(ctx, n, evictable)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ table, and ``observe()`` folds that into the table:
   * ``last``          = attention from the step's last query (every other live token: 0)
   * ``unimportant``   = history bits shifted by the step's queries, the step's bits in (bit 0: newest)
   * ``key_norm``      = the new keys' norms, set once when written
+  * ``window``        = Σ over the prompt's last ≤ ``OBSERVATION_WINDOW`` queries, *set* (not accumulated)
+                        by the one step that computes the prompt's last token (others carry ``None``)
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class StepScores:
     unimportant: np.ndarray | None = None  # uint64 [k]: the step's bits, bit 0 = its newest query
     key_norm_logicals: np.ndarray | None = None  # tokens written this step …
     key_norm: np.ndarray | None = None  # … and their key norms
+    window: np.ndarray | None = None  # float [k]: Σ over the observation window (the prompt's end step only)
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,8 @@ class SlotScores:
 
     Attention statistics cover the request's row slots ``0..seq_len-1`` (its dense live keys, in slot
     order) and are ``None`` when they were not asked for; ``key_norm`` holds the step's ``n_queries`` new
-    keys' norms in order, or ``None``. Plain numpy: it is pickled across the engine's process boundary.
+    keys' norms in order, or ``None``; ``window`` covers the row slots too, only on the step that computed
+    the prompt's last token. Plain numpy: it is pickled across the engine's process boundary.
     """
 
     n_queries: int
@@ -51,6 +55,7 @@ class SlotScores:
     last: np.ndarray | None = None
     unimportant: np.ndarray | None = None
     key_norm: np.ndarray | None = None
+    window: np.ndarray | None = None
 
     def by_logical(self, token_at: np.ndarray, first_new: int) -> StepScores:
         """Map slots to logical positions through the table's ``token_at`` (holes are dropped); the new
@@ -68,7 +73,17 @@ class SlotScores:
             unimportant=np.asarray(self.unimportant, dtype=np.uint64)[ok],
             key_norm_logicals=new,
             key_norm=self.key_norm,
+            window=None if self.window is None else np.asarray(self.window)[ok],
         )
+
+
+def window_queries(num_prompt_tokens: int, computed_before: int, n: int) -> int:
+    """How many of a step's ``n`` queries (logical ``computed_before ..``) run up to the prompt's last token
+    when the step computes it (the prefill's last chunk, or a recompute after a preemption, which may go on
+    past the prompt); 0 for every other step. The observation window is the last ≤ ``OBSERVATION_WINDOW``
+    of them (pure)."""
+    end = num_prompt_tokens - computed_before
+    return end if 0 < end <= n else 0
 
 
 def shift_history(bits: np.ndarray, n_queries: int, new_bits: np.ndarray) -> np.ndarray:
@@ -109,5 +124,7 @@ def observe(table, scores: StepScores) -> None:
         table.unimportant[idx] = shift_history(
             table.unimportant[idx], scores.n_queries, np.asarray(scores.unimportant)[keep]
         )
+        if scores.window is not None:
+            table.window[idx] = np.asarray(scores.window)[keep]
     if scores.key_norm_logicals is not None and scores.key_norm is not None:
         table.key_norm[np.asarray(scores.key_norm_logicals, dtype=np.int64)] = scores.key_norm

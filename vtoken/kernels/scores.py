@@ -8,6 +8,8 @@ a single decode query written into a hole sees all ``seq_len`` slots, which the 
 
 ``ScoreAccumulator`` averages the probabilities over heads and layers (docs/architecture.md §5: one
 decision per token, shared by every layer and head) and, separately, the L2 norm of each new key (KNorm).
+On the step that computes the prompt's last token it also sums the prompt's last ``OBSERVATION_WINDOW``
+queries (SnapKV's observation window; fewer when the step has fewer prompt queries).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from vtoken.core.stats import SlotScores, unimportance_bits
 from vtoken.kernels.layout import TokenLayout
 from vtoken.kernels.moves import read_k
+from vtoken.policies.context import OBSERVATION_WINDOW
 
 
 def row_slots(block_row: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
@@ -55,6 +58,7 @@ class RequestScores:
     block_row: torch.Tensor  # int32/int64 block ids of the row (at least ceil(seq_len/B))
     want_attention: bool
     want_key_norm: bool
+    window: int = 0  # > 0: queries 0..window-1 end the prompt; sum the last ≤ OBSERVATION_WINDOW of them
     probs: torch.Tensor | None = None  # [n_q, seq_len] summed over layers
     key_norm: torch.Tensor | None = None  # [n_q] summed over layers
     layers: int = 0
@@ -143,7 +147,8 @@ class ScoreAccumulator:
     def finish(self) -> dict[str, SlotScores]:
         """Per request: mean over layers, reduced to the statistics (``SlotScores``, plain numpy, picklable
         across the scheduler↔worker boundary): attention statistics over the row's slots ``0..seq_len-1``
-        and ``key_norm`` for the step's new tokens in order, each ``None`` when not collected.
+        and ``key_norm`` for the step's new tokens in order, each ``None`` when not collected; ``window`` on
+        the step that ends the prompt (``RequestScores.window``). Pure apart from reading the accumulators.
         """
         if self._dec and self._dec_probs is not None:
             for i, rs in enumerate(self._dec):
@@ -157,6 +162,8 @@ class ScoreAccumulator:
                 visible = np.arange(n_k)[None, :] <= (np.arange(n_q)[:, None] + (n_k - n_q))
                 stats.update(accumulated=probs.sum(axis=0), last=probs[-1].copy(),
                              unimportant=unimportance_bits(probs, visible))
+                if rs.window:
+                    stats["window"] = probs[max(rs.window - OBSERVATION_WINDOW, 0) : rs.window].sum(axis=0)
             if rs.key_norm is not None and rs.norm_layers:
                 stats["key_norm"] = (rs.key_norm / rs.norm_layers).cpu().numpy().astype(np.float64)
             out[rid] = SlotScores(n_queries=rs.n_q, seq_len=rs.seq_len, **stats)

@@ -1,8 +1,16 @@
 """Eviction policies. Importing this package registers every policy in ``REGISTRY``."""
 
-from vtoken.policies import h2o, knorm, random, scissorhands, streamingllm, tova  # noqa: F401 (registration)
+# importing a policy's module registers it
+from vtoken.policies import h2o, knorm, random, scissorhands, snapkv, streamingllm, tova  # noqa: F401
 from vtoken.policies.base import ScorerPolicy
-from vtoken.policies.context import ATTENTION_STATS, HISTORY_BITS, EvictionContext, Stat
+from vtoken.policies.context import (
+    ATTENTION_STATS,
+    HISTORY_BITS,
+    OBSERVATION_WINDOW,
+    STEP_ATTENTION_STATS,
+    EvictionContext,
+    Stat,
+)
 from vtoken.policies.registry import REGISTRY, register_policy
 
 
@@ -19,5 +27,6 @@ def policy_names() -> list[str]:
     return REGISTRY.names()
 
 
-__all__ = ["ATTENTION_STATS", "HISTORY_BITS", "EvictionContext", "Stat", "ScorerPolicy", "REGISTRY", "register_policy", "get_policy_class",
-           "make_policy", "policy_names"]
+__all__ = ["ATTENTION_STATS", "HISTORY_BITS", "OBSERVATION_WINDOW", "STEP_ATTENTION_STATS", "EvictionContext",
+           "Stat", "ScorerPolicy", "REGISTRY", "register_policy", "get_policy_class", "make_policy",
+           "policy_names"]

@@ -6,6 +6,9 @@ Selection rules, shared by every policy and by every engine (token table, fast s
   * the lowest scores are evicted first; ties go to the older token (lower logical position);
   * scores must be finite.
 
+Block granularity (``select_blocks``, the block-level baseline): whole original blocks instead of tokens;
+a block is a candidate only if all its tokens are live and evictable, blocks go by their tokens' mean score.
+
 One decision per token per request, shared by all layers and heads: statistics are the mean over
 heads and layers of each key's attention probability (``vtoken.policies.context``).
 """
@@ -55,12 +58,36 @@ class ScorerPolicy:
         """
         if n_evict <= 0:
             return np.zeros(0, np.int64)
-        scores = np.asarray(self.score(ctx), dtype=np.float64)
-        if not np.all(np.isfinite(scores[evictable])):
-            raise ValueError(f"policy {self.name!r} returned non-finite scores")
+        scores = self._finite_scores(ctx, evictable)
         cand = np.flatnonzero(evictable)
         order = np.lexsort((ctx.logical[cand], scores[cand]))
         return np.sort(ctx.logical[cand[order[:n_evict]]])
+
+    def select_blocks(
+        self, ctx: EvictionContext, n_evict: int, evictable: np.ndarray, block_size: int
+    ) -> np.ndarray:
+        """Block granularity (1-D context): logical positions of whole original blocks ``b·B .. b·B+B-1``.
+
+        A block is a candidate only if all its ``B`` tokens are in ``ctx`` (live) and evictable (no sink, no
+        recent token, not shared; a partly filled or partly evicted block never is). Blocks go lowest mean
+        score first, ties to the older block. Rounding rule: ``⌈n_evict / B⌉`` blocks (fewer if fewer
+        qualify), so the request ends up to ``B − 1`` tokens *below* its budget. Pure.
+        """
+        if n_evict <= 0:
+            return np.zeros(0, np.int64)
+        scores = self._finite_scores(ctx, evictable)
+        blocks = np.asarray(ctx.logical)[evictable] // block_size
+        count = np.bincount(blocks)
+        ids = np.flatnonzero(count == block_size)
+        mean = np.bincount(blocks, weights=scores[evictable])[ids] / block_size
+        chosen = np.sort(ids[np.lexsort((ids, mean))[: -(-n_evict // block_size)]])
+        return (chosen[:, None] * block_size + np.arange(block_size)).ravel().astype(np.int64)
+
+    def _finite_scores(self, ctx: EvictionContext, evictable: np.ndarray) -> np.ndarray:
+        scores = np.asarray(self.score(ctx), dtype=np.float64)
+        if not np.all(np.isfinite(scores[evictable])):
+            raise ValueError(f"policy {self.name!r} returned non-finite scores")
+        return scores
 
     def select_batch(self, ctx: EvictionContext, n_evict: np.ndarray, evictable: np.ndarray) -> np.ndarray:
         """Batched ``select`` for 2-D contexts whose rows are in ascending logical order.

@@ -9,6 +9,11 @@ worker's ``SlotScores``), the policy's view (``EvictionContext``) and ``ScorerPo
   ``unimportant``  uint64 history bitmask: bit j set ⇔ the j-th most recent query gave the key
                    less than the uniform share 1/(keys that query saw)                      (Scissorhands)
   ``key_norm``     L2 norm of the key, set once when it is written                          (KNorm)
+  ``window``       Σ over the prompt's last ``OBSERVATION_WINDOW`` queries (the observation window) of the
+                   key's attention, set once by the step that computes the prompt's last token; with a
+                   chunked prefill that is the last chunk, and when it holds fewer queries than the window
+                   (a short last chunk, a prefix-cache hit) the window is those queries. A key the window
+                   never saw (generated later) keeps 0                                        (SnapKV)
 
 Attention is the mean over heads and layers of each key's probability: one decision per token per
 request, shared by all layers and heads (one block table per request; docs/architecture.md §5).
@@ -22,6 +27,7 @@ from enum import StrEnum
 import numpy as np
 
 HISTORY_BITS = 64  # the unimportance history is a uint64 bitmask: at most 64 recent queries
+OBSERVATION_WINDOW = 32  # SnapKV: the prompt's last queries whose attention the ``window`` statistic sums
 
 
 class Stat(StrEnum):
@@ -31,14 +37,21 @@ class Stat(StrEnum):
     LAST = "last"
     UNIMPORTANT = "unimportant"
     KEY_NORM = "key_norm"
+    WINDOW = "window"
 
     @property
     def needs_attention(self) -> bool:
         """Whether measuring it needs the step's attention probabilities (q·K), not only the keys."""
         return self is not Stat.KEY_NORM
 
+    @property
+    def prompt_only(self) -> bool:
+        """Measured once, by the step that computes the prompt's last token (later steps' q·K unused)."""
+        return self is Stat.WINDOW
+
 
 ATTENTION_STATS = frozenset(s for s in Stat if s.needs_attention)
+STEP_ATTENTION_STATS = frozenset(s for s in ATTENTION_STATS if not s.prompt_only)  # need every step's q·K
 
 
 @dataclass(frozen=True)
@@ -56,3 +69,4 @@ class EvictionContext:
     last: np.ndarray | None = None
     unimportant: np.ndarray | None = None
     key_norm: np.ndarray | None = None
+    window: np.ndarray | None = None

@@ -3,7 +3,9 @@
 Contract (other tools parse it): with ``--json`` one JSON object on stdout with ``policy``, ``budget``,
 ``block_size``, ``requests``, ``packing_bound_mean`` and ``modes.{none,naive,repack,reuse+repack}``
 each with ``retained_blocks_mean``, ``peak_blocks`` and, for the moving modes, ``moves_total`` and
-``moves_lower_bound``. Bad values exit with status 2 and a message naming the value.
+``moves_lower_bound``. Bad values exit with status 2 and a message naming the value. ``--granularity block``
+(whole original blocks) runs on the exact engine: it is the default engine then, and ``--engine fast``
+is refused with a message naming ``--engine exact``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ def simulate(
     sinks: int = typer.Option(4, help="first tokens never evicted"),
     recent: int = typer.Option(16, help="last tokens never evicted"),
     trigger: str = typer.Option("step", help="step | block"),
-    engine: str = typer.Option("fast", help="fast (batched) | exact (the core objects, slow)"),
+    granularity: str = typer.Option("token", help="token | block (whole original blocks; exact engine)"),
+    engine: str = typer.Option(None, help="fast (batched) | exact (the core objects, slow); default: fast, "
+                               "exact with --granularity block"),
     workers: int = typer.Option(1, help="processes for the fast engine"),
     traces: Path = typer.Option(None, help=".npz of recorded attention (`vtoken trace record`); default synthetic"),
     as_json: bool = typer.Option(False, "--json", help="print the JSON contract only"),
@@ -49,7 +53,8 @@ def simulate(
     try:
         cfg = SimConfig.of(policy=policy, budget=budget, block_size=block_size, prompt_len=prompt_len,
                            gen_len=gen_len, requests=requests, seed=seed, sinks=sinks, recent=recent,
-                           trigger=trigger, engine=engine, workers=workers, traces=traces)
+                           trigger=trigger, granularity=granularity, workers=workers, traces=traces,
+                           engine=engine or ("exact" if granularity == "block" else "fast"))
         out, tally = _run_with_progress(cfg, run_simulation, quiet=as_json)
     except ConfigError as err:
         _fail(str(err))

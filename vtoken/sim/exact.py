@@ -39,8 +39,8 @@ def simulate_exact(
     R = source.num_requests
     T = prompt_len + gen_len
     B = cfg.block_size
-    need_bits = Stat.UNIMPORTANT in cfg.policy_class.needs
-    pre_total, pre_last, pre_bits = source.prefill(prompt_len, need_bits)
+    needs = cfg.policy_class.needs
+    pre = source.prefill(prompt_len, Stat.UNIMPORTANT in needs, Stat.WINDOW in needs)._asdict()
     tally = SimTally(gen_len)
     peaks = {m: np.zeros(R, np.int64) for m in MODES}
     moves = {m: [0, 0] for m in ("repack", "reuse+repack")}
@@ -51,7 +51,8 @@ def simulate_exact(
             m.add_request(rid)
             m.place(rid, prompt_len, source.key_norm[r, :prompt_len])
             if mode != "none":
-                m.observe(rid, StepScores(np.arange(prompt_len), prompt_len, pre_total[r], pre_last[r], pre_bits[r]))
+                stats = {k: v[r] for k, v in pre.items()}
+                m.observe(rid, StepScores(np.arange(prompt_len), prompt_len, **stats))
         for d in range(gen_len):
             n = prompt_len + d  # the decode token written in this step
             retained = {}

@@ -12,7 +12,8 @@ every step (same budget, same protected set) and per-row state stays rectangular
 
 Victims come from the policy's ``select_batch`` (same order as ``select``: score, then position);
 moves follow the planner's rule (holes ascending ← tail tokens descending). ``tests/cpu/test_sim.py``
-checks block series and move counts against the exact engine.
+checks block series and move counts against the exact engine. Block granularity (whole original blocks, a
+ragged number per row) is the exact engine's only: ``simulate_fast`` refuses it.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import math
 
 import numpy as np
 
-from vtoken.core.config import VTokenConfig
+from vtoken.core.config import Granularity, VTokenConfig
 from vtoken.core.eviction import eviction_count
 from vtoken.core.manager import request_salt
-from vtoken.policies.context import EvictionContext, Stat
+from vtoken.errors import ConfigError
+from vtoken.policies.context import STEP_ATTENTION_STATS, EvictionContext, Stat
 from vtoken.sim.exact import request_name
 from vtoken.sim.result import SimTally
 
@@ -121,12 +123,11 @@ class _Columns:
 
     def __init__(self, P: int, source, prefill, need: frozenset[Stat]):
         R = source.num_requests
-        total, last, bits = prefill
         self.has_knorm = Stat.KEY_NORM in need
         self.width = P
         self.logical = np.broadcast_to(np.arange(P, dtype=np.int64), (R, P)).copy()
         self.alive = np.ones((R, P), bool)
-        self.accumulated, self.last, self.unimportant = total, last, bits
+        self.accumulated, self.last, self.unimportant, self.window = prefill
         self.key_norm = source.key_norm[:, :P].copy() if self.has_knorm else np.zeros((R, P))
         self.w = source.w[:, :P].copy() if hasattr(source, "w") else np.zeros((R, P))
 
@@ -142,6 +143,7 @@ class _Columns:
         self.accumulated[:, c] = 0.0
         self.last[:, c] = 0.0
         self.unimportant[:, c] = 0
+        self.window[:, c] = 0.0  # the observation window never sees a generated token
         if self.has_knorm:
             self.key_norm[:, c] = source.key_norm[:, n]
         if hasattr(source, "w"):
@@ -172,7 +174,10 @@ class _Columns:
 
 def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, first_request: int = 0,
                   tally: SimTally | None = None) -> SimTally:
-    """Simulate one chunk (all of ``source``'s requests); adds to ``tally`` if given."""
+    """Simulate one chunk (all of ``source``'s requests); adds to ``tally`` if given. Raises ``ConfigError``
+    for ``granularity=block`` (the exact engine runs it)."""
+    if cfg.granularity is Granularity.BLOCK:
+        raise ConfigError("granularity 'block' runs on the exact engine only: pass --engine exact")
     R = source.num_requests
     P, M, B = prompt_len, gen_len, cfg.block_size
     T = P + M
@@ -180,7 +185,7 @@ def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, firs
     needs = policy.needs
     tally = tally if tally is not None else SimTally(M)
     salt = np.array([request_salt(request_name(first_request + r)) for r in range(R)], np.uint64)[:, None]
-    cols = _Columns(P, source, source.prefill(P, Stat.UNIMPORTANT in needs), needs)
+    cols = _Columns(P, source, source.prefill(P, Stat.UNIMPORTANT in needs, Stat.WINDOW in needs), needs)
     live = P
     layouts = {"repack": _Layout(R, T, P, reuse=False), "reuse+repack": _Layout(R, T, P, reuse=True)}
     nb = math.ceil(T / B)
@@ -188,19 +193,26 @@ def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, firs
     orig_live[:, : math.ceil(P / B)] = np.bincount(np.arange(P) // B, minlength=math.ceil(P / B))
     peaks = {m: np.zeros(R, np.int64) for m in ("none", "naive", "repack", "reuse+repack")}
     rows = np.arange(R)[:, None]
-    scored = policy.needs_attention()
+    scored = bool(needs & STEP_ATTENTION_STATS)
+    # SnapKV pools a token's score over its live neighbours: it must see exactly the live tokens, as the exact
+    # engine's table gives them (the other policies score each token alone: dead columns are harmless)
+    pools = Stat.WINDOW in needs
 
     for d in range(M):
         n = P + d
         k = eviction_count(live, n, cfg)
+        if k and pools and cols.width > live:
+            cols.compact(room=M - d)
         lo, hi = min(cfg.sinks, cols.width), max(cols.width - min(cfg.recent, n), 0)
-        if k and hi > lo:
-            stats = {s.value: cols.view(s.value, lo, hi) for s in needs}
-            ctx = EvictionContext(logical=cols.view("logical", lo, hi), seen=n, salt=salt, **stats)
-            vmask = policy.select_batch(ctx, np.full(R, k), cols.view("alive", lo, hi))
+        if k and hi > lo:  # every live token in the context; candidates: the alive columns lo..hi-1
+            stats = {s.value: cols.view(s.value) for s in needs}
+            ctx = EvictionContext(logical=cols.view("logical"), seen=n, salt=salt, **stats)
+            evictable = cols.view("alive").copy()
+            evictable[:, :lo] = evictable[:, hi:] = False
+            vmask = policy.select_batch(ctx, np.full(R, k), evictable)
             k = int(vmask[0].sum())
             victims = ctx.logical[vmask].reshape(R, k)
-            cols.view("alive", lo, hi)[vmask] = False
+            cols.view("alive")[vmask] = False
             live -= k
             np.subtract.at(orig_live, (rows, victims // B), 1)
         else:

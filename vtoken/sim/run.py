@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vtoken.core.config import Mode, VTokenConfig
+from vtoken.core.config import Granularity, Mode, VTokenConfig
 from vtoken.errors import ConfigError
 from vtoken.sim.exact import simulate_exact
 from vtoken.sim.fast import simulate_fast
@@ -43,6 +43,8 @@ class SimConfig:
                 raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {v!r}")
         if self.engine not in ENGINES:
             raise ConfigError(f"unknown engine {self.engine!r}; valid engines: {', '.join(ENGINES)}")
+        if self.engine == "fast" and self.vtoken.granularity is Granularity.BLOCK:
+            raise ConfigError("granularity 'block' runs on the exact engine only: pass --engine exact")
 
     @classmethod
     def of(cls, **kwargs) -> SimConfig:
@@ -125,6 +127,7 @@ def run_simulation(cfg: SimConfig, on_requests: Callable[[int], None] | None = N
         "sinks": vt["sinks"],
         "recent": vt["recent"],
         "trigger": vt["trigger"],
+        "granularity": vt["granularity"],
         "engine": cfg.engine,
         "workers": cfg.workers,
         "source": str(cfg.traces) if cfg.traces else "synthetic",

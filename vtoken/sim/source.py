@@ -2,8 +2,10 @@
 
 Both give, for a *batch* of requests (arrays ``[R, ...]``), what the policies consume:
 
-  * ``prefill(P)``        stats after the prompt's forward: Σ attention over the P prompt queries,
-                          the last prompt query's attention, unimportance bits of the last ≤64 queries
+  * ``prefill(P)``        stats after the prompt's forward (a ``Prefill``, fields named by ``Stat``): Σ
+                          attention over the P prompt queries, the last prompt query's attention,
+                          unimportance bits of the last ≤64 queries, Σ over the last ≤32 (the observation
+                          window; zeros unless asked for, like the bits)
   * ``attention(s, keys)`` attention of the query at logical position ``s`` over logical ``keys``
   * ``key_norm``          per-token key norm ``[R, T]``
 
@@ -23,12 +25,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
-from vtoken.policies.context import HISTORY_BITS
+from vtoken.policies.context import HISTORY_BITS, OBSERVATION_WINDOW
 
 RECENCY_CUTOFF = 40  # r(d) drops its decaying term beyond 40·τ tokens (exp(-40) < 5e-18)
+
+
+class Prefill(NamedTuple):
+    """Every statistic after the prompt's forward, ``[R, P]`` each, named by ``Stat`` (as ``StepScores``)."""
+
+    accumulated: np.ndarray
+    last: np.ndarray
+    unimportant: np.ndarray
+    window: np.ndarray
 
 
 RNG_BLOCK = 64  # requests per random stream: a request's numbers never depend on the batch it runs in
@@ -122,7 +134,7 @@ class SyntheticSource:
         out /= z
         return out
 
-    def prefill(self, P: int, need_bits: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def prefill(self, P: int, need_bits: bool, need_window: bool = False) -> Prefill:
         rho = self.cfg.recency_weight
         inv_z = 1.0 / self.Z[:, :P]
         H = np.cumsum(inv_z[:, ::-1], axis=1)[:, ::-1]  # Σ_{s≥i} 1/Z(s)
@@ -131,7 +143,11 @@ class SyntheticSource:
         keys = np.broadcast_to(np.arange(P), (self.w.shape[0], P))
         last = self.attention(P - 1, keys)
         bits = self._bits(P, keys) if need_bits else np.zeros(total.shape, np.uint64)
-        return total, last, bits
+        window = np.zeros(total.shape)
+        if need_window:
+            for s in range(max(P - OBSERVATION_WINDOW, 0), P):  # the observation window, oldest query first
+                window[:, : s + 1] += self.attention(s, keys[:, : s + 1])
+        return Prefill(total, last, bits, window)
 
     def _bits(self, P: int, keys: np.ndarray) -> np.ndarray:
         bits = np.zeros(keys.shape, np.uint64)
@@ -156,7 +172,7 @@ class TraceSource:
     def attention_row(self, r: int, s: int, keys: np.ndarray) -> np.ndarray:
         return self.attn[r, s, keys]
 
-    def prefill(self, P: int, need_bits: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def prefill(self, P: int, need_bits: bool, need_window: bool = False) -> Prefill:
         total = self.attn[:, :P, :P].sum(axis=1)
         last = self.attn[:, P - 1, :P].copy()
         bits = np.zeros(total.shape, np.uint64)
@@ -165,4 +181,7 @@ class TraceSource:
             for j, s in enumerate(range(P - 1, max(P - HISTORY_BITS, 0) - 1, -1)):
                 low = (self.attn[:, s, :P] < 1.0 / (s + 1)) & (cols <= s)
                 bits |= low.astype(np.uint64) << np.uint64(j)
-        return total, last, bits
+        window = np.zeros_like(total)
+        if need_window:
+            window = self.attn[:, max(P - OBSERVATION_WINDOW, 0) : P, :P].sum(axis=1)
+        return Prefill(total, last, bits, window)

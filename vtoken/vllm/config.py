@@ -4,12 +4,13 @@
 Engine level (``--additional-config '{"vtoken": {...}}'`` or ``LLM(additional_config=...)``)::
 
     key        type / values                                   default
-    policy     h2o | knorm | random | scissorhands | streamingllm | tova   h2o
+    policy     h2o | knorm | random | scissorhands | snapkv | streamingllm | tova   h2o
     budget     fraction in (0, 1] (e.g. 0.2) or token count (e.g. 512)   0.5
     mode       none | naive | repack | reuse+repack            repack
     sinks      int >= 0  (first tokens never evicted)          4
     recent     int >= 0  (last tokens never evicted)           16
     trigger    step | block                                    step
+    granularity  token | block  (evict tokens / whole blocks)  token
     seed       int >= 0  (random policy)                       0
     block_size must equal vLLM's --block-size if given         vLLM's block size
     scores     auto | always | never  (collect q·K scores)     auto (only for attention policies)
@@ -18,8 +19,8 @@ Engine level (``--additional-config '{"vtoken": {...}}'`` or ``LLM(additional_co
 
 Per request (``SamplingParams(extra_args={"vtoken": {...}})``; in the OpenAI API, whose ``vllm_xargs`` holds
 flat values only, ``"vllm_xargs": {"vtoken.policy": "tova", "vtoken.budget": 0.3}``):
-``policy``, ``budget``, ``mode``, ``sinks``, ``recent``, ``trigger``, ``seed`` override the engine's values
-for that request, ``trace_id`` names its trace file and ``salt`` (int) seeds its randomness (requests
+``policy``, ``budget``, ``mode``, ``sinks``, ``recent``, ``trigger``, ``granularity``, ``seed`` override the
+engine's values for that request, ``trace_id`` names its trace file and ``salt`` (int) seeds its randomness (requests
 with equal salts and settings take identical decisions: that is how paired naive/repack runs are made). Unknown keys and invalid values raise
 ``ConfigError`` naming the value and the valid ones: at engine start-up for the engine settings; for a
 request, the request finishes at once with finish reason ``error`` and the error is logged (the engine keeps

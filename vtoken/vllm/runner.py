@@ -192,6 +192,7 @@ class VTokenRunnerMixin:
                 block_row=torch.from_numpy(rows.block_table.np[i, :n_blocks].astype(np.int64)).to(self.device),
                 want_attention=rs.scores,
                 want_key_norm=rs.key_norm,
+                window=rs.window,
             )
         self._vt_acc = acc if acc.requests else None
         return ret

@@ -42,10 +42,10 @@ from vllm.v1.request import Request, RequestStatus
 from vtoken.core.eviction import decide_step, eviction_count
 from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
 from vtoken.core.manager import physical_slots, request_salt
-from vtoken.core.stats import observe
+from vtoken.core.stats import observe, window_queries
 from vtoken.core.token_table import TokenTable
 from vtoken.errors import ConfigError, IntegrityError
-from vtoken.policies import ScorerPolicy, Stat
+from vtoken.policies import STEP_ATTENTION_STATS, ScorerPolicy, Stat
 from vtoken.vllm import blocks
 from vtoken.vllm.config import EngineSettings, RequestSettings, request_settings
 from vtoken.vllm.stats import encode_stats
@@ -64,8 +64,9 @@ class _Req:
     policy: ScorerPolicy
     salt: int
     observer: RequestObserver
-    want_attention: bool = False  # collect q·K statistics for its policy
+    want_attention: bool = False  # collect q·K statistics every step for its policy
     want_key_norm: bool = False
+    want_window: bool = False  # collect the observation window on the step computing the prompt's last token
     table: TokenTable | None = None  # None before its first step and after a preemption
     preplaced: np.ndarray | None = None  # reuse+repack: slot given to the next token before vLLM scheduled it
     pending: tuple[int, int] | None = None  # (table version, first new logical) of the step in flight
@@ -123,6 +124,7 @@ class VTokenScheduler(Scheduler):
     def _vt_new_req(self, request: Request, rs: RequestSettings) -> _Req:
         policy = rs.cfg.make_policy()
         evicts, mode = rs.cfg.mode.evicts, self.vt.scores
+        auto = evicts and mode == "auto"
         observer = RequestObserver()
         if self.vt.trace_dir is not None:
             trace = RequestTrace(
@@ -136,8 +138,9 @@ class VTokenScheduler(Scheduler):
             policy=policy,
             salt=rs.salt if rs.salt is not None else request_salt(request.request_id),
             observer=observer,
-            want_attention=mode == "always" or (evicts and mode == "auto" and policy.needs_attention()),
+            want_attention=mode == "always" or (auto and bool(policy.needs & STEP_ATTENTION_STATS)),
             want_key_norm=mode == "always" or (evicts and Stat.KEY_NORM in policy.needs),
+            want_window=mode == "always" or (auto and Stat.WINDOW in policy.needs),
         )
 
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
@@ -214,10 +217,12 @@ class VTokenScheduler(Scheduler):
             st.pending = (t.version, computed_before)
             offset = t.seen - t.live
             appended = int(slots[0]) == t.live - n and (n == 1 or int(slots[-1]) == t.live - 1)
-            if offset or not appended or st.want_attention or st.want_key_norm:
+            prompt = self.requests[rid].num_prompt_tokens
+            window = window_queries(prompt, computed_before, n) if st.want_window else 0  # SnapKV's, once
+            if offset or not appended or st.want_attention or st.want_key_norm or window:
                 steps[rid] = RequestStep(
-                    offset=offset, slots=None if appended else slots, scores=st.want_attention,
-                    key_norm=st.want_key_norm,
+                    offset=offset, slots=None if appended else slots, scores=st.want_attention or window > 0,
+                    key_norm=st.want_key_norm, window=window,
                 )
             held = len(self._vt_manager.req_to_blocks.get(rid, ()))
             if self.vt.check:

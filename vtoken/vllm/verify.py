@@ -51,9 +51,12 @@ class VerifyCase:
     mode: str
     budget: float | int
     name: str = ""
+    granularity: str = "token"  # "block": whole original blocks (the block-level baseline)
 
     def key(self) -> str:
-        return self.name or f"{self.policy}_{Mode.parse(self.mode).value.replace('+', '-')}_{self.budget}"
+        tail = "" if self.granularity == "token" else f"_{self.granularity}"
+        mode = Mode.parse(self.mode).value.replace("+", "-")
+        return self.name or f"{self.policy}_{mode}_{self.budget}{tail}"
 
 
 @dataclass
@@ -124,14 +127,15 @@ def paired_mode(mode: Mode, present: set[Mode]) -> Mode | None:
 
 
 def pair_results(results: list[VerifyResult]) -> None:
-    """Set ``paired_naive_match`` on each result that has a partner of another mode with the same policy
-    and budget (mutates the results; a result without one keeps ``None``)."""
-    runs = {(r.case.policy, r.case.budget, Mode.parse(r.case.mode)): r.tokens for r in results}
+    """Set ``paired_naive_match`` on each result that has a partner of another mode with the same policy,
+    budget and granularity (mutates the results; a result without one keeps ``None``)."""
+    runs = {(r.case.policy, r.case.budget, r.case.granularity, Mode.parse(r.case.mode)): r.tokens
+            for r in results}
     for r in results:
-        modes = {m for (p, b, m) in runs if (p, b) == (r.case.policy, r.case.budget)}
-        partner = paired_mode(Mode.parse(r.case.mode), modes)
+        same = (r.case.policy, r.case.budget, r.case.granularity)
+        partner = paired_mode(Mode.parse(r.case.mode), {k[3] for k in runs if k[:3] == same})
         if partner is not None:
-            r.paired_naive_match = r.tokens == runs[(r.case.policy, r.case.budget, partner)]
+            r.paired_naive_match = r.tokens == runs[(*same, partner)]
 
 
 def run_cases(
@@ -163,7 +167,8 @@ def run_cases(
     if prompt is None:
         prompt = make_prompt(model, prompt_len)
     for c in cases:  # fail before any engine work on a bad value
-        VTokenConfig(policy=c.policy, budget=Budget.parse(c.budget), mode=c.mode, block_size=block_size)
+        VTokenConfig(policy=c.policy, budget=Budget.parse(c.budget), mode=c.mode, block_size=block_size,
+                     granularity=c.granularity)
     own = llm is None
     tmp = None
     if own:
@@ -176,7 +181,7 @@ def run_cases(
     for c in cases:
         extra = {"vtoken": {"policy": c.policy, "mode": Mode.parse(c.mode).value, "budget": c.budget,
                             "trace_id": c.key(), "sinks": sinks, "recent": recent, "seed": seed,
-                            "salt": salt}}
+                            "salt": salt, "granularity": c.granularity}}
         requests.append(SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, seed=seed,
                                        ignore_eos=True, extra_args=extra))
     outs = llm.generate([{"prompt_token_ids": list(prompt)}] * len(cases), requests, use_tqdm=False)

@@ -1,6 +1,6 @@
 """``vtoken verify``: check vToken in vLLM against the masked Hugging Face reference, from the command line.
 
-``vtoken verify --model PATH --policy P --budget F --mode M --block-size B --seed S --json``
+``vtoken verify --model PATH --policy P --budget F --mode M --block-size B --seed S [--granularity G] --json``
 
 Runs the requested mode and, paired with it, ``naive`` (``repack`` when naive is the one requested; same
 prompt, policy and salt) through
@@ -42,6 +42,7 @@ def verify(
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="generated tokens")] = 24,
     sinks: Annotated[int, typer.Option(help="protected first tokens")] = 4,
     recent: Annotated[int, typer.Option(help="protected last tokens")] = 16,
+    granularity: Annotated[str, typer.Option(help="token | block (evict whole original blocks)")] = "token",
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """Run vToken in vLLM, replay through HF with the same keys masked, and compare (exit 1 on mismatch)."""
@@ -55,7 +56,7 @@ def verify(
         if not m.evicts:
             raise ConfigError("mode 'none' evicts nothing; verify one of: naive, repack, reuse+repack")
         cfg = VTokenConfig(policy=policy, budget=b, mode=m, block_size=block_size, sinks=sinks, recent=recent,
-                           seed=seed)
+                           seed=seed, granularity=granularity)
         engine_kwargs(cfg)  # also checks the block size against the installed vLLM
         path = resolve_model(model)
     except (ConfigError, ValueError) as e:
@@ -63,7 +64,8 @@ def verify(
         raise typer.Exit(2) from None
     bval = b.count if b.count is not None else b.fraction
     partner = Mode.REPACK if m is Mode.NAIVE else Mode.NAIVE  # the paired run: same decisions, other mode
-    cases = [VerifyCase(policy, m.value, bval), VerifyCase(policy, partner.value, bval)]
+    g = cfg.granularity.value
+    cases = [VerifyCase(policy, mode_.value, bval, granularity=g) for mode_ in (m, partner)]
     from rich.console import Console
 
     label = f"verifying {policy} {m.value} (+ paired {partner.value}) in vLLM and HF …"
@@ -78,6 +80,7 @@ def verify(
         "policy": policy,
         "budget": str(b),
         "mode": m.value,
+        "granularity": g,
         "block_size": block_size,
         "seed": seed,
         "match": main.match,
