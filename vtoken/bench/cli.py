@@ -119,3 +119,35 @@ def capacity_cmd(
     setup = CapacitySetup(model=path, policy=policy, budget=budget, block_size=block_size, kv_blocks=kv_blocks,
                           prompt_len=prompt_len, gen_len=gen_len)
     main(setup, chosen, requests, ttft_slo, tpot_slo, repeats, out)
+
+
+@bench_app.command("kernels")
+def kernels_cmd(
+    backend: str = typer.Option("triton", help="torch | triton"),
+    device: str = typer.Option("cpu", help="cpu (Triton runs in its interpreter) | cuda (adds timings)"),
+    layout: str = typer.Option("flash_attn", help="cpu | flash_attn | flashinfer | triton_attn | LBNHC | …"),
+    layers: int = typer.Option(2),
+    kv_heads: int = typer.Option(2, "--kv-heads"),
+    q_heads: int = typer.Option(4, "--q-heads"),
+    head_dim: int = typer.Option(64, "--head-dim"),
+    block_size: int = typer.Option(16, "--block-size"),
+    blocks: int = typer.Option(24),
+    requests: int = typer.Option(4),
+    seed: int = typer.Option(0),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
+    capacity: int = typer.Option(64, help="moves per fixed-shape launch (the Triton mover's padding)"),
+    as_json: bool = typer.Option(False, "--json", help="print the JSON report only (always printed)"),
+    out: str = typer.Option(None, help="also write the JSON here"),
+) -> None:
+    """A KV-move + score-collection backend vs the torch reference on one random step (timings on CUDA)."""
+    from vtoken.bench.kernels import problems, run_kernels
+    from vtoken.bench.report import emit
+    from vtoken.kernels.check import DTYPES, Shape
+
+    ints = {"--layers": layers, "--kv-heads": kv_heads, "--q-heads": q_heads, "--head-dim": head_dim,
+            "--block-size": block_size, "--blocks": blocks, "--requests": requests, "--capacity": capacity}
+    bad = problems(backend, device, layout, dtype, ints, q_heads, kv_heads)
+    if bad:
+        refuse("; ".join(bad))
+    shape = Shape(layers, kv_heads, q_heads, head_dim, block_size, blocks, DTYPES[dtype])
+    emit(run_kernels(backend, device, layout, shape, requests, seed, capacity), out)

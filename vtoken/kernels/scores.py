@@ -88,7 +88,7 @@ class ScoreAccumulator:
             if self._slots is None:
                 self._slots = torch.cat([row_slots(rs.block_row, rs.seq_len, layout.block_size) for rs in scored])
                 self._plan_decode_batch(scored)
-            keys = read_k(kv_cache, layout, self._slots.to(kv_cache.device))
+            keys = self._read_keys(kv_cache, layout, self._slots.to(kv_cache.device))
             if self._dec:
                 self._add_decode_batch(query, keys, scale)
             start = 0
@@ -106,6 +106,10 @@ class ScoreAccumulator:
                 n = key[rs.q_start : rs.q_end].float().norm(dim=-1).mean(dim=-1)
                 rs.key_norm = n if rs.key_norm is None else rs.key_norm + n
                 rs.norm_layers += 1
+
+    def _read_keys(self, kv_cache: torch.Tensor, layout, slots: torch.Tensor) -> torch.Tensor:
+        """K of ``slots``, ``[n, H_kv, D]`` (pure); other cache layouts override this (gpu_layout.py)."""
+        return read_k(kv_cache, layout, slots)
 
     _dec: list[RequestScores] | None = None
     _dec_index: torch.Tensor | None = None  # [R, Lmax] rows of the concatenated keys (clamped)

