@@ -121,6 +121,70 @@ def capacity_cmd(
     main(setup, chosen, requests, ttft_slo, tpot_slo, repeats, out)
 
 
+QUALITY_PRESETS = {  # (policies, budgets, depths, per_depth, windows, window_tokens)
+    "quick": ("h2o,tova,snapkv,streamingllm", "0.2,0.5", "0.2,0.5,0.8", 1, 2, 256),
+    "full": ("all", "0.1,0.2,0.3,0.4,0.5", "0.1,0.3,0.5,0.7,0.9", 2, 4, 512),
+}
+
+
+@bench_app.command("quality")
+def quality_cmd(
+    quick: bool = typer.Option(False, "--quick", help="a few points, a few minutes (else the full sweep)"),
+    policies: str = typer.Option(None, help="comma-separated policy names, or 'all' (default: the preset's)"),
+    budgets: str = typer.Option(None, help="comma-separated fractions or token counts (default: the preset's)"),
+    granularities: str = typer.Option("token,block", help="token (repack) and/or block (whole blocks, naive)"),
+    model: str = typer.Option("default", help="a trained model: default | smollm2 | PATH"),
+    seed: int = typer.Option(0, help="draws other pass keys, needle positions and text windows"),
+    context_tokens: int = typer.Option(400, "--context-tokens", help="filler tokens around the pass key"),
+    chunk: int = typer.Option(64, help="prefill chunk of the language-modelling task (tokens)"),
+    as_json: bool = typer.Option(False, "--json", help="print the JSON report only (always printed)"),
+    plot: str = typer.Option(None, help="write the Pareto plot (PNG) here"),
+    out: str = typer.Option(None, help="also write the JSON here"),
+) -> None:
+    """Task quality (pass-key accuracy, perplexity) per policy × granularity × budget vs retained blocks."""
+    from rich.console import Console
+
+    from vtoken.bench.quality import QualitySetup, run_quality
+    from vtoken.bench.report import emit
+    from vtoken.core.config import Budget, VTokenConfig
+    from vtoken.errors import ConfigError
+    from vtoken.policies import policy_names
+
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the report
+    preset = QUALITY_PRESETS["quick" if quick else "full"]
+    names = policies or preset[0]
+    chosen = tuple(policy_names()) if names == "all" else tuple(p.strip() for p in names.split(",") if p.strip())
+    grans = tuple(g.strip() for g in granularities.split(",") if g.strip())
+    try:
+        budget_values = tuple(Budget.parse(b.strip()).to_json() for b in (budgets or preset[1]).split(","))
+        for p in chosen:
+            for g in grans:
+                VTokenConfig(policy=p, **({"granularity": g} if g != "token" else {}))
+        if chunk < 16 or context_tokens < 32:
+            raise ConfigError(f"--chunk {chunk} / --context-tokens {context_tokens}: need ≥ 16 / ≥ 32")
+        from vtoken.models.default import resolve_model
+
+        path = str(resolve_model(model))
+    except (ConfigError, ValueError, OSError) as err:
+        refuse(err)
+    setup = QualitySetup(
+        model=path, policies=chosen, budgets=budget_values, granularities=grans,
+        depths=tuple(float(d) for d in preset[2].split(",")), per_depth=preset[3], context_tokens=context_tokens,
+        windows=preset[4], window_tokens=preset[5], chunk=chunk, seed=seed,
+    )
+    console = Console(stderr=True)
+    with console.status("quality benchmark", spinner="dots") as status:
+        report = run_quality(setup, on_phase=lambda text: status.update(text))
+    if plot:
+        from vtoken.bench.quality_plot import plot_quality
+
+        plot_quality(report, plot)
+        report["plot"] = plot
+    emit(report, out)
+
+
 @bench_app.command("kernels")
 def kernels_cmd(
     backend: str = typer.Option("triton", help="torch | triton"),

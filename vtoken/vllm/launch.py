@@ -40,18 +40,19 @@ def scoped_env(**values: str):
 
 
 def start_engine(model: str, block_size: int, trace_dir: str, *, sinks: int = 4, recent: int = 16,
-                 seed: int = 0, max_model_len: int = 1024, **kwargs):
+                 seed: int = 0, max_model_len: int = 1024, check: bool = True, **kwargs):
     """An in-process fp32 vLLM engine with vToken on (hooks enabled; policies come per request).
 
     In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with a 1 GiB KV pool unless the caller's environment
-    says otherwise; the environment is only changed while the engine is built."""
+    says otherwise; the environment is only changed while the engine is built. ``check``: run the token
+    table integrity checks every step (tests and ``verify``; benchmarks turn it off)."""
     from vllm import LLM
 
     from vtoken.vllm import engine_kwargs
 
     cfg = VTokenConfig(policy="h2o", budget=0.5, mode="repack", block_size=block_size, sinks=sinks,
                        recent=recent, seed=seed)
-    kw = engine_kwargs(cfg, trace_dir=trace_dir, check=True)
+    kw = engine_kwargs(cfg, trace_dir=trace_dir, check=check)
     kw.update(kwargs)
     kw.setdefault("enable_prefix_caching", False)  # paired requests share a prompt: keep their blocks private
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",

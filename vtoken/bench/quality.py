@@ -1,0 +1,208 @@
+"""``vtoken bench quality``: what eviction costs in answers, against the KV blocks vLLM really holds.
+
+Every point (policy × granularity × budget) runs through the real engine with the embedded SmolLM2-135M-
+Instruct (never random weights): all points of a task are concurrent requests of one in-process engine,
+each with its settings in ``SamplingParams.extra_args`` and its own trace (``held_blocks`` per step, read
+from vLLM's block rows — the retained-block figure of every point comes from there).
+
+* retrieval: every prompt is prefilled in one step (chunked prefill off, so concurrent requests never
+  split one), then the policy evicts down to the budget before the answer is generated (post-prefill
+  compression, SnapKV's setting) and keeps evicting as the answer grows (decode-time eviction);
+* language modelling: the window is fed in chunks of ``chunk`` tokens (``max_num_batched_tokens``), so
+  the policy evicts between chunks during the prefill; the prompt log-probabilities of every token give
+  the perplexity (they are exact under eviction: tests/cpu/test_bench_quality.py compares them with the
+  masked Hugging Face reference).
+
+Token granularity runs in ``repack`` mode (blocks held = ⌈live/B⌉); block granularity evicts whole
+original blocks and runs in ``naive`` mode (a block-level engine frees the block itself, no repacking),
+so both are charged what a real engine would hold. The full cache (mode ``none``) is the reference line.
+"""
+
+from __future__ import annotations
+
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from vtoken.bench.quality_tasks import passkey_cases, perplexity, text_windows
+
+
+@dataclass(frozen=True)
+class QualitySetup:
+    """What one run measures (``quick`` and full presets in ``vtoken.bench.cli``)."""
+
+    model: str
+    policies: tuple[str, ...]
+    budgets: tuple[float | int, ...]
+    granularities: tuple[str, ...]
+    depths: tuple[float, ...]
+    per_depth: int
+    context_tokens: int
+    windows: int
+    window_tokens: int
+    chunk: int
+    seed: int = 0
+    block_size: int = 32
+    sinks: int = 4
+    recent: int = 16
+    answer_tokens: int = 12
+
+
+@dataclass(frozen=True)
+class Point:
+    """One configuration: ``mode`` follows from the granularity (token → repack, block → naive)."""
+
+    policy: str
+    granularity: str
+    budget: float | int | None  # None: the full cache
+
+    @property
+    def mode(self) -> str:
+        if self.budget is None:
+            return "none"
+        return "naive" if self.granularity == "block" else "repack"
+
+    @property
+    def key(self) -> str:
+        return f"{self.policy}_{self.granularity}_{self.budget}"
+
+    def extra(self, trace_id: str, salt: int) -> dict:
+        vt = {"policy": self.policy, "mode": self.mode, "trace_id": trace_id, "salt": salt}
+        if self.budget is not None:
+            vt["budget"] = self.budget
+        if self.granularity != "token":
+            vt["granularity"] = self.granularity
+        return {"vtoken": vt}
+
+
+FULL = Point("h2o", "token", None)
+
+
+def points(setup: QualitySetup) -> list[Point]:
+    return [FULL] + [Point(p, g, b) for p in setup.policies for g in setup.granularities for b in setup.budgets]
+
+
+def _run(llm, trace_dir: str, cases, pts: list[Point], params_for) -> dict:
+    """Every (point, case) as one request; returns ``{(point key, case name): (output, trace)}``."""
+    from vtoken.vllm.trace import RequestTrace
+
+    prompts, params, keys = [], [], []
+    for pt in pts:
+        for i, case in enumerate(cases):
+            tid = f"{pt.key}__{case.name}".replace("/", "_")
+            prompts.append({"prompt_token_ids": list(case.prompt_ids)})
+            params.append(params_for(pt.extra(tid, salt=1000 + i)))
+            keys.append((pt.key, case.name, tid))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return {(k, c): (out, RequestTrace.read(Path(trace_dir) / f"{tid}.json")) for (k, c, tid), out in zip(keys, outs)}
+
+
+def _blocks(traces) -> dict:
+    held = [statistics.fmean(t.held_blocks) for t in traces if t.held_blocks]
+    bound = [statistics.fmean(t.packing_bound) for t in traces if t.packing_bound]
+    return {"retained_blocks_mean": round(statistics.fmean(held), 3) if held else None,
+            "packing_bound_mean": round(statistics.fmean(bound), 3) if bound else None,
+            "evicted_tokens": sum(t.evicted for t in traces)}
+
+
+def run_retrieval(setup: QualitySetup, tokenizer, pts: list[Point], on_phase) -> dict:
+    from vllm import SamplingParams
+
+    from vtoken.vllm.launch import start_engine
+
+    cases = passkey_cases(tokenizer, setup.context_tokens, setup.depths, setup.per_depth, setup.seed)
+    longest = max(len(c.prompt_ids) for c in cases)
+    on_phase(f"retrieval: {len(pts)} points × {len(cases)} prompts of ≈{longest} tokens")
+    with tempfile.TemporaryDirectory(prefix="vtoken-quality-") as tmp:
+        # one prefill step per prompt, whatever else runs: with chunking, concurrent decodes would split
+        # some prompts and the policy would evict between their chunks (not this task's setting)
+        max_len = longest + setup.answer_tokens + 8
+        llm = start_engine(setup.model, setup.block_size, tmp, sinks=setup.sinks, recent=setup.recent,
+                           seed=setup.seed, check=False, max_model_len=max_len,
+                           max_num_batched_tokens=max_len + 256, enable_chunked_prefill=False)
+
+        def params_for(extra):
+            return SamplingParams(max_tokens=setup.answer_tokens, temperature=0.0, extra_args=extra)
+
+        results = _run(llm, tmp, cases, pts, params_for)
+        del llm
+    out = {}
+    for pt in pts:
+        rows = [(c, *results[(pt.key, c.name)]) for c in cases]
+        correct = [c.correct(o.outputs[0].text) for c, o, _ in rows]
+        by_depth = {f"{d:g}": statistics.fmean(ok for (c, _, _), ok in zip(rows, correct) if c.depth == d)
+                    for d in setup.depths}
+        out[pt.key] = {"accuracy": round(statistics.fmean(correct), 4), "accuracy_by_depth": by_depth,
+                       **_blocks([t for _, _, t in rows])}
+    return {"cases": [{"name": c.name, "depth": c.depth, "prompt_tokens": len(c.prompt_ids)} for c in cases],
+            "points": out}
+
+
+def run_language_modelling(setup: QualitySetup, tokenizer, pts: list[Point], on_phase) -> dict:
+    from vllm import SamplingParams
+
+    from vtoken.vllm.launch import start_engine
+
+    windows = text_windows(tokenizer, setup.window_tokens, setup.windows, setup.seed)
+    on_phase(f"language modelling: {len(pts)} points × {len(windows)} windows of {setup.window_tokens} tokens")
+    with tempfile.TemporaryDirectory(prefix="vtoken-quality-") as tmp:
+        llm = start_engine(setup.model, setup.block_size, tmp, sinks=setup.sinks, recent=setup.recent,
+                           seed=setup.seed, check=False, max_model_len=setup.window_tokens + 8,
+                           max_num_batched_tokens=setup.chunk, enable_chunked_prefill=True)
+
+        def params_for(extra):
+            return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, extra_args=extra)
+
+        results = _run(llm, tmp, windows, pts, params_for)
+        del llm
+    out = {}
+    for pt in pts:
+        lps, traces = [], []
+        for w in windows:
+            o, t = results[(pt.key, w.name)]
+            lps += [d[tok].logprob for d, tok in zip(o.prompt_logprobs[1:], w.prompt_ids[1:])]
+            traces.append(t)
+        out[pt.key] = {"perplexity": round(perplexity(lps), 4), "tokens_scored": len(lps), **_blocks(traces)}
+    return {"windows": [{"name": w.name, "offset": w.offset, "tokens": len(w.prompt_ids)} for w in windows],
+            "points": out}
+
+
+def run_quality(setup: QualitySetup, on_phase=lambda text: None) -> dict:
+    """Both tasks for every point; returns the report (``full_cache``, ``points[]``, per-task details)."""
+    from transformers import AutoTokenizer
+
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(setup.model)
+    pts = points(setup)
+    retrieval = run_retrieval(setup, tokenizer, pts, on_phase)
+    lm = run_language_modelling(setup, tokenizer, pts, on_phase)
+
+    def merged(pt: Point) -> dict:
+        r, m = retrieval["points"][pt.key], lm["points"][pt.key]
+        def both(key: str) -> float | None:  # the two tasks' means, weighted equally
+            values = [x for x in (r[key], m[key]) if x is not None]
+            return round(statistics.fmean(values), 3) if values else None
+
+        return {"policy": pt.policy, "granularity": pt.granularity, "mode": pt.mode, "budget": pt.budget,
+                "accuracy": r["accuracy"], "perplexity": m["perplexity"],
+                "retained_blocks_mean": both("retained_blocks_mean"),
+                "packing_bound_mean": both("packing_bound_mean"), "retrieval": r, "language_modelling": m}
+
+    full = merged(FULL)
+    for key in ("policy", "granularity", "budget"):
+        full.pop(key)
+    return {
+        "bench": "quality",
+        "command": "vtoken " + shlex.join(sys.argv[1:]),
+        "model": setup.model,
+        "setup": {k: v for k, v in setup.__dict__.items() if k != "model"},
+        "full_cache": full,
+        "points": [merged(pt) for pt in pts if pt is not FULL],
+        "retrieval": {"cases": retrieval["cases"]},
+        "language_modelling": {"windows": lm["windows"], "chunk": setup.chunk},
+        "seconds": round(time.perf_counter() - start, 1),
+    }
