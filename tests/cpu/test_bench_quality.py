@@ -25,7 +25,7 @@ def test_prompt_logprobs_under_eviction_between_chunks_equal_the_masked_referenc
     from vtoken.vllm.trace import RequestTrace
 
     rng = np.random.default_rng(3)
-    prompt = rng.integers(3, 900, 160).tolist()
+    prompt = rng.integers(3, 500, 160).tolist()  # the tiny models have a vocabulary of about 512
     llm = start_engine(str(tiny_llama), 32, str(tmp_path), max_model_len=256, max_num_batched_tokens=32)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
                             extra_args={"vtoken": {"policy": "h2o", "budget": 0.3, "mode": "repack",
