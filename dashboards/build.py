@@ -5,11 +5,12 @@
 
 Every query reads only series a replica exports, each named through its declaration in
 vtoken/metric_names.py (the queue panel reads vLLM's own ``vllm:num_requests_*`` gauges, which the
-replica exposes unchanged), and filters every selector by the ``$deployment`` and ``$replica`` template
-variables. The panel thresholds are the alert thresholds declared in that module too (k8s/rules.py uses
-the same). Side effect of importing this file: the repository root goes on ``sys.path``, so the
-stdlib-only vtoken/metric_names.py of this checkout is used. Import: Grafana → Dashboards → New →
-Import → upload the JSON, pick the Prometheus data source (docs/operations.md).
+replica exposes unchanged), and filters every selector by the ``$deployment``, ``$node`` and ``$replica``
+template variables (``node`` is the Ray node id a replica runs on; the "Per node" panels group by it).
+The panel thresholds are the alert thresholds declared in that module too (k8s/rules.py uses the same).
+Side effect of importing this file: the repository root goes on ``sys.path``, so the stdlib-only
+vtoken/metric_names.py of this checkout is used. Import: Grafana → Dashboards → New → Import → upload
+the JSON, pick the Prometheus data source (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ if str(OUT.parent) not in sys.path:
 from vtoken import metric_names as names  # noqa: E402
 
 DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
-SEL = 'deployment=~"$deployment", replica=~"$replica"'
+SEL = 'deployment=~"$deployment", node=~"$node", replica=~"$replica"'
 RATE = "$__rate_interval"
 QUANTILES = (0.5, 0.95, 0.99)
 
@@ -86,8 +87,13 @@ def _dashboard(uid: str, title: str, description: str, rows: list[tuple[str, lis
                            .query(f"label_values({util}, deployment)")
                            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
                            .multi(True).include_all(True).all_value(".*"))
+            .with_variable(db.QueryVariable("node").label("Node").datasource(DS)
+                           .query(f'label_values({util}{{deployment=~"$deployment"}}, node)')
+                           .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
+                           .multi(True).include_all(True).all_value(".*"))
             .with_variable(db.QueryVariable("replica").label("Replica").datasource(DS)
-                           .query(f'label_values({util}{{deployment=~"$deployment"}}, replica)')
+                           .query(f'label_values({util}{{deployment=~"$deployment", node=~"$node"}}, '
+                                  'replica)')
                            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
                            .multi(True).include_all(True).all_value(".*")))
     next_id = 1
@@ -139,8 +145,18 @@ def kv_dashboard() -> dict:
         _panel(timeseries, "Evicted tokens/s by policy", "Tokens the eviction policy removed.", "short",
                [_per_replica_rate(names.EVICTED_TOKENS, by="policy")]),
     ]
+    util = names.KV_UTILIZATION.name
+    nodes = [
+        _panel(timeseries, "Replicas per node",
+               "Replicas whose metrics Prometheus scrapes, per node and in all: a lost node shows as a dip "
+               "until Serve restarts its replicas elsewhere.", "short",
+               [_q(f"count by (node) ({util}{{{SEL}}})", "{{node}}"), _q(f"count({util}{{{SEL}}})", "all")]),
+        _panel(timeseries, "KV utilization per node", "Mean held / pool over the node's replicas.",
+               "percentunit", [_q(f"avg by (node) ({util}{{{SEL}}})", "{{node}}")]).min(0).max(1),
+    ]
     return _dashboard("vtoken-kv", "vToken / KV cache", "KV savings and reclamation of vToken replicas.",
-                      [("KV savings", savings), ("Per replica", replicas), ("Reclamation", reclamation)])
+                      [("KV savings", savings), ("Per replica", replicas), ("Per node", nodes),
+                       ("Reclamation", reclamation)])
 
 
 def sla_dashboard() -> dict:
@@ -171,6 +187,8 @@ def sla_dashboard() -> dict:
                "short", [_q(f"sum by (replica) ({m.name}{{{SEL}}})", f"{s} {{{{replica}}}}")
                          for m, s in ((names.NUM_REQUESTS_WAITING, "waiting"),
                                       (names.NUM_REQUESTS_RUNNING, "running"))]),
+        _panel(timeseries, "Finished requests/s per node", "Requests judged against the SLO, per node.",
+               "reqps", [_per_replica_rate(names.REQUESTS, by="node")]),
     ]
     return _dashboard("vtoken-sla", "vToken / SLA", "SLA attainment, latency and load of vToken replicas.",
                       [("SLA attainment", sla), ("Latency", latency), ("Load", load)])
@@ -194,7 +212,7 @@ def panel_queries(model: dict) -> list[tuple[str, str]]:
 def concrete(expr: str, rate: str = "1m", range_: str = "5m", everything: str = ".*") -> str:
     """``expr`` with Grafana's variables replaced as Grafana does with "All" selected (promtool, tests)."""
     return (expr.replace("$__rate_interval", rate).replace("$__range", range_)
-            .replace("$deployment", everything).replace("$replica", everything))
+            .replace("$deployment", everything).replace("$node", everything).replace("$replica", everything))
 
 
 def main(argv: list[str]) -> int:

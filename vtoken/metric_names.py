@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
 KINDS = (GAUGE, COUNTER, HISTOGRAM)
-# Added to every sample of a replica at scrape time (vtoken/serve/telemetry/metrics.py LabelledView).
-REPLICA_LABELS = ("application", "deployment", "replica")
+# Added to every sample of a replica at scrape time (vtoken/serve/telemetry/metrics.py LabelledView);
+# ``node`` is the Ray node id of the node the replica runs on (also its x-vtoken-node response header).
+REPLICA_LABELS = ("application", "deployment", "replica", "node")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = ROOT / "k8s" / "schemas"
-REPLICA_LABELS = {"application": "vtoken", "deployment": "VTokenReplica", "replica": "r1"}
+REPLICA_LABELS = {"application": "vtoken", "deployment": "VTokenReplica", "replica": "r1", "node": "n1"}
 
 
 def load_module(path: Path):

@@ -47,10 +47,11 @@ def test_every_panel_has_promql_on_exported_metrics_filtered_by_deployment_and_r
         for title, expr in build.panel_queries(model):
             for sel in selectors(expr.replace("$__rate_interval", "1m").replace("$__range", "1h")):
                 matchers = {(m.name, m.value) for m in sel.matchers.matchers}
-                assert {("deployment", "$deployment"), ("replica", "$replica")} <= matchers, (title, sel.name)
+                filters = {("deployment", "$deployment"), ("node", "$node"), ("replica", "$replica")}
+                assert filters <= matchers, (title, sel.name)
         variables = {v["name"]: v for v in model["templating"]["list"]}
-        assert {"datasource", "deployment", "replica"} <= variables.keys()
-        for var in ("deployment", "replica"):
+        assert {"datasource", "deployment", "node", "replica"} <= variables.keys()
+        for var in ("deployment", "node", "replica"):
             (metric,) = re.findall(r"label_values\((\w[\w:]*)", variables[var]["query"])
             assert metric in exported and variables[var]["includeAll"] and variables[var]["allValue"] == ".*"
 
@@ -95,14 +96,14 @@ class Replica:
     """One replica's real exposition (ReplicaMetrics + LabelledView + start_metrics_server), fed with KV
     snapshots and finished requests. vLLM's own queue gauges come from a stand-in registry (no engine)."""
 
-    def __init__(self, name: str, port: int) -> None:
+    def __init__(self, name: str, port: int, node: str) -> None:
         from prometheus_client import CollectorRegistry, Gauge
 
         from vtoken.serve.telemetry.metrics import LabelledView, ReplicaMetrics, start_metrics_server
         from vtoken.serve.telemetry.sla import SloTargets
         from vtoken.serve.telemetry.stats import StatsSink
 
-        labels = {"application": "vtoken", "deployment": "VTokenReplica", "replica": name}
+        labels = {"application": "vtoken", "deployment": "VTokenReplica", "replica": name, "node": node}
         self.sink = StatsSink(pool_blocks=63)
         self.metrics = ReplicaMetrics(self.sink, SloTargets.from_ms(1000, 100), "h2o", "repack", labels,
                                       include_process_registry=False)
@@ -135,7 +136,7 @@ def test_every_panel_returns_data_from_prometheus_scraping_the_replica_exporter(
     from vtoken.serve.launch.local import free_port
 
     base = free_port(n=2)
-    replicas = [Replica("r1", base), Replica("r2", base + 1)]
+    replicas = [Replica("r1", base, "n1"), Replica("r2", base + 1, "n2")]
     stop = threading.Event()
 
     def feed():
@@ -159,10 +160,13 @@ def test_every_panel_returns_data_from_prometheus_scraping_the_replica_exporter(
                 if not values or all(math.isnan(v) for v in values):
                     empty.append(f"{name} / {title}: {expr}")
             assert empty == [], "panels without data:\n" + "\n".join(empty)
-            for var in ("deployment", "replica"):
+            for var in ("deployment", "node", "replica"):
                 r = httpx.get(f"{prom.url}/api/v1/label/{var}/values",
                               params={"match[]": "vtoken:kv_utilization"})
-                assert len(r.json()["data"]) == {"deployment": 1, "replica": 2}[var]
+                assert len(r.json()["data"]) == {"deployment": 1, "node": 2, "replica": 2}[var]
+            util = mn.KV_UTILIZATION.name
+            per_node = prom.query(build.concrete(f"count by (node) ({util}{{{build.SEL}}})"))
+            assert sorted(s["metric"]["node"] for s in per_node) == ["n1", "n2"]  # per-node panels' grouping
     finally:
         stop.set()
         feeder.join()

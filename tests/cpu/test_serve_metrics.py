@@ -113,7 +113,7 @@ def scrape(port: int) -> dict:
 
 def test_exposition_has_architecture_names_and_replica_labels():
     sink = StatsSink()
-    labels = {"application": "app", "deployment": "Dep", "replica": "r1"}
+    labels = {"application": "app", "deployment": "Dep", "replica": "r1", "node": "n1"}
     metrics = ReplicaMetrics(sink, SloTargets.from_ms(1000, 100), "h2o", "repack", labels)
     server, port = start_metrics_server(metrics.view, "127.0.0.1", free_port(n=5), 0, span=4)
     try:

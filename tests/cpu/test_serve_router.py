@@ -174,6 +174,21 @@ def test_decide_clamps_to_min_and_max():
     assert decide(1, {"a": 0.0}, {}, S, lo=1, hi=4).desired == 1
 
 
+@pytest.mark.parametrize(
+    "kv, waiting, expect, reason",
+    [
+        ({"a": 0.5}, {}, 2, "hold"),  # the lost replica is replaced, not forgotten (was: 1)
+        ({"a": 0.9}, {}, 2, "up"),  # the replacement already counts as the extra replica (not 3)
+        ({"a": 0.9, "b": None}, {"a": 5}, 2, "up"),
+        ({"a": 0.0}, {}, 1, "down"),  # an idle survivor: no need to replace
+    ],
+)
+def test_decide_keeps_serves_target_when_a_replica_is_lost_or_starting(kv, waiting, expect, reason):
+    """1 replica running of Serve's target 2 (its node died, or the second one is still starting)."""
+    d = decide(1, kv, waiting, S, lo=1, hi=4, target=2)
+    assert (d.desired, d.reason) == (expect, reason)
+
+
 def test_hysteresis_band_prevents_flapping():
     """Utilization oscillating inside (downscale, upscale) never changes the replica count."""
     for kv in (0.3, 0.5, 0.7, 0.26, 0.74):
@@ -201,6 +216,11 @@ def test_policy_callable_reads_serve_context_and_ignores_departed_replicas():
     )
     desired, state = policy(ctx)
     assert desired == 2 and state["vtoken"]["reason"] == "up" and state["vtoken"]["mean_kv"] == 0.9
+    # Serve's context counts running replicas in current_num_replicas and the goal in target_num_replicas
+    ctx.aggregated_metrics["vtoken:kv_utilization"]["r1"] = 0.5
+    assert policy(ctx)[0] == 1
+    ctx.target_num_replicas = 2  # the second replica's node died: hold the target, Serve replaces it
+    assert policy(ctx) == (2, {"vtoken": {"reason": "hold", "mean_kv": 0.5, "waiting": 0.0}})
 
 
 def test_autoscaling_keys_are_numeric_routing_stats():

@@ -87,6 +87,9 @@ class DeploymentSection(_Section):
     num_cpus: float = Field(0.5, gt=0, description="Ray CPUs reserved per replica (engine not counted)")
     max_ongoing_requests: int = Field(32, ge=1)
     max_queued_requests: int = Field(256, ge=-1, description="per handle; beyond → 503 (-1: unbounded)")
+    max_replicas_per_node: int | None = Field(
+        None, ge=1, le=100, description="Serve's max_replicas_per_node: 1 puts every replica on its own node"
+    )
     health_check_period_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
     graceful_shutdown_timeout_s: float = Field(10.0, ge=0)
@@ -158,11 +161,18 @@ def _at_least(obj: Any, low: int, *names: str) -> None:
 
 
 class MetricsSection(_Section):
-    """Per-replica Prometheus endpoint: ``http://host:(port + local rank)/metrics``; port None disables."""
+    """Per-replica Prometheus endpoint: ``http://host:(port + local rank)/metrics``; port None disables.
+
+    ``discovery``: each replica registers its endpoint with one registry actor on the Ray head, which
+    keeps a Prometheus ``file_sd`` JSON of every live replica at ``sd_file`` (default: next to Ray's own
+    ``prom_metrics_service_discovery.json`` in the head's Ray temp dir); docs/operations.md."""
 
     host: str = "127.0.0.1"
     port: int | None = Field(9500, ge=1, le=65535)
     port_span: int = Field(8, ge=1, description="ports tried after base+local_rank if busy")
+    port_wait_s: float = Field(10.0, ge=0, description="how long a busy preferred port is retried first")
+    discovery: bool = Field(True, description="keep the replicas' endpoints in a file_sd JSON on the head")
+    sd_file: str | None = Field(None, description="file_sd path on the head (default: Ray's temp dir)")
 
 
 class ServeAppConfig(_Section):

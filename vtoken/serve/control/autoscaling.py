@@ -4,11 +4,17 @@ Replicas report ``record_autoscaling_stats()`` = ``{vtoken:kv_utilization, vllm:
 vllm:num_requests_running}``; Serve averages each over ``look_back_period_s`` and calls the policy every
 control-loop tick with ``ctx.aggregated_metrics[name][replica_id]``::
 
+    n = running replicas (they report the metrics), t = Serve's current target (n + starting/replacing)
     mean_kv ≥ upscale_kv_utilization  or  Σ waiting ≥ upscale_waiting_per_replica · n
-        → max(n + 1, ⌈n · mean_kv / target_kv_utilization⌉)                       scale up
+        → max(t, n + 1, ⌈n · mean_kv / target_kv_utilization⌉)                    scale up
     mean_kv ≤ downscale_kv_utilization  and  Σ waiting = 0
         → min(n − 1, ⌈n · mean_kv / target_kv_utilization⌉)                       scale down
-    otherwise → n                                                                   hold (the band)
+    otherwise → t                                                                   hold (the band)
+
+Holding keeps the *target*, not the running count: a replica lost with its node (or still starting)
+is replaced, not forgotten — holding at n would shrink the target to the survivors once
+``downscale_delay_s`` passed, and Serve would never restore the lost replica. Scaling up counts a
+replica already on its way (t > n) instead of asking for another one every tick.
 
 The result is clamped to [min_replicas, max_replicas] (capacity-adjusted, as Serve passes them); Serve
 then applies ``upscale_delay_s`` / ``downscale_delay_s`` (a decision must persist that long), the second
@@ -75,25 +81,29 @@ def decide(
     params: ScalingParams,
     lo: int,
     hi: int,
+    target: int | None = None,
 ) -> Decision:
-    """The replica count for ``current`` running replicas and their averaged metrics (pure)."""
+    """The replica count for ``current`` running replicas and their averaged metrics (pure).
+    ``target``: the count Serve is working towards (default ``current``); see the module docstring."""
+    target = current if target is None else max(0, target)
     total_waiting = float(sum(waiting.values()))
     if current <= 0:
-        return Decision(max(lo, min(hi, 1 if total_waiting > 0 else lo)), "hold", None, total_waiting)
+        floor = 1 if total_waiting > 0 else lo
+        return Decision(max(lo, min(hi, max(target, floor))), "hold", None, total_waiting)
     values = [float(v) for v in kv.values() if v is not None and math.isfinite(float(v))]
     if not values:
-        return Decision(max(lo, min(hi, current)), "no-metrics", None, total_waiting)
+        return Decision(max(lo, min(hi, target)), "no-metrics", None, total_waiting)
     mean_kv = sum(values) / len(values)
     sized = math.ceil(current * mean_kv / params.target_kv_utilization - 1e-9)
     if (
         mean_kv >= params.upscale_kv_utilization
         or total_waiting >= params.upscale_waiting_per_replica * current
     ):
-        desired, reason = max(current + 1, sized), "up"
+        desired, reason = max(target, current + 1, sized), "up"
     elif mean_kv <= params.downscale_kv_utilization and total_waiting == 0:
         desired, reason = min(current - 1, sized), "down"
     else:
-        desired, reason = current, "hold"
+        desired, reason = target, "hold"
     return Decision(max(lo, min(hi, desired)), reason, mean_kv, total_waiting)
 
 
@@ -116,5 +126,6 @@ class KVAutoscalingPolicy:
             self.params,
             ctx.capacity_adjusted_min_replicas,
             ctx.capacity_adjusted_max_replicas,
+            getattr(ctx, "target_num_replicas", None),
         )
         return d.desired, {"vtoken": {"reason": d.reason, "mean_kv": d.mean_kv, "waiting": d.waiting}}

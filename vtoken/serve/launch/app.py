@@ -36,6 +36,8 @@ def deployment_options(cfg: ServeAppConfig) -> dict[str, Any]:
         health_check_timeout_s=d.health_check_timeout_s,
         graceful_shutdown_timeout_s=d.graceful_shutdown_timeout_s,
     )
+    if d.max_replicas_per_node is not None:
+        opts["max_replicas_per_node"] = d.max_replicas_per_node
     if a.enabled:
         policy = AutoscalingPolicy(policy_function=POLICY_CLASS, policy_kwargs=a.params.kwargs())
         opts["autoscaling_config"] = AutoscalingConfig(**a.serve_options(), policy=policy)

@@ -9,6 +9,10 @@ vLLM's OpenAI app as the ASGI ingress, KV stats for the router and the autoscale
                           └▶ StatsSink ─▶ record_routing_stats()      (router, every stats_period_s)
                                        ─▶ record_autoscaling_stats()  (controller, metrics_interval_s)
                                        ─▶ /metrics on metrics.port + local rank (Prometheus)
+                        MetricsRegistry (head) ◀── register(endpoint) every 2 s (telemetry/discovery.py)
+
+Every response names its replica and node (``x-vtoken-replica``, ``x-vtoken-node`` = the Ray node id);
+every metric sample carries the same ``replica`` and ``node`` labels.
 
 The deployment options (replicas, autoscaling, router) are attached in ``vtoken.serve.launch.app``; this
 module is only the class. The engine class is injectable (``engine_factory``) so a test can pass a
@@ -18,6 +22,7 @@ different real engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -25,9 +30,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import ray
 from ray import serve
 
 from vtoken.serve.config import ServeAppConfig
+from vtoken.serve.telemetry.discovery import HEARTBEAT_S, ensure_registry, target_address
 from vtoken.serve.telemetry.sla import SloTargets
 from vtoken.serve.telemetry.stats import (
     AUTOSCALING_KEYS,
@@ -60,12 +67,15 @@ class VTokenReplica:
 
         self._engine = None
         self._metrics_server = None
+        self._sd_task: asyncio.Task | None = None
+        self._registry = None
         self.cfg = cfg
         ctx = serve.get_replica_context()
         rank = getattr(ctx, "rank", 0)
         self._rank = int(getattr(rank, "rank", rank) or 0)
         self._local_rank = int(getattr(rank, "local_rank", self._rank) or 0)
         self._replica_id = ctx.replica_id.unique_id
+        self._node_id = ray.get_runtime_context().get_node_id()
         self._fault_file = os.environ.get(FAULT_FILE_ENV) or None
         self._fault: tuple[float, dict[str, Any]] = (0.0, {})
         binding = bind_cpus(cfg, self._local_rank)
@@ -77,6 +87,7 @@ class VTokenReplica:
             "application": ctx.app_name or "",
             "deployment": ctx.deployment,
             "replica": self._replica_id,
+            "node": self._node_id,
         }
         self._metrics = ReplicaMetrics(
             self._sink,
@@ -96,7 +107,8 @@ class VTokenReplica:
             vllm_app,
             cfg,
             api_key,
-            {"x-vtoken-replica": self._replica_id, "x-vtoken-rank": str(self._rank)},
+            {"x-vtoken-replica": self._replica_id, "x-vtoken-rank": str(self._rank),
+             "x-vtoken-node": self._node_id},
             self._ready_info,
         )
         if cfg.metrics.port is not None:
@@ -106,9 +118,13 @@ class VTokenReplica:
                 cfg.metrics.port,
                 self._local_rank,
                 cfg.metrics.port_span,
+                cfg.metrics.port_wait_s,
             )
         else:
             self.metrics_port = None
+        if self.metrics_port is not None and cfg.metrics.discovery:
+            target = target_address(cfg.metrics.host, ray.util.get_node_ip_address(), self.metrics_port)
+            self._sd_task = asyncio.get_running_loop().create_task(self._register_endpoint(target, labels))
         logger.info(
             "vToken replica %s (rank %d, cpus %s) ready in %.1f s; model %s, mode %s, metrics port %s",
             self._replica_id,
@@ -119,6 +135,24 @@ class VTokenReplica:
             cfg.vtoken.mode,
             self.metrics_port,
         )
+
+    async def _register_endpoint(self, target: str, labels: dict[str, str]) -> None:
+        """Heartbeat this replica's metrics endpoint to the cluster's registry (re-created if it died)."""
+        registry, warned = None, False
+        while True:
+            try:
+                registry = registry or ensure_registry(self.cfg.metrics.sd_file)
+                ref = registry.register.remote(self._replica_id, target, labels)
+                await asyncio.wait_for(ref, 2 * HEARTBEAT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - discovery must never take the replica down
+                registry = None
+                if not warned:
+                    logger.warning("metrics discovery: cannot register %s: %s", target, exc)
+                    warned = True
+            self._registry = registry
+            await asyncio.sleep(HEARTBEAT_S)
 
     async def __serve_build_asgi_app__(self):
         # Serve calls this once after __init__; the returned ASGI app is the replica's ingress.
@@ -164,6 +198,7 @@ class VTokenReplica:
             "status": "ready",
             "replica": self._replica_id,
             "rank": self._rank,
+            "node": self._node_id,
             "model": self.cfg.model_name,
             "mode": self.cfg.vtoken.mode,
             "policy": self.cfg.vtoken.policy,
@@ -180,6 +215,11 @@ class VTokenReplica:
     def __del__(self) -> None:
         # Serve drops the replica on shutdown/scale-down/health failure: stop the engine processes and
         # the metrics thread so no child process or port outlives the actor.
+        if getattr(self, "_sd_task", None) is not None:
+            self._sd_task.cancel()
+            with contextlib.suppress(Exception):  # no registry (yet), or Ray is shutting down
+                self._registry.unregister.remote(self._replica_id)
+            self._sd_task = None
         if getattr(self, "_metrics_server", None) is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
