@@ -216,10 +216,13 @@ def vllm_cli_command(python: str, *args: str) -> list[str]:
 
 class PrometheusServer:
     """A real Prometheus (Debian package) on loopback, scraping ``targets`` every second (context
-    manager; temp storage removed on exit)."""
+    manager; temp storage removed on exit). With ``sd_files`` it finds its targets in those Prometheus
+    ``file_sd`` JSON files instead (re-read when they change), as configured in docs/operations.md."""
 
-    def __init__(self, targets: list[str], port: int, scrape_interval: str = "1s") -> None:
+    def __init__(self, targets: list[str], port: int, scrape_interval: str = "1s",
+                 sd_files: list[str] | None = None) -> None:
         self.targets, self.port, self.scrape_interval = targets, port, scrape_interval
+        self.sd_files = sd_files
         self.url = f"http://127.0.0.1:{port}"
 
     def __enter__(self) -> PrometheusServer:
@@ -229,7 +232,9 @@ class PrometheusServer:
         self.tmp = Path(tempfile.mkdtemp(prefix="vtoken-prom-"))
         config = {
             "global": {"scrape_interval": self.scrape_interval, "evaluation_interval": self.scrape_interval},
-            "scrape_configs": [{"job_name": "vtoken", "static_configs": [{"targets": self.targets}]}],
+            "scrape_configs": [{"job_name": "vtoken", **(
+                {"file_sd_configs": [{"files": self.sd_files, "refresh_interval": "5s"}]} if self.sd_files
+                else {"static_configs": [{"targets": self.targets}]})}],
         }
         (self.tmp / "prometheus.yml").write_text(json.dumps(config))  # JSON is valid YAML
         self.log = open(self.tmp / "prometheus.log", "w")
@@ -258,6 +263,13 @@ class PrometheusServer:
 
     def query(self, promql: str) -> list[dict]:
         r = httpx.get(f"{self.url}/api/v1/query", params={"query": promql}, timeout=10)
+        r.raise_for_status()
+        return r.json()["data"]["result"]
+
+    def query_range(self, promql: str, start: float, end: float, step: float = 1.0) -> list[dict]:
+        """``[{"metric", "values": [[t, "v"], ...]}]`` of ``promql`` between two Unix times."""
+        r = httpx.get(f"{self.url}/api/v1/query_range",
+                      params={"query": promql, "start": start, "end": end, "step": step}, timeout=30)
         r.raise_for_status()
         return r.json()["data"]["result"]
 
