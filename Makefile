@@ -39,3 +39,19 @@ serve: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# A multi-node Ray cluster on this machine (head + CLUSTER_WORKERS workers, `ray start`) with
+# CLUSTER_CONFIG deployed by `serve deploy`, as KubeRay hands serveConfigV2 over (docs/serving.md,
+# "Multi-node"). `make cluster-down` stops exactly that cluster (never `ray stop`).
+CLUSTER_STATE ?= /tmp/vtoken-cluster
+CLUSTER_CONFIG ?= deploy/serve_config.yaml
+CLUSTER_WORKERS ?= 3
+
+.PHONY: cluster-up cluster-down
+
+cluster-up: $(STAMP)
+	$(BIN)/python -m vtoken.serve.launch.cluster up --workers $(CLUSTER_WORKERS) --state $(CLUSTER_STATE)
+	$(BIN)/python -m vtoken.serve.launch.cluster deploy $(CLUSTER_CONFIG) --state $(CLUSTER_STATE)
+
+cluster-down:
+	$(BIN)/python -m vtoken.serve.launch.cluster down --state $(CLUSTER_STATE)
