@@ -283,3 +283,63 @@ def fleet_cmd(
     if not as_json:
         typer.echo(summary(report), err=True)
     emit(report, out)
+
+
+@bench_app.command("serve")
+def serve_cmd(
+    model: str = typer.Option("default", help="default | tiny-llama | … | PATH"),
+    modes: str = typer.Option("none,naive,repack", help="comma-separated: none naive repack reuse+repack"),
+    policies: str = typer.Option("h2o", help="comma-separated policies for the evicting modes"),
+    budget: str = typer.Option("0.2", help="fraction in (0, 1] or token count"),
+    pool_blocks: int = typer.Option(64, "--pool-blocks", help="the replica's KV pool (blocks)"),
+    max_num_seqs: int = typer.Option(16, "--max-num-seqs", help="engine batch limit"),
+    rates: str = typer.Option("1.5", help="comma-separated request rates (req/s, Poisson)"),
+    num_prompts: int = typer.Option(48, "--num-prompts", help="requests per run"),
+    input_len: int = typer.Option(256, "--input-len"),
+    output_len: int = typer.Option(96, "--output-len"),
+    dataset: str = typer.Option("random", help="random | chat (shared system prompt, lengths ±50 %)"),
+    prefix_len: int = typer.Option(128, "--prefix-len", help="chat: shared system-prompt tokens"),
+    ttft_ms: float = typer.Option(15000, "--ttft-ms", help="TTFT SLO (ms), the same for every mode"),
+    tpot_ms: float = typer.Option(300, "--tpot-ms", help="TPOT SLO (ms), the same for every mode"),
+    seed: int = typer.Option(0),
+    sets: list[str] = typer.Option([], "--set", help="serve config key=value for every server (repeatable)"),
+    as_json: bool = typer.Option(False, "--json", help="print the JSON only (progress otherwise on stderr)"),
+    log: str = typer.Option(None, help="the servers' output goes here (default: discarded)"),
+    out: str = typer.Option(None, help="also write the JSON here"),
+) -> None:
+    """The served path per mode: `vtoken serve` + `vllm bench serve`, goodput and SLO attainment per rate."""
+    from vtoken.bench.report import emit
+    from vtoken.bench.serve_bench import DATASETS, ServeBenchSetup, run_serve_bench, variant_config
+
+    try:
+        rate_list = tuple(float(x) for x in rates.split(",") if x.strip())
+    except ValueError:
+        refuse(f"--rates {rates!r}: comma-separated numbers")
+    checks = [
+        (not rate_list or min(rate_list) <= 0, f"--rates {rates!r}: positive request rates"),
+        (dataset not in DATASETS, f"--dataset {dataset!r}: valid are {', '.join(DATASETS)}"),
+        (min(num_prompts, input_len, output_len) < 1, "--num-prompts, --input-len, --output-len must be ≥ 1"),
+        (ttft_ms <= 0 or tpot_ms <= 0, "--ttft-ms / --tpot-ms must be > 0"),
+    ]
+    for failed, message in checks:
+        if failed:
+            refuse(message)
+    setup = ServeBenchSetup(
+        model=model, modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
+        policies=tuple(p.strip() for p in policies.split(",") if p.strip()), budget=budget,
+        pool_blocks=pool_blocks, max_num_seqs=max_num_seqs, rates=rate_list, num_prompts=num_prompts,
+        input_len=input_len, output_len=output_len, dataset=dataset, prefix_len=prefix_len, ttft_ms=ttft_ms,
+        tpot_ms=tpot_ms, seed=seed, extra=tuple(sets))
+    if not setup.variants():
+        refuse(f"--modes {modes!r} / --policies {policies!r}: nothing to run")
+    for mode, policy in setup.variants():  # every server's config is valid before the first one starts
+        try:
+            variant_config(setup, mode, policy)
+        except ValueError as exc:
+            refuse(f"mode {mode!r}, policy {policy!r}: {exc}")
+    echo = (lambda *_: None) if as_json else (lambda line: typer.echo(line, err=True))
+    try:
+        report = run_serve_bench(setup, echo, log)
+    except RuntimeError as exc:
+        refuse(str(exc))
+    emit(report, out)

@@ -49,7 +49,7 @@ def _config(
         key, sep, value = item.partition("=")
         if not sep:
             raise typer.BadParameter(f"--set expects key=value, got {item!r}")
-        overrides[key.strip()] = _scalar(value.strip())
+        overrides[key.strip()] = parse_scalar(value.strip())
     try:
         return ServeAppConfig.load(str(config) if config else None).merged(overrides)
     except (ValidationError, ValueError, OSError) as exc:
@@ -57,7 +57,7 @@ def _config(
         raise typer.Exit(2) from None
 
 
-def _scalar(text: str):
+def parse_scalar(text: str):
     import yaml
 
     return yaml.safe_load(text) if text else text

@@ -1,0 +1,131 @@
+"""`vtoken bench serve`: the served-path benchmark (vtoken/bench/serve_bench.py).
+
+The pure parts (variants, commands, a run's numbers from vLLM's result file, the max rate at the
+attainment target) are checked on hand-built inputs; the command contract runs for real once: a
+``vtoken serve`` on the tiny model driven by ``vllm bench serve``, JSON out.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from vtoken.bench.serve_bench import (
+    PeakRunning,
+    ServeBenchSetup,
+    client_command,
+    max_rate_meeting,
+    run_summary,
+    variant_config,
+)
+
+VTOKEN = [sys.executable, "-m", "vtoken.cli"]
+
+
+def test_variants_run_none_once_and_every_policy_for_the_evicting_modes():
+    s = ServeBenchSetup(modes=("none", "naive", "repack"), policies=("h2o", "random"))
+    assert s.variants() == [("none", None), ("naive", "h2o"), ("naive", "random"), ("repack", "h2o"),
+                            ("repack", "random")]
+    assert ServeBenchSetup(modes=("repack",), policies=("tova",)).variants() == [("repack", "tova")]
+
+
+def test_each_server_gets_the_fixed_pool_its_mode_and_room_for_the_longest_request():
+    s = ServeBenchSetup(model="tiny-llama", pool_blocks=40, input_len=100, output_len=20, dataset="chat",
+                        prefix_len=50, extra=("router.stats_period_s=0.25",))
+    c = variant_config(s, "repack", "h2o", 9999)
+    assert (c.engine.kv_cache_blocks, c.vtoken.mode, c.vtoken.policy, c.metrics.port) == (40, "repack", "h2o", 9999)
+    assert c.engine.max_model_len == 50 + 150 + 20 + 1 and c.router.stats_period_s == 0.25
+    assert variant_config(s, "none", None).vtoken.mode == "none"
+    with pytest.raises(ValueError, match="kv_cache_blocks"):
+        variant_config(ServeBenchSetup(model="tiny-llama", pool_blocks=4), "none", None)
+
+
+def test_client_command_states_the_slos_rate_and_dataset():
+    s = ServeBenchSetup(model="tiny-llama", ttft_ms=2000, tpot_ms=150, dataset="chat", prefix_len=64)
+    cmd = client_command(s, "http://127.0.0.1:1", "/m", 2.5, "/tmp/r", "x.json")
+    text = " ".join(cmd)
+    assert cmd[1:3] == ["bench", "serve"] and "--goodput ttft:2000 tpot:150" in text
+    assert "--request-rate 2.5" in text and "--random-prefix-len 64" in text and "--ignore-eos" in text
+
+
+def test_a_run_counts_failed_requests_as_missing_the_slo():
+    s = ServeBenchSetup(num_prompts=10)
+    result = {"duration": 8.0, "completed": 8, "request_throughput": 1.0, "request_goodput": 0.75,
+              "output_throughput": 30.0, "median_ttft_ms": 120.0, "p99_ttft_ms": 900.0, "median_tpot_ms": 50.0,
+              "p99_tpot_ms": 80.0}
+    run = run_summary(result, s, 1.25, peak=5)
+    assert (run["completed"], run["failed"], run["slo_attainment"]) == (8, 2, 0.6)  # 6 of 10 sent met it
+    assert (run["ttft_p50_ms"], run["tpot_p99_ms"], run["peak_running"]) == (120.0, 80.0, 5)
+
+
+def test_max_rate_is_the_last_rate_before_the_first_miss():
+    runs = [{"rate": r, "slo_attainment": a} for r, a in ((1, 1.0), (3, 0.5), (2, 0.95), (4, 0.99))]
+    assert max_rate_meeting(runs) == 2  # 4 met it again, but 3 did not: not a sustained rate
+    assert max_rate_meeting([{"rate": 1, "slo_attainment": 0.89}]) is None
+
+
+def test_peak_running_reads_the_replicas_metrics():
+    values = iter(["1", "4", "2"] + ["0"] * 1000)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = (f'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name="m"}} '
+                    f"{next(values)}\nvllm:num_requests_waiting 7\n").encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with PeakRunning(f"http://127.0.0.1:{server.server_port}/metrics", period=0.05) as peak:
+            deadline = threading.Event()
+            deadline.wait(0.6)
+        assert peak.peak == 4  # the largest running value, never the waiting gauge's 7
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--modes", "bogus"], "bogus"),
+    (["--policies", "nope"], "nope"),
+    (["--rates", "0,1"], "--rates"),
+    (["--dataset", "sharegpt"], "sharegpt"),
+    (["--pool-blocks", "4"], "kv_cache_blocks"),
+    (["--set", "engine.nope=1"], "engine.nope"),
+])
+def test_bad_input_exits_2_naming_the_value_before_any_server_starts(args, named):
+    out = subprocess.run([*VTOKEN, "bench", "serve", "--model", "tiny-llama", *args], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and named in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stdout == ""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_command_serves_one_mode_through_vllm_bench_serve_and_reports_json(tmp_path):
+    out_file = tmp_path / "serve.json"
+    cmd = [*VTOKEN, "bench", "serve", "--model", "tiny-llama", "--modes", "repack", "--policies", "random",
+           "--budget", "0.5", "--pool-blocks", "40", "--rates", "2,1000", "--num-prompts", "6", "--input-len", "64",
+           "--output-len", "16", "--ttft-ms", "120000", "--tpot-ms", "20000", "--json", "--out", str(out_file)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=880)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report == json.loads(out_file.read_text())
+    assert report["command"].startswith("vtoken bench serve") and report["environment"]["cores"] >= 1
+    (variant,) = report["variants"]
+    assert (variant["mode"], variant["policy"]) == ("repack", "random")
+    assert [r["rate"] for r in variant["runs"]] == [2.0, 1000.0]
+    for run in variant["runs"]:
+        assert run["completed"] == 6 and run["failed"] == 0 and run["slo_attainment"] == 1.0, run
+        assert run["peak_running"] >= 1 and run["ttft_p50_ms"] > 0 and run["tpot_p50_ms"] > 0
+    # 6 requests at once (rate 1000) overlap: the replica ran more than one at a time
+    assert variant["runs"][1]["peak_running"] >= 2 and variant["max_rate_at_target"] == 1000.0

@@ -1,0 +1,276 @@
+"""``vtoken bench serve``: the served path, measured with vLLM's own load generator.
+
+Per variant (a reclamation mode and, for evicting modes, a policy) one ``vtoken serve`` process (Ray Serve,
+one replica, the OpenAI routes, a fixed KV pool of ``pool_blocks``), then per request rate one
+``vllm bench serve`` run (Poisson arrivals, ``--goodput`` at the stated SLOs, results saved as JSON)::
+
+    for variant in modes × policies:            none has no policy: one variant
+        vtoken serve --mode M --policy P --set engine.kv_cache_blocks=N …    (waits for /v1/models)
+        for rate in rates:                          ascending
+            vllm bench serve --request-rate rate --goodput ttft:… tpot:… --save-result
+            (a thread polls the replica's /metrics: peak vllm:num_requests_running)
+        stop the server (SIGINT to its process group, as Ctrl-C)
+
+Per run: request rate achieved, goodput, **SLO attainment** (requests meeting both SLOs / requests sent),
+TTFT and TPOT p50/p99, peak running batch. Per variant: the **maximum rate with ≥ 90 % attainment** among
+the rates run (a lower bound: the next rate failed or was not run). The SLOs are arguments, the same for
+every variant. Side effects: starts and stops servers (ports from ``free_port``), writes vLLM's result files
+into a temporary directory, prints progress on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from vtoken.metric_names import NUM_REQUESTS_RUNNING
+
+ATTAINMENT_TARGET = 0.9  # "SLA-constrained throughput": the highest rate meeting the SLOs for ≥ 90 %
+DATASETS = ("random", "chat")  # chat: a shared system prompt + lengths drawn ±50 % (a chat-like mix)
+
+
+@dataclass(frozen=True)
+class ServeBenchSetup:
+    model: str = "default"
+    modes: tuple[str, ...] = ("none", "naive", "repack")
+    policies: tuple[str, ...] = ("h2o",)
+    budget: str = "0.2"
+    pool_blocks: int = 64
+    max_num_seqs: int = 16
+    rates: tuple[float, ...] = (1.5,)
+    num_prompts: int = 48
+    input_len: int = 256
+    output_len: int = 96
+    dataset: str = "random"
+    prefix_len: int = 128  # chat: shared system-prompt tokens
+    ttft_ms: float = 15000.0
+    tpot_ms: float = 300.0
+    seed: int = 0
+    extra: tuple[str, ...] = field(default_factory=tuple)  # more ``--set key=value`` for every server
+
+    def longest_request(self) -> int:
+        """Prompt + generated tokens of the longest request the client sends (the engine's
+        ``max_model_len``): ``chat`` draws prompts up to 1.5 × ``input_len`` after the shared prefix."""
+        prompt = self.prefix_len + (3 * self.input_len + 1) // 2 if self.dataset == "chat" else self.input_len
+        return prompt + self.output_len + 1
+
+    def variants(self) -> list[tuple[str, str | None]]:
+        """``(mode, policy)`` pairs; ``none`` evicts nothing and runs once, without a policy (pure)."""
+        out: list[tuple[str, str | None]] = [("none", None)] if "none" in self.modes else []
+        return out + [(m, p) for m in self.modes if m != "none" for p in self.policies]
+
+
+def server_command(config_path: str, port: int) -> list[str]:
+    """argv of one variant's ``vtoken serve`` process (pure): its config file, its HTTP port."""
+    return [sys.executable, "-m", "vtoken.cli", "serve", "--config", config_path, "--port", str(port)]
+
+
+def client_command(s: ServeBenchSetup, url: str, model_path: str, rate: float, result_dir: str,
+                   name: str) -> list[str]:
+    """argv of one ``vllm bench serve`` run (pure); the ``vllm`` script next to this interpreter."""
+    cmd = [str(Path(sys.executable).with_name("vllm")), "bench", "serve", "--backend", "openai",
+           "--base-url", url, "--endpoint", "/v1/completions", "--model", served_name(s.model),
+           "--tokenizer", model_path, "--dataset-name", "random", "--random-input-len", str(s.input_len),
+           "--random-output-len", str(s.output_len), "--num-prompts", str(s.num_prompts),
+           "--request-rate", str(rate), "--seed", str(s.seed), "--ignore-eos", "--disable-tqdm",
+           "--goodput", f"ttft:{s.ttft_ms:g}", f"tpot:{s.tpot_ms:g}",
+           "--percentile-metrics", "ttft,tpot,e2el",
+           "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", result_dir,
+           "--result-filename", name]
+    if s.dataset == "chat":
+        cmd += ["--random-prefix-len", str(s.prefix_len), "--random-range-ratio", "0.5"]
+    return cmd
+
+
+def variant_config(s: ServeBenchSetup, mode: str, policy: str | None, metrics_port: int = 9500):
+    """The ``ServeAppConfig`` of one variant's server: one replica, the fixed pool, the variant's mode and
+    policy, then ``s.extra`` (``key=value`` as ``vtoken serve --set``). Validates: raises ``ValueError``
+    (pydantic's ``ValidationError``) naming the bad setting, before any server starts."""
+    from vtoken.serve.config import ServeAppConfig
+    from vtoken.serve.launch.cli import parse_scalar
+
+    vt = {"mode": mode} | ({"policy": policy, "budget": s.budget} if policy else {})
+    config = ServeAppConfig.model_validate({
+        "model": s.model, "vtoken": vt, "deployment": {"num_replicas": 1},
+        "engine": {"kv_cache_blocks": s.pool_blocks, "max_num_seqs": s.max_num_seqs,
+                   "max_model_len": s.longest_request()},
+        "limits": {"max_tokens": s.output_len}, "metrics": {"port": metrics_port}})
+    extra = {}
+    for item in s.extra:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        extra[key.strip()] = parse_scalar(value.strip())
+    return config.merged(extra) if extra else config
+
+
+def served_name(model: str) -> str:
+    """The model name ``vtoken serve`` answers to for ``--model`` (``default`` serves under its alias)."""
+    from vtoken.serve.config import ServeAppConfig
+
+    return ServeAppConfig.model_validate({"model": model}).model_name
+
+
+class PeakRunning:
+    """Polls a replica's ``/metrics`` every ``period`` s in a thread; ``peak`` is the largest
+    ``vllm:num_requests_running`` seen (context manager; side effect: HTTP GETs)."""
+
+    def __init__(self, url: str, period: float = 0.5) -> None:
+        self.url, self.period, self.peak = url, period, 0
+        self._stop = threading.Event()
+        self._pattern = re.compile(rf"^{re.escape(NUM_REQUESTS_RUNNING.name)}(?:{{[^}}]*}})?\s+([0-9.eE+-]+)",
+                                   re.MULTILINE)
+
+    def __enter__(self) -> PeakRunning:
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=5) as http:
+            while not self._stop.wait(self.period):
+                try:
+                    text = http.get(self.url).text
+                except httpx.HTTPError:
+                    continue
+                for value in self._pattern.findall(text):
+                    self.peak = max(self.peak, int(float(value)))
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def run_summary(result: dict, s: ServeBenchSetup, rate: float, peak: int) -> dict:
+    """One run's numbers from vLLM's saved result (pure). Attainment counts failed requests as misses."""
+    duration = float(result.get("duration") or 0.0)
+    goodput = float(result.get("request_goodput") or 0.0)
+    met, completed = round(goodput * duration), int(result.get("completed", 0))
+    return {
+        "rate": rate, "completed": completed, "failed": s.num_prompts - completed,
+        "duration_s": round(duration, 2),
+        "request_throughput": round(float(result.get("request_throughput", 0)), 4),
+        "goodput_req_s": round(goodput, 4), "slo_attainment": round(met / s.num_prompts, 4),
+        "output_tok_s": round(float(result.get("output_throughput", 0)), 2),
+        **{f"{m}_{q}_ms": _ms(result, m, q) for m in ("ttft", "tpot") for q in ("p50", "p99")},
+        "peak_running": peak,
+    }
+
+
+def _ms(result: dict, metric: str, q: str) -> float | None:
+    key = "median" if q == "p50" else q
+    value = result.get(f"{key}_{metric}_ms")
+    return None if value is None else round(float(value), 1)
+
+
+def max_rate_meeting(runs: list[dict], target: float = ATTAINMENT_TARGET) -> float | None:
+    """The highest rate whose run met the SLOs for ≥ ``target`` of its requests, with every lower rate
+    meeting it too (pure); ``None`` if the lowest rate already failed."""
+    best = None
+    for run in sorted(runs, key=lambda r: r["rate"]):
+        if run["slo_attainment"] < target:
+            break
+        best = run["rate"]
+    return best
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Block until ``GET url/v1/models`` answers 200; raise ``RuntimeError`` if the server exits first or
+    ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vtoken serve exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"vtoken serve was not ready after {timeout:.0f} s")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Ctrl-C the server's process group, then kill it if it has not exited after ``timeout``."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def run_variant(s: ServeBenchSetup, mode: str, policy: str | None, model_path: str, log, echo) -> dict:
+    """Start one server, run every rate against it, stop it; returns the variant's report."""
+    from vtoken.serve.launch.local import free_port
+
+    port, metrics_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
+    config = variant_config(s, mode, policy, metrics_port)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="vtoken-bench-serve-") as tmp:
+        config_path = Path(tmp, "serve.json")
+        config_path.write_text(config.model_dump_json(exclude_unset=True))
+        proc = subprocess.Popen(server_command(str(config_path), port), stdout=log, stderr=log,
+                                start_new_session=True)
+        try:
+            _drive(s, proc, url, metrics_port, model_path, (mode, policy), tmp, runs, echo, started)
+        finally:
+            stop(proc)
+    return {"mode": mode, "policy": policy, "runs": runs, "max_rate_at_target": max_rate_meeting(runs),
+            "peak_running": max((r["peak_running"] for r in runs), default=0)}
+
+
+def _drive(s: ServeBenchSetup, proc, url: str, metrics_port: int, model_path: str, variant: tuple, tmp: str,
+           runs: list, echo, started: float) -> None:
+    """Wait for the server, then one ``vllm bench serve`` run per rate, ascending (appends to ``runs``)."""
+    mode, policy = variant
+    label = mode if policy is None else f"{mode}/{policy}"
+    wait_ready(url, proc, 900)
+    echo(f"{label}: serving after {time.monotonic() - started:.0f} s")
+    for rate in sorted(s.rates):
+        name = f"{mode}-{policy}-{rate}.json".replace("+", "_")
+        with PeakRunning(f"http://127.0.0.1:{metrics_port}/metrics") as peak:
+            out = subprocess.run(client_command(s, url, model_path, rate, tmp, name), capture_output=True,
+                                 text=True, timeout=3600)
+        if out.returncode != 0:
+            raise RuntimeError(f"vllm bench serve failed ({label}, rate {rate}):\n{out.stderr[-2000:]}")
+        run = run_summary(json.loads(Path(tmp, name).read_text()), s, rate, peak.peak)
+        echo(f"{label}: rate {rate} → {run['request_throughput']} req/s, goodput {run['goodput_req_s']}, "
+             f"attainment {run['slo_attainment']}, peak running {run['peak_running']}")
+        runs.append(run)
+
+
+def run_serve_bench(s: ServeBenchSetup, echo=lambda line: None, log_path: str | None = None) -> dict:
+    """Every variant, one after another (one server at a time on this machine); returns the report."""
+    import shlex
+
+    from vtoken.models.default import resolve_model
+
+    model_path = str(resolve_model(s.model))
+    started = time.perf_counter()
+    with open(log_path or os.devnull, "w") as log:
+        variants = [run_variant(s, mode, policy, model_path, log, echo) for mode, policy in s.variants()]
+    return {
+        "bench": "serve",
+        "command": "vtoken " + shlex.join(sys.argv[1:]),
+        "model": model_path,
+        "setup": {k: (list(v) if isinstance(v, tuple) else v) for k, v in s.__dict__.items()},
+        "slo": {"ttft_ms": s.ttft_ms, "tpot_ms": s.tpot_ms, "attainment_target": ATTAINMENT_TARGET},
+        "client": "vllm bench serve (Poisson arrivals, --ignore-eos, --goodput)",
+        "variants": variants,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
