@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pytest
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -282,3 +283,16 @@ class PrometheusServer:
             self.proc.wait()
         self.log.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def wait_for(condition, what: str, timeout: float = 60.0, period: float = 0.2, diagnose=None):
+    """Poll ``condition()`` until it is truthy (returns its value) or fail after ``timeout`` seconds, with
+    ``diagnose()`` (if given) in the failure message."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(period)
+    detail = f"\n{diagnose()}" if diagnose else ""
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}{detail}")

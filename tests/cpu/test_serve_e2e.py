@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from serve_support import PrometheusServer, malformed_cases, vllm_cli_command
+from serve_support import PrometheusServer, malformed_cases, vllm_cli_command, wait_for
 
 from vtoken.serve.config import ServeAppConfig
 from vtoken.serve.launch.local import LocalCluster, free_port
@@ -90,17 +90,6 @@ def replica_samples(app, name: str) -> dict[str, float]:
                 if sample.name == name:
                     out[sample.labels["replica"]] = sample.value
     return out
-
-
-def wait_for(condition, what: str, timeout: float = 60.0, period: float = 0.2):
-    """Poll ``condition()`` until it is truthy (returns its value) or fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(period)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def polls_after(app, replicas: list[str], extra: int = 2) -> None:

@@ -28,7 +28,7 @@ import httpx
 import pytest
 import yaml
 from ops_support import ROOT, load_module
-from serve_support import PrometheusServer
+from serve_support import PrometheusServer, wait_for
 
 from vtoken.serve.config import ServeAppConfig
 from vtoken.serve.launch import procs
@@ -122,17 +122,6 @@ def serve_replicas(c) -> dict:
     return app["deployments"]["VTokenReplica"].get("replica_states") or {}
 
 
-def wait_for(condition, what: str, timeout: float, period: float = 1.0, diagnose=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(period)
-    detail = f"\n{diagnose()}" if diagnose else ""
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}{detail}")
-
-
 def diagnosis(c) -> str:
     """``serve status`` and the end of the Serve controller's log, for a failure message."""
     serve_cli = str(Path(sys.executable).with_name("serve"))
@@ -215,7 +204,7 @@ def test_prometheus_finds_every_replica_on_every_node_through_the_registry(clust
         result = c.prom.query("count by (node) (vtoken:kv_utilization)")
         return result if len(result) == 2 else None
 
-    per_node = wait_for(scraped, "Prometheus to scrape both replicas", 60)
+    per_node = wait_for(scraped, "Prometheus to scrape both replicas", 60, 1.0)
     assert {s["metric"]["node"] for s in per_node} == {g["labels"]["__meta_vtoken_node"] for g in groups}
     assert {s["metric"]["node"] for s in per_node} <= set(c.names) - {c.state.node("head").node_id}
     up = c.prom.query('up{job="vtoken"}')
@@ -253,7 +242,7 @@ def test_worker_node_killed_under_load_gets_200_or_503_and_serve_restores_it_els
         back = wait_for(lambda: next((r for r in results if r[3] == spare_id and r[0] > killed_at), None),
                         f"a replica on {spare}", 540, 1.0, lambda: diagnosis(c))
         recovered_s = back[1] - killed_at
-        wait_for(lambda: serve_replicas(c).get("RUNNING") == 2, "Serve: 2 replicas RUNNING", 60)
+        wait_for(lambda: serve_replicas(c).get("RUNNING") == 2, "Serve: 2 replicas RUNNING", 60, 1.0)
         time.sleep(4.0)
     finally:
         stop.set()
