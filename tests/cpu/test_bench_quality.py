@@ -100,3 +100,25 @@ def test_quality_bad_input_exits_2_naming_the_value():
         run = subprocess.run([VTOKEN, "bench", "quality", "--quick", *args], capture_output=True, text=True,
                              timeout=120)
         assert run.returncode == 2 and named in run.stderr and "Traceback" not in run.stderr, run.stderr[-800:]
+
+
+def test_the_committed_sweep_covers_every_policy_and_budget_and_the_docs_show_its_table():
+    """docs/results/quality-smollm2.json is the documented run: every registered policy at budgets 10–50 %
+    in both granularities, the full-cache reference, a plot beside it, and docs/quality.md shows exactly
+    the table ``quality_table`` makes of it (a re-run that is not copied into the docs fails here)."""
+    from vtoken.bench.quality_plot import quality_table
+    from vtoken.policies import policy_names
+
+    root = Path(__file__).resolve().parents[2]
+    report = json.loads((root / "docs/results/quality-smollm2.json").read_text())
+    points = report["points"]
+    assert {p["policy"] for p in points} == set(policy_names())
+    assert {p["budget"] for p in points} == {0.1, 0.2, 0.3, 0.4, 0.5}
+    assert {(p["policy"], p["budget"], p["granularity"]) for p in points} == {
+        (name, b, g) for name in policy_names() for b in (0.1, 0.2, 0.3, 0.4, 0.5) for g in ("token", "block")}
+    full = report["full_cache"]
+    assert full["accuracy"] >= 0.9 and full["perplexity"] > 1  # the task is solved with the whole cache
+    for p in points:
+        assert p["retained_blocks_mean"] <= full["retained_blocks_mean"] + 1e-9, p
+    assert (root / "docs/results/quality-smollm2.png").stat().st_size > 10_000
+    assert quality_table(report) in (root / "docs/quality.md").read_text()

@@ -46,3 +46,25 @@ def plot_quality(report: dict, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def quality_table(report: dict) -> str:
+    """The report as a Markdown table (pure): one row per policy and budget, retrieval accuracy,
+    perplexity and retained blocks (retrieval / language modelling) for token and block granularity side
+    by side, the full cache first. docs/quality.md holds this table for the committed run."""
+
+    def cell(p: dict | None) -> str:
+        if p is None:
+            return "– | – | –"
+        r, m = p["retrieval"]["retained_blocks_mean"], p["language_modelling"]["retained_blocks_mean"]
+        return f"{p['accuracy']:.2f} | {p['perplexity']:.2f} | {r:.1f} / {m:.1f}"
+
+    full = report["full_cache"]
+    head = ("| policy | budget | token: accuracy | perplexity | blocks | block: accuracy | perplexity | blocks |\n"
+            "|---|---|---|---|---|---|---|---|\n")
+    lines = [f"| full cache (`none`) | – | {cell(full)} | | | |"]
+    by = {(p["policy"], p["budget"], p["granularity"]): p for p in report["points"]}
+    for policy, budget in sorted({(p["policy"], p["budget"]) for p in report["points"]}):
+        lines.append(f"| {policy} | {budget:g} | {cell(by.get((policy, budget, 'token')))} | "
+                     f"{cell(by.get((policy, budget, 'block')))} |")
+    return head + "\n".join(lines) + "\n"
