@@ -49,6 +49,14 @@ def tp_cpu_env(tp: int) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r % ncpu) for r in range(tp))}
 
 
+def tp_engine_kwargs(tp: int) -> tuple[dict, dict[str, str]]:
+    """``(LLM kwargs, environment)`` for an engine with ``tp`` tensor-parallel ranks on this platform (pure):
+    nothing for TP = 1; else vLLM's multiprocess executor and, on CPU, one core per rank (``tp_cpu_env``)."""
+    if tp <= 1:
+        return {}, {}
+    return {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}, tp_cpu_env(tp)
+
+
 def start_engine(model: str, block_size: int, trace_dir: str, *, sinks: int = 4, recent: int = 16,
                  seed: int = 0, max_model_len: int = 1024, check: bool = True, **kwargs):
     """An in-process fp32 vLLM engine with vToken on (hooks enabled; policies come per request).
