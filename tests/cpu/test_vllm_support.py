@@ -30,7 +30,9 @@ REFUSED = {
                                                      "prompt_lookup_max": 3, "prompt_lookup_min": 1}},
                              "speculative decoding"),
     "sliding_window": ({"disable_hybrid_kv_cache_manager": True}, "sliding-window attention"),
+    "hybrid_sliding_and_full": ({}, "2 KV cache groups (FullAttentionSpec, SlidingWindowSpec)"),
 }
+SLIDING_MODEL = ("sliding_window", "hybrid_sliding_and_full")
 
 
 # ------------------------------------------------------------------------------ unit: KV specs
@@ -109,7 +111,7 @@ def sliding_llama(tiny_llama):
 
 
 def _model_for(feature, tiny_llama, sliding_llama):
-    return sliding_llama if feature == "sliding_window" else str(tiny_llama)
+    return sliding_llama if feature in SLIDING_MODEL else str(tiny_llama)
 
 
 def _kwargs(feature):
@@ -121,7 +123,7 @@ def _kwargs(feature):
     return kw
 
 
-@pytest.mark.parametrize("feature", [f for f in REFUSED if f != "sliding_window"])
+@pytest.mark.parametrize("feature", [f for f in REFUSED if f not in SLIDING_MODEL])
 def test_engine_config_refusals_name_the_feature(feature, tiny_llama):
     """``check_engine_config`` on the ``VllmConfig`` vLLM itself builds from the user's options."""
     from vllm.engine.arg_utils import EngineArgs

@@ -97,12 +97,11 @@ class VTokenRunnerMixin:
     def _vt_setup(self) -> None:
         """Check the layers, probe the layout, build the mover, wrap ``impl.forward`` (mutates the layers'
         impls; idempotent: a rebuilt cache is set up again)."""
-        from vtoken.vllm.support import check_attention_layer
+        from vtoken.vllm.support import check_attention_layer, check_kv_groups
         from vtoken.vllm.tp import tp_reducer
 
         groups = self.kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise RuntimeError("vToken supports one KV cache group (full attention) only")
+        check_kv_groups(groups)  # hybrid models: ConfigError naming the groups' kinds
         ctx = self.compilation_config.static_forward_context
         layers = [ctx[name] for name in groups[0].layer_names]
         for name, layer in zip(groups[0].layer_names, layers):

@@ -99,12 +99,16 @@ def check_kv_spec(spec) -> None:
 def check_supported(vllm_config, kv_cache_config) -> None:
     """Refuse configurations vToken cannot keep exact (raises ``ConfigError``); see the module docstring."""
     check_engine_config(vllm_config)
-    groups = kv_cache_config.kv_cache_groups
+    check_kv_groups(kv_cache_config.kv_cache_groups)
+    check_kv_spec(kv_cache_config.kv_cache_groups[0].kv_cache_spec)
+
+
+def check_kv_groups(groups) -> None:
+    """Refuse more than one KV cache group (hybrid models; raises ``ConfigError``)."""
     if len(groups) != 1:
         kinds = ", ".join(sorted({type(g.kv_cache_spec).__name__ for g in groups}))
         _refuse(f"{len(groups)} KV cache groups ({kinds}): hybrid models (sliding-window and full layers, "
                 "Mamba) are not supported")
-    check_kv_spec(groups[0].kv_cache_spec)
 
 
 def check_attention_layer(name: str, impl) -> None:
