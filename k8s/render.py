@@ -1,6 +1,7 @@
 """Render vToken's Kubernetes manifests from the checked-in Serve config (pyyaml + stdlib + this checkout).
 
-    python k8s/render.py            # rewrite k8s/rayservice.yaml, podmonitor.yaml, prometheusrule.yaml
+    python k8s/render.py            # rewrite k8s/rayservice.yaml, podmonitor.yaml, prometheusrule.yaml and
+                                    # the TP = 2 variant k8s/variants/rayservice-tp2.yaml
     python k8s/render.py --check    # exit 1 naming the files that differ from what would be rendered
     python k8s/render.py --promtool # promtool check rules + test rules (k8s/tests/rules_test.yaml)
 
@@ -12,6 +13,13 @@ exactly two cluster changes, both in ``serve_config_v2`` below and nowhere else:
    the pod IP, not loopback, and on the port the container declares and the PodMonitor scrapes.
 2. ``ray_actor_options.num_gpus: 1``: one replica per GPU, so Ray places each replica on a GPU worker
    and the autoscaler adds one GPU pod per replica.
+
+The TP = 2 variant (``variants/rayservice-tp2.yaml``, ``kubectl apply -n vtoken -f`` it instead of the
+base RayService; not part of the kustomization) differs in exactly this: the app config also gets
+``engine.tensor_parallel_size: 2`` and ``deployment.gpus_per_rank: 1``, and change 2 becomes the
+placement-group bundles ``vtoken.serve.launch.app.replica_bundles`` computes for that config (the replica's
+own CPU bundle + one ``{CPU: 1, GPU: 1}`` bundle per rank, STRICT_PACK: vLLM's Ray executor places its ranks
+there) instead of ``num_gpus``; each GPU worker pod has 2 GPUs (one replica per pod).
 
 The GPU worker group's min/max replicas are the Serve deployment's autoscaling bounds (or its fixed
 ``num_replicas``). tests/cpu/test_k8s.py checks that the committed files equal this rendering, that
@@ -57,6 +65,7 @@ PROXY_CALLBACK = "vtoken.serve.control.failover:proxy_middlewares"  # named in d
 METRICS_PORT = 9500
 CLUSTER_APP_CONFIG = {"metrics": {"host": "0.0.0.0", "port": METRICS_PORT}}
 REPLICA_GPUS = 1
+TP_VARIANTS = (2,)  # tensor-parallel sizes rendered as variants/rayservice-tp<N>.yaml
 
 HEAD_RESOURCES = {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"cpu": "4", "memory": "8Gi"}}
 WORKER_RESOURCES = {"requests": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"},
@@ -76,15 +85,25 @@ def _deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def serve_config_v2(base: dict) -> dict:
-    """deploy/serve_config.yaml (parsed) with the two cluster changes of the module docstring (pure)."""
+def serve_config_v2(base: dict, tp: int = 1) -> dict:
+    """deploy/serve_config.yaml (parsed) with the two cluster changes of the module docstring (pure); with
+    ``tp > 1`` the TP variant's."""
     doc = copy.deepcopy(base)
+    extra = CLUSTER_APP_CONFIG if tp == 1 else _deep_merge(
+        CLUSTER_APP_CONFIG, {"engine": {"tensor_parallel_size": tp}, "deployment": {"gpus_per_rank": REPLICA_GPUS}})
     for app in doc["applications"]:
         env = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
-        env[CONFIG_ENV] = json.dumps(_deep_merge(json.loads(env.get(CONFIG_ENV, "{}")), CLUSTER_APP_CONFIG),
+        env[CONFIG_ENV] = json.dumps(_deep_merge(json.loads(env.get(CONFIG_ENV, "{}")), extra),
                                      sort_keys=True, separators=(",", ":"))
         for dep in app["deployments"]:
-            dep.setdefault("ray_actor_options", {})["num_gpus"] = REPLICA_GPUS
+            actor = dep.setdefault("ray_actor_options", {})
+            if tp == 1:
+                actor["num_gpus"] = REPLICA_GPUS
+            else:  # = vtoken.serve.launch.app.replica_bundles for the merged config (checked by the test)
+                rank = {"CPU": 1.0, "GPU": float(REPLICA_GPUS)}
+                dep["placement_group_bundles"] = [{"CPU": float(actor.get("num_cpus", 1))}] + [
+                    dict(rank) for _ in range(tp)]
+                dep["placement_group_strategy"] = "STRICT_PACK"
     return doc
 
 
@@ -124,9 +143,19 @@ def _pod(component: str, container: dict, shm: str, gpu: bool) -> dict:
     return {"metadata": {"labels": {**LABELS, "app.kubernetes.io/component": component}}, "spec": spec}
 
 
-def rayservice(serve_text: str, version: str) -> dict:
+def _scaled(resources: dict, tp: int) -> dict:
+    """Worker pod resources for ``tp`` GPUs per pod (CPU, memory and GPUs times ``tp``; pure)."""
+    out = copy.deepcopy(resources)
+    for part in out.values():
+        for key, value in part.items():
+            num = "".join(ch for ch in value if ch.isdigit())
+            part[key] = str(int(num) * tp) + value[len(num):]
+    return out
+
+
+def rayservice(serve_text: str, version: str, tp: int = 1) -> dict:
     base = yaml.safe_load(serve_text)
-    serve = serve_config_v2(base)
+    serve = serve_config_v2(base, tp)
     lo, start, hi = replica_bounds(serve)
     image = f"{IMAGE}:{version}"
     head = {"rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},  # no replica on the head
@@ -134,11 +163,14 @@ def rayservice(serve_text: str, version: str) -> dict:
     worker = {"groupName": "gpu", "replicas": start, "minReplicas": lo, "maxReplicas": hi,
               "rayStartParams": {},
               "template": _pod(REPLICA_COMPONENT,
-                               _container("ray-worker", image, WORKER_PORTS, WORKER_RESOURCES), "8Gi", True)}
+                               _container("ray-worker", image, WORKER_PORTS, _scaled(WORKER_RESOURCES, tp)),
+                               "8Gi", True)}
     header = "".join(line + "\n" for line in serve_text.splitlines() if line.startswith("#"))
-    header += "# Rendered by k8s/render.py: + metrics host/port in VTOKEN_SERVE_CONFIG, + num_gpus/replica.\n"
+    header += ("# Rendered by k8s/render.py: + metrics host/port in VTOKEN_SERVE_CONFIG, + num_gpus/replica.\n"
+               if tp == 1 else f"# Rendered by k8s/render.py: TP = {tp} variant (metrics host/port, "
+               f"engine.tensor_parallel_size, placement-group bundles of {tp} GPUs per replica).\n")
     return {"apiVersion": "ray.io/v1", "kind": "RayService",
-            "metadata": {"name": NAME, "labels": dict(LABELS)},
+            "metadata": {"name": NAME if tp == 1 else f"{NAME}-tp{tp}", "labels": dict(LABELS)},
             "spec": {"serveConfigV2": header + yaml.safe_dump(serve, sort_keys=False, width=100),
                      "rayClusterConfig": {
                          "rayVersion": RAY_VERSION, "enableInTreeAutoscaling": True,
@@ -182,6 +214,14 @@ def render() -> dict[str, str]:
             "prometheusrule.yaml": dump(prometheus_rule(NAME, LABELS), "k8s/rules.py")}
 
 
+def render_variants() -> dict[str, str]:
+    """The TP variants outside the kustomization: path (in k8s/) -> text (pure apart from reading)."""
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    return {f"variants/rayservice-tp{tp}.yaml": dump(rayservice(SERVE_CONFIG.read_text(), version, tp),
+                                                     "deploy/serve_config.yaml")
+            for tp in TP_VARIANTS}
+
+
 def run_promtool(workdir: Path) -> list[subprocess.CompletedProcess]:
     """Write the alert groups as a plain rule file next to a copy of k8s/tests/rules_test.yaml in
     ``workdir``, then run ``promtool check rules`` and ``promtool test rules`` there (raises
@@ -200,14 +240,16 @@ def main(argv: list[str]) -> int:
         for run in runs:
             print(" ".join(run.args), "->", run.returncode, "\n", run.stdout, run.stderr, sep="")
         return max(run.returncode for run in runs)
-    stale = [n for n, text in render().items() if not (OUT / n).is_file() or (OUT / n).read_text() != text]
+    files = {**render(), **render_variants()}
+    stale = [n for n, text in files.items() if not (OUT / n).is_file() or (OUT / n).read_text() != text]
     if "--check" in argv:
         if stale:
             print(f"out of date (run python k8s/render.py): {', '.join(stale)}", file=sys.stderr)
         return 1 if stale else 0
-    for name, text in render().items():
+    for name, text in files.items():
+        (OUT / name).parent.mkdir(parents=True, exist_ok=True)
         (OUT / name).write_text(text)
-    print(f"wrote {', '.join(render())} in {OUT}")
+    print(f"wrote {', '.join(files)} in {OUT}")
     return 0
 
 

@@ -102,3 +102,46 @@ def test_fixed_references_pass(text):
 def test_broken_or_external_references_fail(text, needle):
     found = problems(text, SECTIONS, "x.py")
     assert len(found) == 1 and needle in found[0] and found[0].startswith("x.py:1:"), found
+
+
+# ------------------------------------------------------------------ the support matrix (docs/support.md)
+SUPPORT = ROOT / "docs" / "support.md"
+TEST_REF = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")
+COLUMNS = ("feature", "supported", "refused", "untested")
+
+
+def support_rows(text: str) -> list[dict[str, str]]:
+    """The matrix rows (header and separator skipped) as dicts of the four columns (pure)."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().split("|")[1:-1]] if line.startswith("|") else []
+        if len(cells) == len(COLUMNS) and cells[0] not in ("feature", "---"):
+            rows.append(dict(zip(COLUMNS, cells)))
+    return rows
+
+
+def test_support_matrix_names_existing_tests_and_one_column_per_row():
+    """Every feature sits in exactly one column, every "supported" cell names its proving test, and every
+    test the matrix names exists (file and function)."""
+    text = SUPPORT.read_text()
+    rows = support_rows(text)
+    assert len(rows) >= 30
+    for r in rows:
+        marked = [c for c in ("supported", "refused", "untested") if "✓" in r[c]]
+        assert len(marked) == 1, r["feature"]
+        if marked == ["supported"]:
+            assert TEST_REF.search(r["supported"]), f"{r['feature']}: a supported feature names its test"
+    for path, name in TEST_REF.findall(text):
+        assert (ROOT / path).is_file(), path
+        assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.MULTILINE), f"{path}::{name}"
+    for doc in ("README.md", "docs/architecture.md"):
+        assert "docs/support.md" in (ROOT / doc).read_text() or "(support.md)" in (ROOT / doc).read_text(), doc
+
+
+def test_support_matrix_lists_every_feature_of_issue_11():
+    features = " ".join(r["feature"].lower() for r in support_rows(SUPPORT.read_text()))
+    for f in ("gqa", "mqa", "head dim", "bfloat16", "fp8", "sliding-window", "alibi", "soft-capping", "sinks",
+              "mla", "pooling", "lora", "structured output", "prompt logprobs", "n > 1", "beam search",
+              "speculative decoding", "prefix caching", "chunked prefill", "preemption", "tensor parallelism",
+              "pipeline parallelism", "async scheduling", "cuda graphs"):
+        assert f in features, f

@@ -263,3 +263,37 @@ def test_dockerfile_matches_the_manifests():
         assert re.search(rf"^\s*(ENV )?{name}={re.escape(env[name])}( \\)?$", text, re.M), name
     runtime_env = serve_v2()["applications"][0]["runtime_env"]["env_vars"]
     assert json.loads(runtime_env["VTOKEN_SERVE_CONFIG"])["metrics"]["port"] == render.METRICS_PORT
+
+
+def test_tp2_variant_reserves_two_gpus_per_replica_through_placement_group_bundles():
+    """k8s/variants/rayservice-tp2.yaml: committed rendering, valid against the RayService CRD and Serve's
+    schema; the replica's bundles are exactly what the serving code computes for its config
+    (``replica_bundles``: own CPU bundle + one {CPU, GPU} bundle per rank, STRICT_PACK) and each GPU
+    worker pod holds the replica's 2 GPUs."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from vtoken.serve.config import ServeAppConfig
+    from vtoken.serve.launch.app import deployment_options
+    from vtoken.serve.replica.engine import engine_args
+
+    name = "variants/rayservice-tp2.yaml"
+    assert (K8S / name).read_text() == render.render_variants()[name]
+    rs = manifest(name)
+    assert schema_errors(RAYSERVICE, rs) == [] and rs["metadata"]["name"] == "vtoken-tp2"
+    v2 = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(v2)
+    app = v2["applications"][0]
+    cfg = ServeAppConfig.load(app["runtime_env"]["env_vars"]["VTOKEN_SERVE_CONFIG"])
+    assert cfg.engine.tensor_parallel_size == 2 and cfg.deployment.gpus_per_rank == 1
+    dep = app["deployments"][0]
+    opts = deployment_options(cfg)
+    assert dep["placement_group_bundles"] == opts["placement_group_bundles"]
+    assert dep["placement_group_strategy"] == opts["placement_group_strategy"] == "STRICT_PACK"
+    assert sum(b.get("GPU", 0) for b in dep["placement_group_bundles"]) == 2
+    assert "num_gpus" not in dep["ray_actor_options"]
+    assert engine_args(cfg, "/m")["distributed_executor_backend"] == "ray"
+    _, worker = groups(rs)
+    res = worker["template"]["spec"]["containers"][0]["resources"]
+    assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == "2"
+    _, base_worker = groups(manifest("rayservice.yaml"))
+    assert (worker["minReplicas"], worker["maxReplicas"]) == (base_worker["minReplicas"], base_worker["maxReplicas"])

@@ -154,3 +154,46 @@ def test_serve_app_entry_points_build_from_env_and_dotted_args(monkeypatch):
     assert (cfg.model, cfg.vtoken.policy, cfg.engine.kv_cache_blocks) == ("tiny-llama", "tova", 65)
     with pytest.raises(ValidationError, match="unknown policy 'lru'"):
         module.build({"vtoken.policy": "lru"})
+
+
+def test_tensor_parallel_replica_reserves_a_bundle_per_rank():
+    """engine.tensor_parallel_size: the engine gets TP ranks (mp executor on CPU, Ray's on GPUs), the
+    replica reserves its own bundle plus one per rank (STRICT_PACK, as Ray Serve's LLM deployments do), and
+    on CPU each rank binds its own cores."""
+    from ray.serve.schema import DeploymentSchema
+
+    from vtoken.serve.launch.app import deployment_options, replica_bundles
+    from vtoken.serve.replica.engine import cpu_binding, engine_args
+
+    assert replica_bundles(ServeAppConfig()) is None and "placement_group_bundles" not in deployment_options(
+        ServeAppConfig())
+    tp2 = ServeAppConfig.model_validate({"engine": {"tensor_parallel_size": 2}})
+    opts = deployment_options(tp2)
+    assert opts["placement_group_bundles"] == [{"CPU": 0.5}, {"CPU": 1.0}, {"CPU": 1.0}]
+    assert opts["placement_group_strategy"] == "STRICT_PACK"
+    assert opts["ray_actor_options"] == {"num_cpus": 0.5}  # fits the first bundle
+    kw = engine_args(tp2, "/models/x")
+    assert kw["tensor_parallel_size"] == 2 and kw["distributed_executor_backend"] == "mp"
+    assert cpu_binding(tp2, 0, ncpu=2) == "0|1" and cpu_binding(tp2, 0, ncpu=8) == "0-3|4-7"
+    gpu = tp2.merged({"deployment.gpus_per_rank": 1})
+    assert deployment_options(gpu)["placement_group_bundles"] == [{"CPU": 0.5}, {"CPU": 1.0, "GPU": 1.0},
+                                                                  {"CPU": 1.0, "GPU": 1.0}]
+    assert engine_args(gpu, "/m")["distributed_executor_backend"] == "ray"
+    DeploymentSchema.model_validate({"name": "VTokenReplica", "placement_group_bundles": opts[
+        "placement_group_bundles"], "placement_group_strategy": "STRICT_PACK", "ray_actor_options": {"num_cpus": 0.5}})
+    assert "tensor_parallel_size" not in engine_args(ServeAppConfig(), "/m")
+
+
+def test_vtoken_serve_exits_with_the_refusal_before_starting_anything():
+    """`vtoken serve` with an engine feature vToken refuses (fp8 KV cache) exits 2 with the message naming
+    it, before Ray or a replica starts (preflight: vLLM's engine config, no weights)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cmd = [str(Path(sys.executable).with_name("vtoken")), "serve", "--model", "tiny-llama", "--mode", "repack",
+           "--set", "engine.kv_cache_dtype=fp8", "--port", "18999"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "quantized KV cache (kv_cache_dtype='fp8')" in proc.stderr and "docs/support.md" in proc.stderr
+    assert "Ray" not in proc.stdout  # nothing started

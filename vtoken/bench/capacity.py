@@ -53,6 +53,7 @@ class CapacitySetup:
     sinks: int = 4
     recent: int = 16
     max_seqs: int = 256
+    tensor_parallel_size: int = 1  # > 1: vLLM's multiprocess executor, one core per rank on CPU
 
 
 @dataclass(frozen=True)
@@ -81,17 +82,18 @@ def build_engine(setup: CapacitySetup):
 
     from vtoken.core.config import VTokenConfig
     from vtoken.vllm import engine_kwargs
-    from vtoken.vllm.launch import scoped_env
+    from vtoken.vllm.launch import scoped_env, tp_engine_kwargs
 
     cfg = VTokenConfig(policy=setup.policy, budget=setup.budget, mode="repack", block_size=setup.block_size,
                        sinks=setup.sinks, recent=setup.recent)
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    tp_kw, tp_env = tp_engine_kwargs(setup.tensor_parallel_size)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **tp_env}
     with scoped_env(**env):
         return LLM(model=setup.model, dtype="float32", enforce_eager=True, seed=0,
                    max_model_len=setup.prompt_len + setup.gen_len + setup.block_size,
                    num_gpu_blocks_override=setup.kv_blocks, max_num_seqs=setup.max_seqs,
                    max_num_batched_tokens=max(setup.prompt_len, 256), enable_prefix_caching=False,
-                   enable_chunked_prefill=True, **engine_kwargs(cfg))
+                   enable_chunked_prefill=True, **tp_kw, **engine_kwargs(cfg))
 
 
 def close(llm) -> None:

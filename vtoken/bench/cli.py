@@ -60,6 +60,8 @@ def overhead_cmd(
     budget: float = typer.Option(0.5, help="budget fraction for the evicting variants"),
     repeats: int = typer.Option(3, help="runs per variant (median reported)"),
     out: str = typer.Option(None, help="also write the JSON here"),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
+                                             help="TP ranks (CPU: one process and core each)"),
 ) -> None:
     """Decode-step overhead in vLLM: repack vs naive vs none (no memory pressure), score collection on/off."""
     from vtoken.bench.overhead import overhead
@@ -71,7 +73,7 @@ def overhead_cmd(
         engine_kwargs(VTokenConfig(policy="random", budget=budget, mode="repack", block_size=block_size))
     except (ConfigError, ValueError) as err:
         refuse(err)
-    overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats, out)
+    overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats, out, tensor_parallel_size)
 
 
 @bench_app.command("capacity")
@@ -89,6 +91,8 @@ def capacity_cmd(
     tpot_slo: float = typer.Option(0.1, "--tpot-slo", help="seconds per output token"),
     modes: str = typer.Option("naive,repack,reuse+repack", help="comma-separated reclamation modes"),
     out: str = typer.Option(None, help="also write the JSON here"),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
+                                             help="TP ranks (CPU: one process and core each)"),
 ) -> None:
     """Max feasible concurrency and burst SLA goodput per mode at a fixed KV pool (real vLLM engine)."""
     from vtoken.bench.capacity import MODES, CapacitySetup, main
@@ -117,7 +121,7 @@ def capacity_cmd(
     except (ConfigError, ValueError, OSError) as err:
         refuse(err)
     setup = CapacitySetup(model=path, policy=policy, budget=budget, block_size=block_size, kv_blocks=kv_blocks,
-                          prompt_len=prompt_len, gen_len=gen_len)
+                          prompt_len=prompt_len, gen_len=gen_len, tensor_parallel_size=tensor_parallel_size)
     main(setup, chosen, requests, ttft_slo, tpot_slo, repeats, out)
 
 
@@ -140,6 +144,8 @@ def quality_cmd(
     as_json: bool = typer.Option(False, "--json", help="print the JSON report only (always printed)"),
     plot: str = typer.Option(None, help="write the Pareto plot (PNG) here"),
     out: str = typer.Option(None, help="also write the JSON here"),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
+                                             help="TP ranks (CPU: one process and core each)"),
 ) -> None:
     """Task quality (pass-key accuracy, perplexity) per policy × granularity × budget vs retained blocks."""
     from rich.console import Console
@@ -173,6 +179,7 @@ def quality_cmd(
         model=path, policies=chosen, budgets=budget_values, granularities=grans,
         depths=tuple(float(d) for d in preset[2].split(",")), per_depth=preset[3], context_tokens=context_tokens,
         windows=preset[4], window_tokens=preset[5], chunk=chunk, seed=seed,
+        tensor_parallel_size=tensor_parallel_size,
     )
     console = Console(stderr=True)
     with console.status("quality benchmark", spinner="dots") as status:

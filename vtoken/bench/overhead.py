@@ -33,20 +33,22 @@ from vtoken.bench.report import emit
 VARIANTS = ("none", "naive", "repack", "reuse+repack", "repack+scores")
 
 
-def _engine(model: str, block_size: int, mode: str, scores: str, budget: float, max_model_len: int):
+def _engine(model: str, block_size: int, mode: str, scores: str, budget: float, max_model_len: int, tp: int = 1):
     from vllm import LLM
 
     from vtoken.core.config import VTokenConfig
     from vtoken.vllm import engine_kwargs
 
     cfg = VTokenConfig(policy="random", budget=budget, mode=mode, block_size=block_size, sinks=4, recent=16)
-    from vtoken.vllm.launch import scoped_env
+    from vtoken.vllm.launch import scoped_env, tp_engine_kwargs
 
     kw = engine_kwargs(cfg, scores=scores) if mode != "none" else {"block_size": block_size}
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    tp_kw, tp_env = tp_engine_kwargs(tp)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           **tp_env}
     with scoped_env(**env):
         return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=0,
-                   enable_prefix_caching=False, gpu_memory_utilization=0.5, **kw)
+                   enable_prefix_caching=False, gpu_memory_utilization=0.5, **tp_kw, **kw)
 
 
 def _decode_steps(llm, prompts: list[list[int]], gen_len: int, mode: str | None, tag: str, advance) -> list[float]:
@@ -73,7 +75,7 @@ def _decode_steps(llm, prompts: list[list[int]], gen_len: int, mode: str | None,
 
 
 def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_len: int, budget: float,
-                 repeats: int) -> dict:
+                 repeats: int, tensor_parallel_size: int = 1) -> dict:
     """Measure every variant; returns the JSON-able report (see the module docstring)."""
     from rich.progress import Progress
 
@@ -92,7 +94,8 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
     per_run: dict[str, list[float]] = {v: [] for v in VARIANTS}
     steps: dict[str, list[float]] = {v: [] for v in VARIANTS}
     moves: dict[str, int] = {}
-    engines = {label: _engine(path, block_size, mode, scores, budget, max_model_len) for label, mode, scores, _ in plan}
+    engines = {label: _engine(path, block_size, mode, scores, budget, max_model_len, tensor_parallel_size)
+               for label, mode, scores, _ in plan}
     runs = [(label, m) for label, _, _, modes in plan for m in modes]
     total = len(runs) * repeats * (gen_len - 1)
     with Progress(transient=True) as progress:
@@ -148,8 +151,9 @@ def overhead(
     budget: Annotated[float, typer.Option(help="budget fraction for the evicting variants")] = 0.5,
     repeats: Annotated[int, typer.Option(help="runs per variant (median reported)")] = 3,
     out: Annotated[str | None, typer.Option(help="also write the JSON here")] = None,
+    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", min=1)] = 1,
 ) -> None:
     """Decode-step overhead of repack vs naive vs none (no memory pressure), and of score collection."""
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the JSON
-    report = run_overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats)
+    report = run_overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats, tensor_parallel_size)
     emit(report, out)

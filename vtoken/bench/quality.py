@@ -50,6 +50,7 @@ class QualitySetup:
     sinks: int = 4
     recent: int = 16
     answer_tokens: int = 12
+    tensor_parallel_size: int = 1  # > 1: vLLM's multiprocess executor (start_engine)
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ def run_retrieval(setup: QualitySetup, tokenizer, pts: list[Point], on_phase) ->
         max_len = longest + setup.answer_tokens + 8
         llm = start_engine(setup.model, setup.block_size, tmp, sinks=setup.sinks, recent=setup.recent,
                            seed=setup.seed, check=False, max_model_len=max_len,
+                           tensor_parallel_size=setup.tensor_parallel_size,
                            max_num_batched_tokens=max_len + 256, enable_chunked_prefill=False)
 
         def params_for(extra):
@@ -152,6 +154,7 @@ def run_language_modelling(setup: QualitySetup, tokenizer, pts: list[Point], on_
     with tempfile.TemporaryDirectory(prefix="vtoken-quality-") as tmp:
         llm = start_engine(setup.model, setup.block_size, tmp, sinks=setup.sinks, recent=setup.recent,
                            seed=setup.seed, check=False, max_model_len=setup.window_tokens + 8,
+                           tensor_parallel_size=setup.tensor_parallel_size,
                            max_num_batched_tokens=setup.chunk, enable_chunked_prefill=True)
 
         def params_for(extra):

@@ -45,8 +45,9 @@ class SlotScores:
 
     Attention statistics cover the request's row slots ``0..seq_len-1`` (its dense live keys, in slot
     order) and are ``None`` when they were not asked for; ``key_norm`` holds the step's ``n_queries`` new
-    keys' norms in order, or ``None``; ``window`` covers the row slots too, only on the step that computed
-    the prompt's last token. Plain numpy: it is pickled across the engine's process boundary.
+    keys' norms in order (preceded by those of prefix-cache hits the step was asked for), or ``None``;
+    ``window`` covers the row slots too, only on the step that computed the prompt's last token. Plain
+    numpy: it is pickled across the engine's process boundary.
     """
 
     n_queries: int
@@ -58,9 +59,10 @@ class SlotScores:
     window: np.ndarray | None = None
 
     def by_logical(self, token_at: np.ndarray, first_new: int) -> StepScores:
-        """Map slots to logical positions through the table's ``token_at`` (holes are dropped); the new
-        keys are logical ``first_new .. first_new + n_queries - 1`` (pure)."""
-        new = np.arange(first_new, first_new + self.n_queries, dtype=np.int64) if self.key_norm is not None else None
+        """Map slots to logical positions through the table's ``token_at`` (holes are dropped); the key norms
+        are of logical ``first_new ..`` in order (the new keys, after any cache-hit keys) (pure)."""
+        kn = self.key_norm
+        new = np.arange(first_new, first_new + len(kn), dtype=np.int64) if kn is not None else None
         if self.accumulated is None:
             return StepScores(np.zeros(0, np.int64), self.n_queries, key_norm_logicals=new, key_norm=self.key_norm)
         logicals = np.asarray(token_at[: self.seq_len], dtype=np.int64)

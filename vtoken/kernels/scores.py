@@ -148,6 +148,15 @@ class ScoreAccumulator:
         for rs in self._dec:
             rs.layers += 1
 
+    def linear_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(attention, key norms)``: the step's accumulators that are linear in the per-head values
+        (summed over layers, head means), in an order fixed by the step's requests; tensor parallelism sums
+        them over the ranks in place before ``finish`` (vtoken/vllm/tp.py). Pure."""
+        attention = [rs.probs for rs in self.requests.values() if rs.probs is not None]
+        if self._dec and self._dec_probs is not None:
+            attention.append(self._dec_probs)
+        return attention, [rs.key_norm for rs in self.requests.values() if rs.key_norm is not None]
+
     def finish(self) -> dict[str, SlotScores]:
         """Per request: mean over layers, reduced to the statistics (``SlotScores``, plain numpy, picklable
         across the scheduler↔worker boundary): attention statistics over the row's slots ``0..seq_len-1``

@@ -227,6 +227,12 @@ class TritonScoreAccumulator(ScoreAccumulator):
         _PROBS.launch(kv_cache.device, (nq, tiles), *head, meta["row"], m, den, meta["sums"], meta["rows"],
                       meta["kmax"], *tail, HKV=lay.num_kv_heads, **common)
 
+    def linear_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(attention, key norms)`` (see ``ScoreAccumulator.linear_buffers``): the step's sums and kept
+        query rows, then the key norms. Pure."""
+        norms = [rs.key_norm for rs in self.requests.values() if rs.key_norm is not None]
+        return ([self._meta["sums"], self._meta["rows"]] if self._meta is not None else []), norms
+
     def finish(self) -> dict[str, SlotScores]:
         """Per request: the same ``SlotScores`` as ``ScoreAccumulator.finish`` (pure apart from reading)."""
         meta = self._meta

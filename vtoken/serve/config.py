@@ -51,6 +51,10 @@ class EngineSection(_Section):
         None, ge=1, description="CPU cores each replica's worker binds (VLLM_CPU_OMP_THREADS_BIND by rank)"
     )
     cpu_offset: int = Field(0, ge=0, description="first core used for the per-rank binding")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="TP ranks per replica: the replica reserves one placement-group bundle per rank"
+    )
+    kv_cache_dtype: str = Field("auto", description="vLLM's kv_cache_dtype; vToken refuses quantized caches")
 
 
 class SloSection(_Section):
@@ -93,6 +97,9 @@ class DeploymentSection(_Section):
     health_check_period_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
     graceful_shutdown_timeout_s: float = Field(10.0, ge=0)
+    gpus_per_rank: float = Field(
+        0.0, ge=0, description="GPUs each TP rank reserves (0 on CPU; the KubeRay manifests set 1)"
+    )
 
 
 @dataclass(frozen=True)

@@ -39,13 +39,33 @@ def scoped_env(**values: str):
         envs.disable_envs_cache()
 
 
+def tp_cpu_env(tp: int) -> dict[str, str]:
+    """Environment for a CPU engine with ``tp`` ranks (pure): vLLM's automatic thread binding wants one NUMA
+    node per rank, so unless the caller bound threads explicitly, rank ``r`` binds core ``r mod ncpu``."""
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if bind != "auto":
+        return {}
+    ncpu = os.cpu_count() or 1
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r % ncpu) for r in range(tp))}
+
+
+def tp_engine_kwargs(tp: int) -> tuple[dict, dict[str, str]]:
+    """``(LLM kwargs, environment)`` for an engine with ``tp`` tensor-parallel ranks on this platform (pure):
+    nothing for TP = 1; else vLLM's multiprocess executor and, on CPU, one core per rank (``tp_cpu_env``)."""
+    if tp <= 1:
+        return {}, {}
+    return {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}, tp_cpu_env(tp)
+
+
 def start_engine(model: str, block_size: int, trace_dir: str, *, sinks: int = 4, recent: int = 16,
                  seed: int = 0, max_model_len: int = 1024, check: bool = True, **kwargs):
     """An in-process fp32 vLLM engine with vToken on (hooks enabled; policies come per request).
 
     In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with a 1 GiB KV pool unless the caller's environment
     says otherwise; the environment is only changed while the engine is built. ``check``: run the token
-    table integrity checks every step (tests and ``verify``; benchmarks turn it off)."""
+    table integrity checks every step (tests and ``verify``; benchmarks turn it off). With
+    ``tensor_parallel_size > 1`` the workers run in vLLM's multiprocess executor, one core per rank
+    (``tp_cpu_env``); the engine core stays in this process."""
     from vllm import LLM
 
     from vtoken.vllm import engine_kwargs
@@ -57,6 +77,10 @@ def start_engine(model: str, block_size: int, trace_dir: str, *, sinks: int = 4,
     kw.setdefault("enable_prefix_caching", False)  # paired requests share a prompt: keep their blocks private
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    tp = int(kw.get("tensor_parallel_size", 1))
+    if tp > 1:  # one worker process per rank (vLLM's multiprocess executor), one core each
+        kw.setdefault("distributed_executor_backend", "mp")
+        env.update(tp_cpu_env(tp))
     with scoped_env(**env):
         return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=seed,
                    gpu_memory_utilization=0.5, **kw)

@@ -97,11 +97,24 @@ class RequestState:
     table: TokenTable | None = None  # None before its first step and after a preemption
     preplaced: np.ndarray | None = None  # reuse+repack: slot given to the next token before vLLM scheduled it
     inflight: InFlight = field(default_factory=InFlight)
+    normed: int = 0  # KNorm: logical tokens of the table whose key norms a step has asked for
 
     def drop_table(self) -> None:
         """Preemption: the table, the reservation and the steps in flight go (late scores are dropped)."""
-        self.table, self.preplaced = None, None
+        self.table, self.preplaced, self.normed = None, None, 0
         self.inflight.clear()
+
+    def norm_back(self, computed_before: int, n: int) -> int:
+        """How many keys before this step's ``n`` new ones (logical ``computed_before ..``) need their norms
+        too: the prefix-cache hits a fresh table starts with (also a resumed request's), which no step of
+        this table computed. They sit in the row slots just before the new tokens (no eviction yet), so
+        the worker reads them back from the cache with the new keys (``RequestStep.norm_back``), and the
+        step's record starts at the first of them: they are protected like unobserved tokens until the
+        norms arrive. 0 when the policy reads no key norms. Mutates ``normed``."""
+        if not self.want_key_norm:
+            return 0
+        back, self.normed = computed_before - self.normed, computed_before + n
+        return max(back, 0)
 
 
 def new_request_state(rs: RequestSettings, salt: int, observer: RequestObserver, scores: str) -> RequestState:

@@ -1,5 +1,10 @@
 """The worker side of vToken: a mixin for vLLM's V1 model runner (``GPUModelRunner`` and its CPU subclass).
 
+At start-up, when vLLM builds the KV cache (``initialize_kv_cache``): every attention layer is checked
+(``vtoken.vllm.support.check_attention_layer``: ALiBi, soft cap, sinks, window, quantized cache are refused
+there, so engine construction fails instead of a first request), the layout is probed, the mover built,
+``impl.forward`` wrapped, and with tensor parallelism the score reduction set up (vtoken/vllm/tp.py).
+
 Per step, in the order vLLM calls it::
 
     _update_states(so)     1. run the plan's KV slot moves (before vLLM zeroes or appends blocks: a freed
@@ -14,8 +19,10 @@ Per step, in the order vLLM calls it::
                            instance) folds q·K of the step's queries over the live keys into the accumulator
     execute_model()        after the forward: the new keys' norms, read back from the cache (KNorm; works
                            under FULL CUDA graphs, which do not replay the Python wrapper)
-    sample_tokens()        vLLM's sampling; the scores and move timings ride back on the ModelRunnerOutput
-                           (with async scheduling they are reduced to host arrays when the output is read)
+    sample_tokens()        vLLM's sampling; with TP > 1 the step's score buffers are all-reduced over the
+                           TP group (every rank, same order); the scores and move timings ride back on
+                           the ModelRunnerOutput (with async scheduling they are reduced to host arrays
+                           when the output is read)
 
 Attention kernels are unchanged: live tokens occupy row slots ``0..live-1``, so ``seq_len = live`` is all the
 kernel needs; ``num_computed_tokens`` stays logical (discard mask, sampling, stop checks). The platform
@@ -59,6 +66,7 @@ class VTokenRunnerMixin:
     _vt_norm_sum: torch.Tensor | None = None  # Σ over layers of the new keys' mean-over-heads L2 norms
     _vt_norm_layers: int = 1
     _vt_timer: tuple | None = None  # CUDA events around the moves (read when the result is finished)
+    _vt_tp: object = None  # TPReducer with tensor parallelism (vtoken/vllm/tp.py), else None
 
     # ------------------------------------------------------------------ platform hooks
     def _vt_make_layout(self, layer) -> tuple[object, PagedLayout]:
@@ -72,14 +80,35 @@ class VTokenRunnerMixin:
         """A fresh accumulator for one step's attention statistics."""
         raise NotImplementedError
 
-    # ------------------------------------------------------------------ setup (once, after KV init)
+    # ------------------------------------------------------------------ setup (start-up, at KV init)
+    def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, *args, **kwargs) -> None:
+        """vLLM builds the KV cache; then vToken checks every attention layer and sets up (raises
+        ``ConfigError`` for a model feature vToken refuses: engine construction fails, no request runs)."""
+        super().initialize_kv_cache(kv_cache_config, is_profiling, *args, **kwargs)
+        if not is_profiling and self._vt_enabled():
+            self._vt_setup()
+
+    def _vt_enabled(self) -> bool:
+        from vtoken.vllm.config import EngineSettings
+
+        cfg = self.vllm_config
+        return EngineSettings.from_additional_config(cfg.additional_config, cfg.cache_config.block_size).enabled
+
     def _vt_setup(self) -> None:
+        """Check the layers, probe the layout, build the mover, wrap ``impl.forward`` (mutates the layers'
+        impls; idempotent: a rebuilt cache is set up again)."""
+        from vtoken.vllm.support import check_attention_layer, check_kv_groups
+        from vtoken.vllm.tp import tp_reducer
+
         groups = self.kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise RuntimeError("vToken supports one KV cache group (full attention) only")
+        check_kv_groups(groups)  # hybrid models: ConfigError naming the groups' kinds
         ctx = self.compilation_config.static_forward_context
         layers = [ctx[name] for name in groups[0].layer_names]
+        for name, layer in zip(groups[0].layer_names, layers):
+            check_attention_layer(name, layer.impl)
         self._vt_kv_tensors = tuple(layer.kv_cache for layer in layers)
+        vllm_config = getattr(self, "vllm_config", None)
+        self._vt_tp = tp_reducer(vllm_config) if vllm_config is not None else None
         self._vt_layout, self._vt_paged = self._vt_make_layout(layers[0])
         self._vt_mover = self._vt_make_mover(self._vt_layout)
         for layer in layers:
@@ -93,12 +122,6 @@ class VTokenRunnerMixin:
         impl = layer.impl
         if getattr(impl, "_vtoken_wrapped", False):
             return
-        for attr in ("sinks", "alibi_slopes"):
-            if getattr(impl, attr, None) is not None:
-                raise RuntimeError(f"vToken score collection does not support attention {attr}")
-        window = getattr(impl, "sliding_window", -1)
-        if getattr(impl, "logits_soft_cap", 0) not in (0, None) or window not in (-1, None, (-1, -1)):
-            raise RuntimeError("vToken score collection does not support soft-capping or sliding windows")
         orig = impl.forward
         runner = self
         scale = float(impl.scale)
@@ -127,8 +150,9 @@ class VTokenRunnerMixin:
             plan, None, None, None, None)
         self._vt_result = StepResult(step=plan.step) if plan is not None else None
         if plan:
-            if not self._vt_ready:
-                self._vt_setup()
+            if not self._vt_ready:  # never lazily: every check belongs to start-up (initialize_kv_cache)
+                raise RuntimeError("vToken: a step plan reached a worker that was not set up when its KV cache "
+                                   "was built (worker_cls must be vToken's and additional_config enable it)")
             if plan.num_moves:
                 self._vt_move(plan)
             for rid, keep in plan.truncate.items():
@@ -215,9 +239,14 @@ class VTokenRunnerMixin:
                     want_attention=True, want_key_norm=False, window=rs.window,
                 )
             if rs.key_norm:
-                norms[rid] = (at, at + q1 - q0, int(seq_lens[i]))
+                n = q1 - q0 + rs.norm_back  # norm_back: cache-hit keys before the new ones (row slots)
+                if rs.norm_back:
+                    pos = np.arange(int(seq_lens[i]) - n, int(seq_lens[i]) - (q1 - q0))
+                    phys = rows.block_table.np[i][pos // rows.block_size].astype(np.int64) * rows.block_size
+                    slots.append(self._vt_h2d(phys + pos % rows.block_size).to(rows.slot_mapping.gpu.dtype))
+                norms[rid] = (at, at + n, int(seq_lens[i]))
                 slots.append(rows.slot_mapping.gpu[q0:q1])
-                at += q1 - q0
+                at += n
         self._vt_acc = acc if acc.requests else None
         self._vt_norm_reqs = norms or None
         self._vt_norm_slots = torch.cat(slots) if slots else None
@@ -249,6 +278,8 @@ class VTokenRunnerMixin:
         res, self._vt_result = self._vt_result, None
         if res is None:
             return out
+        if self._vt_tp is not None:  # every rank, same buffers in the same order (the plan fixes them)
+            self._vt_tp.reduce(self._vt_acc, self._vt_norm_sum)
         parts = (res, self._vt_acc, self._vt_norm_reqs, self._vt_norm_sum, self._vt_norm_layers,
                  self._vt_timer)
         self._vt_acc, self._vt_norm_reqs, self._vt_norm_sum, self._vt_timer = None, None, None, None

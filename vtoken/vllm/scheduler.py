@@ -210,12 +210,13 @@ class VTokenScheduler(Scheduler):
             appended = int(slots[0]) == t.live - n and (n == 1 or int(slots[-1]) == t.live - 1)
             prompt = self.requests[rid].num_prompt_tokens
             window = window_queries(prompt, computed_before, n) if st.want_window else 0  # SnapKV's, once
+            back = st.norm_back(computed_before, n)  # KNorm: a fresh table's cache hits (request_state.py)
             if offset or not appended or st.want_attention or st.want_key_norm or window:
                 steps[rid] = RequestStep(
                     offset=offset, slots=None if appended else slots, scores=st.want_attention or window > 0,
-                    key_norm=st.want_key_norm, window=window,
+                    key_norm=st.want_key_norm, window=window, norm_back=back,
                 )
-            st.inflight.add(step, computed_before, t.live, scored=st.want_attention or window > 0)
+            st.inflight.add(step, computed_before - back, t.live, scored=st.want_attention or window > 0)
             held = len(self._vt_manager.req_to_blocks.get(rid, ()))
             if self.vt.check:
                 t.check(dense=True)

@@ -1,34 +1,130 @@
 """Which engine configurations vToken runs, checked when the engine is built (never on a request).
 
-``check_supported`` raises ``ConfigError`` naming the unsupported setting; the vToken scheduler calls it
-from its constructor, so ``LLM(...)`` / ``vllm serve`` fail at start-up with the message.
+Three checks, each raising ``ConfigError`` with a message that names the model or engine feature and says
+what vToken supports (docs/support.md lists every feature):
+
+``check_engine_config(vllm_config)``   what the config alone decides: pipeline / context parallelism,
+                                       speculative decoding, KV connectors, quantized (fp8) KV caches,
+                                       pooling runners, MLA, the vToken worker. Called by the vToken worker's
+                                       constructor (before the model loads), by the scheduler, and by
+                                       ``vtoken serve`` before it starts anything (``preflight``).
+``check_supported(vllm_config, kv)``   the above plus the KV cache spec vLLM built from the model: one group,
+                                       exactly ``FullAttentionSpec`` (not MLA or another subclass), no
+                                       sliding window, no chunked local attention, no non-causal layers,
+                                       K and V of one head size, no packed or quantized pages. Called by the
+                                       vToken scheduler's constructor.
+``check_attention_layer(name, impl)``  each attention layer's implementation, when the worker's KV cache is
+                                       built: no ALiBi, soft-capping, attention sinks, sliding window,
+                                       quantized cache, cross/encoder attention. Called by the runner's
+                                       ``_vt_setup`` (``initialize_kv_cache``), with the layout probe.
+
+vLLM raises these from engine construction, so ``LLM(...)`` / ``AsyncLLM`` / ``vllm serve`` fail at start-up
+and no request ever reaches a configuration vToken cannot keep exact. Pure: reads the objects only.
 """
 
 from __future__ import annotations
 
 from vtoken.errors import ConfigError
 
+SUPPORTED = ("vToken supports decoder-only generation models whose layers all use causal full attention "
+             "over one unquantized KV cache (fp32/fp16/bf16), tensor parallelism, pipeline parallel size 1; "
+             "see docs/support.md")
+# FullAttentionSpec fields that may take any value (sizes and bookkeeping vToken reads through the layout)
+SPEC_FREE_FIELDS = frozenset({"block_size", "block_stride_alignment", "num_kv_heads", "head_size", "dtype",
+                              "head_size_v", "dcp_sharded", "max_tp_shards", "page_size_padded"})
 
-def check_supported(vllm_config, kv_cache_config) -> None:
-    """Refuse configurations vToken cannot keep exact (raises ``ConfigError``)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
+def _refuse(feature: str) -> None:
+    raise ConfigError(f"vToken cannot run this engine: {feature}. {SUPPORTED}")
+
+
+def check_engine_config(vllm_config) -> None:
+    """Refuse what the engine's config alone shows vToken cannot keep exact (raises ``ConfigError``)."""
     from vtoken.vllm.internals import is_vtoken_worker
 
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec) or isinstance(
-        groups[0].kv_cache_spec, SlidingWindowSpec
-    ):
-        raise ConfigError("vToken supports models with one full-attention KV cache group only")
+    pc, mc, cc = vllm_config.parallel_config, vllm_config.model_config, vllm_config.cache_config
+    if pc.pipeline_parallel_size > 1:
+        _refuse(f"pipeline parallelism (pipeline_parallel_size={pc.pipeline_parallel_size}): the step's "
+                "moves, truncations and score reduction are implemented per tensor-parallel group only; "
+                "use tensor parallelism")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(pc, name, 1) > 1:
+            _refuse(f"context parallelism ({name}={getattr(pc, name)}) shards a request's tokens over ranks")
     if vllm_config.speculative_config is not None:
-        raise ConfigError("vToken does not support speculative decoding (drafters compute logical slots)")
-    pc = vllm_config.parallel_config
-    if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
-        raise ConfigError("vToken runs with tensor/pipeline parallel size 1 only (scores are not all-reduced yet)")
+        _refuse("speculative decoding (drafters compute logical slots)")
     if vllm_config.kv_transfer_config is not None:
-        raise ConfigError("vToken does not support KV connectors (they assume append-only block rows)")
+        _refuse("KV connectors (they assume append-only block rows)")
+    if str(cc.cache_dtype) != "auto":
+        _refuse(f"a quantized KV cache (kv_cache_dtype={cc.cache_dtype!r}): slot moves and scores read "
+                "unquantized K/V; use kv_cache_dtype='auto'")
+    if mc is not None and getattr(mc, "runner_type", "generate") != "generate":
+        _refuse(f"a {mc.runner_type!r} runner (embedding/pooling models): eviction shortens the sequence "
+                "the pooler waits for; serve pooling models without vToken (mode 'none')")
+    if mc is not None and mc.use_mla:
+        _refuse("multi-head latent attention (MLA) caches one latent per token, not per-head K/V")
     if not is_vtoken_worker(pc.worker_cls):
         raise ConfigError(
             f"vToken's scheduler needs vToken's worker, got worker_cls={pc.worker_cls!r}; "
             "pass worker_cls='vtoken.vllm.worker.VTokenWorker' (see vtoken.vllm.engine_kwargs)"
         )
+
+
+def check_kv_spec(spec) -> None:
+    """Refuse a KV cache spec other than plain causal full attention (raises ``ConfigError``)."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
+
+    if type(spec) is not FullAttentionSpec:
+        _refuse(f"the model's attention layers use {type(spec).__name__} (sliding window, chunked local, "
+                "MLA, Mamba and other KV cache kinds are not supported)")
+    if spec.sliding_window is not None:
+        _refuse(f"sliding-window attention (window {spec.sliding_window}; a full-attention KV cache with a "
+                "window, e.g. with the hybrid KV cache manager disabled)")
+    if spec.attention_chunk_size is not None:
+        _refuse(f"chunked local attention (attention_chunk_size={spec.attention_chunk_size})")
+    if spec.non_causal:
+        _refuse("non-causal (bidirectional / prefix-LM) attention layers")
+    if spec.kv_quant_mode != KVQuantMode.NONE:
+        _refuse(f"a quantized KV cache ({spec.kv_quant_mode.name})")
+    if spec.head_size_v != spec.head_size:
+        _refuse(f"different K and V head sizes ({spec.head_size} / {spec.head_size_v})")
+    default = FullAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                                head_size=spec.head_size, dtype=spec.dtype)
+    for f in dataclasses.fields(spec):
+        if f.name not in SPEC_FREE_FIELDS and getattr(spec, f.name) != getattr(default, f.name):
+            _refuse(f"a KV cache spec variant vToken has not proven ({f.name}={getattr(spec, f.name)!r})")
+
+
+def check_supported(vllm_config, kv_cache_config) -> None:
+    """Refuse configurations vToken cannot keep exact (raises ``ConfigError``); see the module docstring."""
+    check_engine_config(vllm_config)
+    check_kv_groups(kv_cache_config.kv_cache_groups)
+    check_kv_spec(kv_cache_config.kv_cache_groups[0].kv_cache_spec)
+
+
+def check_kv_groups(groups) -> None:
+    """Refuse more than one KV cache group (hybrid models; raises ``ConfigError``)."""
+    if len(groups) != 1:
+        kinds = ", ".join(sorted({type(g.kv_cache_spec).__name__ for g in groups}))
+        _refuse(f"{len(groups)} KV cache groups ({kinds}): hybrid models (sliding-window and full layers, "
+                "Mamba) are not supported")
+
+
+def check_attention_layer(name: str, impl) -> None:
+    """Refuse an attention layer implementation whose attention vToken's scores or layout cannot reproduce
+    (raises ``ConfigError``); ``impl`` is the layer's ``AttentionImpl`` (``layer.impl``)."""
+    if getattr(impl, "alibi_slopes", None) is not None:
+        _refuse(f"ALiBi position biases (layer {name})")
+    if getattr(impl, "logits_soft_cap", None) not in (None, 0, 0.0):
+        _refuse(f"attention logit soft-capping (layer {name}, soft cap {impl.logits_soft_cap})")
+    if getattr(impl, "sinks", None) is not None:
+        _refuse(f"learned attention sinks (layer {name})")
+    window = getattr(impl, "sliding_window", None)
+    if window not in (None, -1, (-1, -1)):
+        _refuse(f"sliding-window attention (layer {name}, window {window})")
+    if str(getattr(impl, "kv_cache_dtype", "auto")) != "auto":
+        _refuse(f"a quantized KV cache (layer {name}, kv_cache_dtype={impl.kv_cache_dtype!r})")
+    attn_type = str(getattr(impl, "attn_type", "decoder")).lower()
+    if "decoder" not in attn_type or "encoder" in attn_type:
+        _refuse(f"{attn_type} attention (layer {name}); only causal decoder self-attention is supported")

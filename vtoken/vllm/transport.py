@@ -37,6 +37,8 @@ class RequestStep:
     slots: np.ndarray | None = None  # row-relative slots of the new tokens when not simply appended (reuse)
     scores: bool = False  # collect the attention statistics over the live keys
     key_norm: bool = False  # collect the new keys' L2 norms
+    norm_back: int = 0  # with key_norm: also the norms of the ``norm_back`` keys just before the new ones
+    # (row slots seq_len - n - norm_back ..): prefix-cache hits of a fresh table, computed by no step of it
     window: int = 0  # > 0: the step's first ``window`` queries end the prompt (it computes the prompt's last
     # token): collect the observation-window statistic, Σ over the last ≤ OBSERVATION_WINDOW of them
 

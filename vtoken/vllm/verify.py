@@ -152,11 +152,13 @@ def run_cases(
     llm=None,
     trace_dir: str | None = None,
     reference_model=None,
+    tensor_parallel_size: int = 1,
 ) -> list[VerifyResult]:
     """Run ``cases`` as concurrent requests in one engine and check each against the HF reference.
 
     ``llm``: an existing in-process ``vllm.LLM`` started with ``engine_kwargs(..., trace_dir=trace_dir)``
-    (its engine-level policy is overridden per request); if ``None``, one is started here.
+    (its engine-level policy is overridden per request); if ``None``, one is started here, with
+    ``tensor_parallel_size`` ranks (> 1: vLLM's multiprocess executor, ``start_engine``).
     """
     from vllm import SamplingParams
 
@@ -174,7 +176,8 @@ def run_cases(
     if own:
         tmp = tempfile.TemporaryDirectory(prefix="vtoken-verify-")
         trace_dir = tmp.name
-        llm = start_engine(model, block_size, trace_dir, sinks=sinks, recent=recent, seed=seed)
+        tp = {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}
+        llm = start_engine(model, block_size, trace_dir, sinks=sinks, recent=recent, seed=seed, **tp)
     assert trace_dir is not None, "pass the trace_dir the engine was started with"
     salt = zlib.crc32(bytes(np.asarray(prompt, np.int64)))  # same prompt ⇒ same salt ⇒ paired decisions
     requests = []

@@ -1,6 +1,7 @@
 """``vtoken verify``: check vToken in vLLM against the masked Hugging Face reference, from the command line.
 
-``vtoken verify --model PATH --policy P --budget F --mode M --block-size B --seed S [--granularity G] --json``
+``vtoken verify --model PATH --policy P --budget F --mode M --block-size B --seed S [--granularity G]
+[--tensor-parallel-size N] --json``
 
 Runs the requested mode and, paired with it, ``naive`` (``repack`` when naive is the one requested; same
 prompt, policy and salt) through
@@ -43,6 +44,9 @@ def verify(
     sinks: Annotated[int, typer.Option(help="protected first tokens")] = 4,
     recent: Annotated[int, typer.Option(help="protected last tokens")] = 16,
     granularity: Annotated[str, typer.Option(help="token | block (evict whole original blocks)")] = "token",
+    tensor_parallel_size: Annotated[
+        int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="TP ranks (CPU: one core and process each)")
+    ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """Run vToken in vLLM, replay through HF with the same keys masked, and compare (exit 1 on mismatch)."""
@@ -71,7 +75,7 @@ def verify(
     label = f"verifying {policy} {m.value} (+ paired {partner.value}) in vLLM and HF …"
     with Console(stderr=True).status(label):
         results = run_cases(path, block_size, cases, prompt_len=prompt_len, max_tokens=max_tokens,
-                            sinks=sinks, recent=recent, seed=seed)
+                            sinks=sinks, recent=recent, seed=seed, tensor_parallel_size=tensor_parallel_size)
     main, paired = results
     naive = main if m is Mode.NAIVE else paired
     report = {
@@ -83,6 +87,7 @@ def verify(
         "granularity": g,
         "block_size": block_size,
         "seed": seed,
+        "tensor_parallel_size": tensor_parallel_size,
         "match": main.match,
         "max_abs_logprob_diff": main.max_abs_logprob_diff,
         "steps": main.steps,

@@ -10,8 +10,9 @@ implementation for vLLM's current platform (``platform_worker_class``)::
            VTokenGPUModelRunner (layout from the cache view's strides, Triton mover and scores;
            vtoken/vllm/gpu_worker.py, imported only there)
 
-Before vLLM's own constructor runs, ``VTokenWorker.__init__`` validates the vToken settings (a bad value
-fails start-up in seconds, before the model loads) and applies the engine choices of
+Before vLLM's own constructor runs, ``VTokenWorker.__init__`` validates the vToken settings and refuses
+engine configurations vToken cannot keep exact (``check_engine_config``: a bad value or an unsupported
+feature fails start-up in seconds, before the model loads) and applies the engine choices of
 ``vtoken.vllm.engine_setup`` to this engine's config: vLLM's V1 model runner, and PIECEWISE CUDA graphs
 for attention policies. Nothing is patched at import time or globally.
 """
@@ -44,6 +45,10 @@ class VTokenWorker(Worker):
         # The scheduler, which owns the settings, is built after the KV cache is sized: validate here too.
         settings = EngineSettings.from_additional_config(vllm_config.additional_config,
                                                          vllm_config.cache_config.block_size)
+        if settings.enabled:  # what the config alone refuses, before the model loads (vtoken/vllm/support.py)
+            from vtoken.vllm.support import check_engine_config
+
+            check_engine_config(vllm_config)
         prepare_engine(vllm_config, settings)  # V1 runner, CUDA-graph mode: before vLLM reads them
         super().__init__(vllm_config, *args, **kwargs)
 

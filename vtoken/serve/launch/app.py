@@ -6,6 +6,7 @@
                                               num_replicas | autoscaling_config (KVAutoscalingPolicy)
                                               request_router_config (KVAwareRouter)
                                               ray_actor_options, max_ongoing/queued_requests, health
+                                              placement_group_bundles (TP ranks, replica_bundles)
                    ──bind(cfg)────────────────▶ Application
 
 Everything that can fail on a bad config fails here, at build time (``serve run``/``serve build``/
@@ -38,6 +39,10 @@ def deployment_options(cfg: ServeAppConfig) -> dict[str, Any]:
     )
     if d.max_replicas_per_node is not None:
         opts["max_replicas_per_node"] = d.max_replicas_per_node
+    bundles = replica_bundles(cfg)
+    if bundles is not None:
+        opts["placement_group_bundles"] = bundles
+        opts["placement_group_strategy"] = "STRICT_PACK"  # the ranks of one replica share a node
     if a.enabled:
         policy = AutoscalingPolicy(policy_function=POLICY_CLASS, policy_kwargs=a.params.kwargs())
         opts["autoscaling_config"] = AutoscalingConfig(**a.serve_options(), policy=policy)
@@ -51,6 +56,19 @@ def deployment_options(cfg: ServeAppConfig) -> dict[str, Any]:
             request_routing_stats_timeout_s=r.stats_timeout_s,
         )
     return opts
+
+
+def replica_bundles(cfg: ServeAppConfig) -> list[dict[str, float]] | None:
+    """The placement-group bundles one replica reserves (pure), as Ray Serve's LLM deployments do: the
+    replica actor's own bundle (its ``ray_actor_options``), then one bundle per tensor-parallel rank — one
+    core each on CPU (vLLM's multiprocess executor binds one rank per core), plus ``gpus_per_rank`` GPUs on
+    GPU machines (vLLM's Ray executor places its workers in these bundles). ``None`` for TP = 1 without GPUs
+    (the plain ``ray_actor_options`` reservation)."""
+    e, d = cfg.engine, cfg.deployment
+    if e.tensor_parallel_size == 1 and not d.gpus_per_rank:
+        return None
+    rank = {"CPU": 1.0, **({"GPU": float(d.gpus_per_rank)} if d.gpus_per_rank else {})}
+    return [{"CPU": float(d.num_cpus)}] + [dict(rank) for _ in range(e.tensor_parallel_size)]
 
 
 def build_app(cfg: ServeAppConfig | dict | None = None):

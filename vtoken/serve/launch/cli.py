@@ -82,7 +82,15 @@ def serve(
     ctx.obj = cfg
     if ctx.invoked_subcommand is not None:
         return
+    from vtoken.errors import ConfigError
     from vtoken.serve.launch.local import PortInUseError, run_local
+    from vtoken.serve.replica.engine import preflight, resolve_model_path
+
+    try:  # an engine configuration vToken refuses stops here, before Ray or any replica starts
+        preflight(cfg, resolve_model_path(cfg.model))
+    except ConfigError as exc:
+        typer.echo(f"vtoken serve: {exc}", err=True)
+        raise typer.Exit(2) from None
 
     try:
         run_local(cfg, host=host, port=port, dashboard=dashboard, echo=typer.echo)

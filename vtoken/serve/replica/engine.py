@@ -64,6 +64,11 @@ def engine_args(cfg: ServeAppConfig, model_path: str) -> dict[str, Any]:
         max_num_seqs=e.max_num_seqs,
         disable_log_stats=False,  # the stat-logger path feeds routing, autoscaling and metrics
     )
+    if e.tensor_parallel_size > 1:  # ranks in the replica's placement-group bundles (launch/app.py)
+        kwargs["tensor_parallel_size"] = e.tensor_parallel_size
+        kwargs["distributed_executor_backend"] = "ray" if cfg.deployment.gpus_per_rank else "mp"
+    if e.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = e.kv_cache_dtype
     if e.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = e.max_num_batched_tokens
     if e.enable_prefix_caching is not None:
@@ -88,7 +93,27 @@ def cpu_binding(cfg: ServeAppConfig, local_rank: int, ncpu: int | None = None) -
     per = cfg.engine.threads_per_replica or max(1, (ncpu - cfg.engine.cpu_offset) // max(1, most))
     first = (cfg.engine.cpu_offset + local_rank * per) % ncpu
     last = min(ncpu - 1, first + per - 1)
+    tp = cfg.engine.tensor_parallel_size
+    if tp > 1:  # one list per TP rank, '|'-separated (vLLM's CPU worker r binds list r)
+        cores = list(range(first, last + 1))
+        n = max(1, len(cores) // tp)
+        ranks = [cores[r * n : (r + 1) * n] if len(cores) >= tp else [cores[r % len(cores)]] for r in range(tp)]
+        return "|".join(str(c[0]) if len(c) == 1 else f"{c[0]}-{c[-1]}" for c in ranks)
     return str(first) if first == last else f"{first}-{last}"
+
+
+def preflight(cfg: ServeAppConfig, model_path: str) -> None:
+    """Refuse, before anything starts, an engine configuration vToken cannot keep exact (raises
+    ``ConfigError`` naming the feature; ``vtoken serve`` exits with it). Builds vLLM's engine config from
+    ``engine_args`` (reads the model's config, loads no weights) and runs vToken's start-up check on it;
+    nothing to check with vToken off (mode ``none``)."""
+    if not cfg.vtoken.mode.evicts:
+        return
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from vtoken.vllm.support import check_engine_config
+
+    check_engine_config(AsyncEngineArgs(**engine_args(cfg, model_path)).create_engine_config())
 
 
 def bind_cpus(cfg: ServeAppConfig, local_rank: int) -> str:

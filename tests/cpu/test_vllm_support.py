@@ -1,0 +1,162 @@
+"""Start-up refusals (vtoken/vllm/support.py): every engine configuration vToken cannot keep exact fails
+when the engine is constructed, with a message naming the feature, so no request ever reaches it.
+
+Unit tests check ``check_kv_spec`` / ``check_attention_layer`` with hand-built specs and layer
+implementations (features only special models have: ALiBi, soft cap, sinks, MLA, chunked local attention),
+``check_engine_config`` with the ``VllmConfig`` vLLM builds for each refused option; the engine tests
+build ``vllm.LLM`` (in-process, tiny Llama) with vToken's ``engine_kwargs`` for each row of ``REFUSED``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+
+from vtoken.errors import ConfigError
+from vtoken.vllm.support import check_attention_layer, check_engine_config, check_kv_spec
+
+# feature -> (extra engine kwargs, the words the refusal must contain)
+REFUSED = {
+    "fp8_kv_cache": ({"kv_cache_dtype": "fp8"}, "quantized KV cache"),
+    "pipeline_parallel": ({"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"},
+                          "pipeline parallelism"),
+    "pooling_runner": ({"runner": "pooling"}, "'pooling' runner"),
+    "speculative_decoding": ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                                                     "prompt_lookup_max": 3, "prompt_lookup_min": 1}},
+                             "speculative decoding"),
+    "sliding_window": ({"disable_hybrid_kv_cache_manager": True}, "sliding-window attention"),
+    "hybrid_sliding_and_full": ({}, "2 KV cache groups (FullAttentionSpec, SlidingWindowSpec)"),
+}
+SLIDING_MODEL = ("sliding_window", "hybrid_sliding_and_full")
+
+
+# ------------------------------------------------------------------------------ unit: KV specs
+def _spec(cls_name: str = "FullAttentionSpec", **kw):
+    import torch
+    from vllm.v1 import kv_cache_interface as kvi
+
+    base = {"block_size": 32, "num_kv_heads": 2, "head_size": 32, "dtype": torch.float32}
+    return getattr(kvi, cls_name)(**base, **kw)
+
+
+def test_plain_full_attention_spec_is_accepted():
+    check_kv_spec(_spec())
+
+
+@pytest.mark.parametrize("cls_name,kw,needle", [
+    ("FullAttentionSpec", {"sliding_window": 64}, "sliding-window attention"),
+    ("FullAttentionSpec", {"attention_chunk_size": 64}, "chunked local attention"),
+    ("FullAttentionSpec", {"non_causal": True}, "non-causal"),
+    ("FullAttentionSpec", {"kv_quant_mode": "FP8_PER_TENSOR"}, "quantized KV cache"),
+    ("FullAttentionSpec", {"head_size_v": 16}, "different K and V head sizes"),
+    ("SlidingWindowSpec", {"sliding_window": 64}, "SlidingWindowSpec"),
+    ("ChunkedLocalAttentionSpec", {"attention_chunk_size": 64}, "ChunkedLocalAttentionSpec"),
+    ("MLAAttentionSpec", {}, "MLAAttentionSpec"),
+])
+def test_kv_spec_variants_are_refused_by_name(cls_name, kw, needle):
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    if "kv_quant_mode" in kw:
+        kw = {**kw, "kv_quant_mode": KVQuantMode[kw["kv_quant_mode"]]}
+    with pytest.raises(ConfigError, match=needle):
+        check_kv_spec(_spec(cls_name, **kw))
+
+
+# ------------------------------------------------------------------------------ unit: layer impls
+def _impl(**kw):
+    base = {"alibi_slopes": None, "logits_soft_cap": None, "sinks": None, "sliding_window": None,
+            "kv_cache_dtype": "auto", "attn_type": "decoder"}
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_plain_decoder_layer_is_accepted():
+    check_attention_layer("model.layers.0.self_attn.attn", _impl())
+    check_attention_layer("l", _impl(sliding_window=-1, logits_soft_cap=0.0))
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"alibi_slopes": [0.5, 0.25]}, "ALiBi"),
+    ({"logits_soft_cap": 50.0}, "soft-capping"),
+    ({"sinks": [0.0, 0.0]}, "attention sinks"),
+    ({"sliding_window": 64}, "sliding-window attention"),
+    ({"sliding_window": (63, 0)}, "sliding-window attention"),
+    ({"kv_cache_dtype": "fp8_e4m3"}, "quantized KV cache"),
+    ({"attn_type": "encoder_only"}, "encoder_only attention"),
+    ({"attn_type": "encoder_decoder"}, "encoder_decoder attention"),
+])
+def test_layer_features_are_refused_by_name(kw, needle):
+    with pytest.raises(ConfigError, match=needle) as e:
+        check_attention_layer("model.layers.1.self_attn.attn", _impl(**kw))
+    assert "model.layers.1.self_attn.attn" in str(e.value) and "docs/support.md" in str(e.value)
+
+
+# ------------------------------------------------------------------------------ engine construction
+@pytest.fixture(scope="module")
+def sliding_llama(tiny_llama):
+    """Tiny Llama whose first layer is a sliding-window layer (``layer_types``): with vLLM's hybrid KV cache
+    manager disabled its only KV group is a FullAttentionSpec *with* a window."""
+    d = tempfile.mkdtemp(prefix="vtoken-sliding-")
+    shutil.copytree(tiny_llama, d, dirs_exist_ok=True)
+    cfg = json.loads((tiny_llama / "config.json").read_text())
+    cfg.update(sliding_window=64, layer_types=["sliding_attention", "full_attention"])
+    with open(f"{d}/config.json", "w") as f:
+        json.dump(cfg, f)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _model_for(feature, tiny_llama, sliding_llama):
+    return sliding_llama if feature in SLIDING_MODEL else str(tiny_llama)
+
+
+def _kwargs(feature):
+    from vtoken.core.config import VTokenConfig
+    from vtoken.vllm import engine_kwargs
+
+    kw = engine_kwargs(VTokenConfig(policy="knorm", budget=0.5, mode="repack", block_size=32))
+    kw.update(REFUSED[feature][0])
+    return kw
+
+
+@pytest.mark.parametrize("feature", [f for f in REFUSED if f not in SLIDING_MODEL])
+def test_engine_config_refusals_name_the_feature(feature, tiny_llama):
+    """``check_engine_config`` on the ``VllmConfig`` vLLM itself builds from the user's options."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    kw = _kwargs(feature)
+    vcfg = EngineArgs(model=str(tiny_llama), dtype="float32", max_model_len=512, **kw).create_engine_config()
+    with pytest.raises(ConfigError, match=REFUSED[feature][1]):
+        check_engine_config(vcfg)
+
+
+@pytest.mark.parametrize("feature", list(REFUSED))
+def test_a_refused_feature_never_reaches_a_first_request(feature, tiny_llama, sliding_llama, capfd):
+    """For every row of the refusal table, constructing the engine (vLLM's ``LLM``, in-process, vToken's
+    ``engine_kwargs``) raises vToken's ``ConfigError`` — so no request can be submitted to it — and the
+    error names the feature (with worker processes, PP: vLLM's start-up error, the worker's message in
+    its log)."""
+    from vllm import LLM
+
+    from vtoken.vllm.launch import scoped_env, tp_cpu_env
+
+    llm = None
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **tp_cpu_env(2)}
+    with pytest.raises(Exception) as e, scoped_env(**env):
+        llm = LLM(model=_model_for(feature, tiny_llama, sliding_llama), dtype="float32", enforce_eager=True,
+                  max_model_len=512, gpu_memory_utilization=0.5, **_kwargs(feature))
+    assert llm is None
+    if "distributed_executor_backend" in REFUSED[feature][0]:  # worker processes: vLLM re-raises generically,
+        assert "initialization failed" in str(e.value)  # the worker's ConfigError is in its log
+        cap = capfd.readouterr()
+        text = cap.out + cap.err
+        assert "ConfigError: vToken cannot run this engine" in text
+    else:
+        assert isinstance(e.value, ConfigError), repr(e.value)
+        text = str(e.value)
+    assert REFUSED[feature][1] in text and "docs/support.md" in text, text
+    gc.collect()

@@ -1,0 +1,89 @@
+"""Tensor parallelism on vLLM's CPU platform (multiprocess executor, one core per rank, 1 GiB KV pool):
+with TP = 2 every policy generates exactly the TP = 1 tokens and matches the masked Hugging Face reference,
+on a GQA model (tiny Llama, 2 KV heads: one per rank) and an MQA model (tiny Qwen2, 1 KV head replicated on
+both ranks: its key norms must not be counted twice). Scores are all-reduced over the TP group
+(vtoken/vllm/tp.py); one TP = 2 engine per model.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+from vtoken.vllm.launch import start_engine
+from vtoken.vllm.verify import VerifyCase, run_cases
+
+pytestmark = pytest.mark.slow
+
+POLICIES = ["h2o", "tova", "scissorhands", "knorm", "random", "streamingllm"]
+CASES = [VerifyCase(p, "repack", 0.3) for p in POLICIES] + [VerifyCase("knorm", "naive", 0.3)]
+TOL = 1e-4
+
+
+def _run(path, tp: int, trace_dir: str, ref):
+    os.makedirs(trace_dir, exist_ok=True)
+    llm = start_engine(str(path), 32, trace_dir, tensor_parallel_size=tp)
+    try:
+        return run_cases(path, 32, CASES, llm=llm, trace_dir=trace_dir, prompt_len=182, max_tokens=24,
+                         reference_model=ref)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tp2_equals_tp1_and_the_masked_reference(arch, tmp_path):
+    from vtoken.models.hf_reference import load_reference_model
+    from vtoken.models.tiny import tiny_model
+
+    path = tiny_model(arch)
+    ref = load_reference_model(path)
+    one = _run(path, 1, str(tmp_path / "tp1"), ref)
+    two = _run(path, 2, str(tmp_path / "tp2"), ref)
+    for a, b in zip(one, two):
+        key = b.case.key()
+        assert b.evicted_tokens > 0, key
+        assert b.match and b.max_abs_logprob_diff <= TOL, (key, b.max_abs_logprob_diff)
+        assert b.tokens == a.tokens, f"{key}: TP=2 tokens differ from TP=1"
+        assert b.evicted_tokens == a.evicted_tokens and b.moves == a.moves, key
+        assert b.paired_naive_match is not False, key
+
+
+def test_vtoken_verify_tensor_parallel_cli():
+    """`vtoken verify --tensor-parallel-size 2 --json`: the same report, exact, on the MQA model."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cmd = [str(Path(sys.executable).with_name("vtoken")), "verify", "--model", "tiny-qwen2", "--policy", "knorm",
+           "--budget", "0.3", "--mode", "repack", "--tensor-parallel-size", "2", "--json"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=500,
+                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["tensor_parallel_size"] == 2 and report["match"] and report["paired_naive_match"]
+    assert report["evicted_tokens"] > 0 and report["max_abs_logprob_diff"] <= TOL
+
+
+def test_vtoken_bench_capacity_tensor_parallel():
+    """`vtoken bench capacity --tensor-parallel-size 2`: the same report (its setup fields gain tensor_parallel_size), and
+    the probes and the burst run on the TP = 2 engine (every request of the burst finishes)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cmd = [str(Path(sys.executable).with_name("vtoken")), "bench", "capacity", "--kv-blocks", "12", "--prompt-len",
+           "64", "--gen-len", "16", "--requests", "4", "--repeats", "1", "--modes", "repack",
+           "--tensor-parallel-size", "2"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert "--tensor-parallel-size 2" in report["command"]
+    assert report["tensor_parallel_size"] == 2
+    burst = report["modes"]["repack"]["burst"]
+    assert burst["finished"] == burst["requests"] == 4 and report["modes"]["repack"]["max_feasible_concurrency"] >= 1
