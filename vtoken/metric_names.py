@@ -108,6 +108,12 @@ RECLAIMED_BLOCKS = Metric("vtoken:reclaimed_blocks", COUNTER, "Blocks returned t
                           "blocks")
 REPACK_MOVES = Metric("vtoken:repack_moves", COUNTER, "KV slot moves executed by repacks", "moves")
 REPACK_PLANS = Metric("vtoken:repack_plans", COUNTER, "Repack plans executed", "plans")
+COW_BLOCKS = Metric("vtoken:cow_blocks", COUNTER,
+                    "Prefix-cached blocks replaced by a copy instead of rewritten (left in the prefix cache)", "blocks")
+COW_MOVES = Metric("vtoken:cow_moves", COUNTER, "KV slot copies made to keep prefix-cached blocks intact "
+                   "(included in repack_moves)", "moves")
+COW_FALLBACKS = Metric("vtoken:cow_fallbacks", COUNTER,
+                       "Prefix-cached blocks un-hashed and rewritten in place (no free replacement block)", "blocks")
 
 # --------------------------------------------- vToken SLA series (updated once per finished request)
 REQUESTS = Metric("vtoken:requests", COUNTER, "Finished requests judged against the SLO", "requests")
@@ -124,7 +130,7 @@ ROUTING_STATS_POLLS = Metric("vtoken:routing_stats_polls", COUNTER,
 
 KV_GAUGES = (LIVE_TOKENS, HELD_BLOCKS, PACKING_BOUND_BLOCKS, NAIVE_BLOCKS, POOL_BLOCKS, FREE_KV_TOKENS,
              FRAGMENTATION_RATIO, KV_UTILIZATION, STATS_AGE_SECONDS)
-KV_COUNTERS = (EVICTED_TOKENS, RECLAIMED_BLOCKS, REPACK_MOVES, REPACK_PLANS)
+KV_COUNTERS = (EVICTED_TOKENS, RECLAIMED_BLOCKS, REPACK_MOVES, REPACK_PLANS, COW_BLOCKS, COW_MOVES, COW_FALLBACKS)
 SLA_METRICS = (REQUESTS, SLO_MET, TTFT_SECONDS, TPOT_SECONDS, E2E_SECONDS, REPACK_SECONDS, ROUTING_STATS_POLLS)
 VTOKEN_METRICS = KV_GAUGES + KV_COUNTERS + SLA_METRICS  # everything a replica exports, exposition order
 

@@ -90,7 +90,7 @@ def test_capacity_bad_input_exits_2_naming_the_value(args, named):
     assert run.stdout == ""
 
 
-@pytest.mark.parametrize("command", [["bench", "overhead"], ["verify", "--model", "tiny-llama", "--json"]])
+@pytest.mark.parametrize("command", [["bench", "overhead"], ["bench", "prefix"], ["verify", "--model", "tiny-llama", "--json"]])
 def test_engine_commands_refuse_a_block_size_the_cpu_backend_cannot_run(command):
     run = vtoken(*command, "--block-size", "16", timeout=120)
     assert run.returncode == 2 and "multiple of 32 on vLLM's CPU backend, got 16" in run.stderr, run.stderr[-2000:]

@@ -23,7 +23,7 @@ VOCAB = 500
 
 
 def make_scheduler(block_size=8, num_blocks=64, async_scheduling=True, vtoken=None, max_num_seqs=8,
-                   max_batched=64, cudagraph_mode=None):
+                   max_batched=64, cudagraph_mode=None, prefix_caching=False):
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -39,7 +39,7 @@ def make_scheduler(block_size=8, num_blocks=64, async_scheduling=True, vtoken=No
     sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
                                 max_model_len=512, enable_chunked_prefill=True, is_encoder_decoder=False)
     cfg = VllmConfig(model_config=model, scheduler_config=sched_cfg,
-                     cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
+                     cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
                      additional_config={"vtoken": settings})
     cfg.scheduler_config.async_scheduling = async_scheduling  # the CPU platform forces it off; CUDA's default
     cfg.parallel_config.worker_cls = WORKER_CLS
@@ -57,14 +57,19 @@ def make_scheduler(block_size=8, num_blocks=64, async_scheduling=True, vtoken=No
                            log_stats=True)
 
 
-def make_request(rid, prompt_len, max_tokens, **overrides):
+def make_request(rid, prompt_len, max_tokens, prefix=(), block_size=8, **overrides):
+    """A request with a random prompt (after ``prefix``) and vLLM's block hasher (prefix caching)."""
     from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
     rng = np.random.default_rng(abs(hash(rid)) % 2**32)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args={"vtoken": overrides})
-    return Request(request_id=rid, prompt_token_ids=rng.integers(10, VOCAB, prompt_len).tolist(),
-                   sampling_params=params, pooling_params=None)
+    prompt = list(prefix) + rng.integers(10, VOCAB, prompt_len - len(prefix)).tolist()
+    init_none_hash(sha256)
+    return Request(request_id=rid, prompt_token_ids=prompt, sampling_params=params, pooling_params=None,
+                   block_hasher=get_request_block_hasher(block_size, sha256))
 
 
 class FakeWorker:
@@ -74,6 +79,7 @@ class FakeWorker:
         self.B = block_size
         self.kv: dict[int, tuple[str, int]] = {}
         self.rows: dict[str, list[int]] = {}
+        self.prompts: dict[str, list[int]] = {}  # prefix-cache hits read slots another request wrote
         self.steps_run = 0
 
     def phys(self, row: list[int], slot: int) -> int:
@@ -91,6 +97,9 @@ class FakeWorker:
             values = [self.kv.get(int(s)) for s in plan.src]
             for d, v in zip(plan.dst.tolist(), values):
                 self.kv[d] = v
+        for rid, blocks in (plan.replace if plan is not None else {}).items():
+            for index, block_id in blocks.items():
+                self.rows[rid][index] = block_id
         for rid, keep in (plan.truncate if plan is not None else {}).items():
             del self.rows[rid][keep:]
         for rid in so.finished_req_ids:
@@ -98,6 +107,7 @@ class FakeWorker:
         first = {}
         for nr in so.scheduled_new_reqs:
             self.rows[nr.req_id], first[nr.req_id] = list(nr.block_ids[0]), nr.num_computed_tokens
+            self.prompts[nr.req_id] = list(nr.prompt_token_ids)
         cd = so.scheduled_cached_reqs
         for i, rid in enumerate(cd.req_ids):
             ids = cd.new_block_ids[i]
@@ -106,9 +116,11 @@ class FakeWorker:
             elif ids:
                 self.rows[rid].extend(ids[0])
             first[rid] = cd.num_computed_tokens[i]
-        scheduled = set(so.num_scheduled_tokens)
-        owners = [b for rid in scheduled for b in self.rows[rid]]
-        assert len(owners) == len(set(owners)), "a block is in two scheduled rows"
+        rows = [self.rows[rid] for rid in so.num_scheduled_tokens]  # (a preempted row here is stale)
+        for b in {d // self.B for d in (plan.dst.tolist() if plan is not None else [])}:
+            # prefix sharing puts a block in several rows: vToken's moves never write one of those (the
+            # forward may: vLLM shares a block whose tokens a request computes in this very step)
+            assert sum(b in row for row in rows) <= 1, f"a move writes block {b}, which is shared"
         scores, sampled = {}, []
         for rid, n in so.num_scheduled_tokens.items():
             rs = plan.requests.get(rid) if plan is not None else None
@@ -118,7 +130,11 @@ class FakeWorker:
                 self.kv[self.phys(row, s)] = (rid, logical)
             seq_len = f + n - off
             read = [self.kv.get(self.phys(row, s)) for s in range(seq_len)]
-            assert all(t is not None and t[0] == rid for t in read), f"{rid} reads another request's slot"
+            mine = self.prompts[rid]
+            assert all(t is not None and (t[0] == rid or (t[1] < len(mine) and
+                       self.prompts[t[0]][: t[1] + 1] == mine[: t[1] + 1])) for t in read), \
+                f"{rid} reads a slot that holds another token"
+            read = [(rid, t[1]) for t in read]
             assert {t[1] for t in read} == live_at_schedule[rid], f"{rid}: attention reads non-live tokens"
             if rs is not None and (rs.scores or rs.key_norm):
                 val = np.array([1000.0 + t[1] for t in read])
@@ -150,10 +166,12 @@ def check_attribution(sched) -> None:
         assert np.allclose(ratio, np.round(ratio)), "accumulated attention misattributed"
 
 
-def run(sched, requests, *, max_iters=400, between=None):
+def run(sched, requests, *, max_iters=400, between=None, worker=None):
     """vLLM's batch-queue engine loop (2 steps in flight with async scheduling). ``between(sched, it)`` runs
-    after each schedule(), before the oldest output is processed (aborts, checks). Returns observations."""
-    worker, queue, seen = FakeWorker(sched.block_size), deque(), {"two_in_flight_evictions": 0, "reused": 0}
+    after each schedule(), before the oldest output is processed (aborts, checks); ``worker``: the
+    ``FakeWorker`` of an earlier run (its cache holds what later prefix-cache hits read). Returns observations."""
+    worker = worker if worker is not None else FakeWorker(sched.block_size)
+    queue, seen = deque(), {"two_in_flight_evictions": 0, "reused": 0}
     for r in requests:
         sched.add_request(r)
     for it in range(max_iters):
@@ -277,3 +295,35 @@ def test_full_cuda_graph_engines_refuse_attention_policies_per_request():
     sched = make_scheduler(vtoken={"policy": "h2o"}, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
     assert sched.vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
     assert not sched.vllm_config.use_v2_model_runner
+
+
+def test_prefix_cached_blocks_are_copied_not_rewritten_under_async_scheduling():
+    """Prefix caching on, two steps in flight: requests sharing a 32-token prefix (4 blocks of 8) arrive while
+    earlier ones run and after they finished. No block in two rows is ever written, attention reads only live
+    tokens with the right content, every later request hits the whole prefix (the evicting requests replaced
+    the cached blocks they would have written and released the originals cached), ``check: true``
+    (hash checks) on at every step."""
+    prefix = np.random.default_rng(7).integers(10, VOCAB, 32).tolist()
+    sched = make_scheduler(prefix_caching=True, vtoken={"budget": 0.4, "recent": 2})
+    reqs = {f"p{i}": make_request(f"p{i}", 44, 20, prefix=prefix) for i in range(5)}
+
+    def between(sched, it):
+        if it == 6:
+            sched.add_request(reqs["p1"])  # arrives while p0 runs: shares its prefix blocks
+
+    hits, schedule = {}, sched.schedule
+
+    def schedule_and_record_hits(*args, **kwargs):
+        so = schedule(*args, **kwargs)
+        for nr in so.scheduled_new_reqs:
+            hits[nr.req_id] = nr.num_computed_tokens  # prefix-cache hits of its first step
+        return so
+
+    sched.schedule = schedule_and_record_hits
+    worker = FakeWorker(sched.block_size)
+    run(sched, [reqs["p0"]], between=between, worker=worker)
+    run(sched, [reqs["p2"], reqs["p3"]], worker=worker)  # after both finished, together
+    run(sched, [reqs["p4"]], worker=worker)
+    assert hits == {"p0": 0, "p1": 32, "p2": 32, "p3": 32, "p4": 32}, hits
+    c = sched.vtoken_stats().counters
+    assert c.evicted_tokens > 0 and c.cow_blocks > 0 and c.cow_moves > 0 and c.cow_fallbacks == 0

@@ -131,6 +131,40 @@ QUALITY_PRESETS = {  # (policies, budgets, depths, per_depth, windows, window_to
 }
 
 
+@bench_app.command("prefix")
+def prefix_cmd(
+    model: str = typer.Option("tiny-llama", help="default | tiny-llama | tiny-qwen2 | PATH"),
+    block_size: int = typer.Option(32, "--block-size"),
+    modes: str = typer.Option("none,repack,reuse+repack", help="comma-separated modes, set per request"),
+    policy: str = typer.Option("h2o"),
+    budget: float = typer.Option(0.3, help="budget fraction"),
+    requests: int = typer.Option(6, help="sequential requests sharing the system prompt"),
+    system_len: int = typer.Option(256, "--system-len", help="shared system-prompt tokens"),
+    user_len: int = typer.Option(64, "--user-len", help="each request's own prompt tokens"),
+    gen_len: int = typer.Option(64, "--gen-len"),
+    repeats: int = typer.Option(3, help="runs per mode, interleaved"),
+    seed: int = typer.Option(0),
+    out: str = typer.Option(None, help="also write the JSON here"),
+) -> None:
+    """Prefix-cache hits and TTFT of sequential requests sharing a system prompt, per mode (one engine)."""
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the report
+    from vtoken.bench.prefix import prefix
+    from vtoken.core.config import VTokenConfig
+    from vtoken.errors import ConfigError
+    from vtoken.vllm import engine_kwargs
+
+    chosen = [m.strip() for m in modes.split(",") if m.strip()]
+    try:
+        for m in chosen:
+            VTokenConfig(policy=policy, budget=budget, mode=m, block_size=block_size)
+        engine_kwargs(VTokenConfig(policy=policy, budget=budget, mode="repack", block_size=block_size))
+    except (ConfigError, ValueError) as err:
+        refuse(err)
+    prefix(model, block_size, chosen, policy, budget, requests, system_len, user_len, gen_len, repeats, seed, out)
+
+
 @bench_app.command("quality")
 def quality_cmd(
     quick: bool = typer.Option(False, "--quick", help="a few points, a few minutes (else the full sweep)"),

@@ -63,17 +63,19 @@ class StepDecision:
     placed: np.ndarray | None  # reuse+repack: row slot(s) the step's new token took before the plan
     plan: SlotPlan  # already applied to the table: copy its moves, keep its first keep_blocks blocks
 
-    @property
-    def first_written_block(self) -> int:
-        """The lowest row block this step writes (a move destination, the placed token's hole, or the live
-        frontier where later tokens append): a prefix-cached block from here on must lose its hash."""
+    def written_blocks(self, keep: int) -> np.ndarray:
+        """Row blocks below ``keep`` this step writes (ascending, pure): those holding a move destination or
+        the placed token's hole, and every kept block from the live frontier on (later tokens append there;
+        with ``naive`` accounting the row keeps blocks past it). A block that must not be written (a prefix-
+        cached or shared one) among them is replaced by a copy (``vtoken.core.cow``)."""
         B = self.plan.block_size
-        first = self.plan.live // B
+        parts = [np.arange(self.plan.live // B, keep, dtype=np.int64)]
         if self.plan.num_moves:
-            first = min(first, int(self.plan.moves[:, 1].min()) // B)
-        if self.placed is not None and self.placed.size:
-            first = min(first, int(self.placed.min()) // B)
-        return first
+            parts.append(self.plan.moves[:, 1] // B)
+        if self.placed is not None:
+            parts.append(np.asarray(self.placed, np.int64) // B)
+        blocks = np.unique(np.concatenate(parts))
+        return blocks[blocks < keep]
 
 
 def decide_step(

@@ -32,6 +32,10 @@ class ReclaimCounters:
     repack plans. ``repack_moves``: KV slot copies. ``repack_seconds``: worker time spent copying.
     ``repack_plans``: plans executed. ``preemptions``: requests whose table was dropped by a preemption.
     ``carried_reservations``: reuse+repack steps whose pre-placed decode slot waited for vLLM to schedule.
+    ``cow_blocks``: prefix-cached (or shared) blocks a step would have written that got a replacement block
+    instead and went back to vLLM's pool still cached (copy on write, vtoken/core/cow.py). ``cow_moves``: the
+    slot copies that took (their live tokens; also counted in ``repack_moves``). ``cow_fallbacks``: cached
+    blocks un-hashed and rewritten in place because no replacement block was free.
     """
 
     evicted_tokens: int = 0
@@ -41,6 +45,9 @@ class ReclaimCounters:
     repack_plans: int = 0
     preemptions: int = 0
     carried_reservations: int = 0
+    cow_blocks: int = 0
+    cow_moves: int = 0
+    cow_fallbacks: int = 0
 
     def add(self, **deltas: float) -> ReclaimCounters:
         """A copy with ``deltas`` added (pure); an unknown name raises ``TypeError``."""

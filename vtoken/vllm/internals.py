@@ -32,10 +32,14 @@ Scheduler side (engine-core process) — ``vtoken/vllm/scheduler.py``, ``async_s
     request after its first eviction (its KV no longer matches its token-hash chain).
   * ``coordinator.single_type_managers[0].req_to_blocks`` / ``.num_cached_block`` — the request's block
     row (``KVCacheBlock.block_id``, ``ref_cnt``, ``block_hash``, ``is_null``): shortened in place when a
-    repack frees the tail (no public "free a suffix" exists).
-  * ``BlockPool.free_blocks`` (freed tail back to the pool, tail first), ``KVCacheManager.evict_blocks``
-    (un-hash a block before vToken writes into it), ``BlockPool.num_gpu_blocks`` /
-    ``get_num_free_blocks`` (stats).
+    repack frees the tail (no public "free a suffix" exists); an entry replaced in place when a block the
+    step must not write gets a copy-on-write replacement (``blocks.rewrite_row``).
+  * ``BlockPool.is_block_writable`` (which row blocks a step may write), ``get_new_blocks`` (a fresh
+    replacement block), ``free_blocks`` (freed tail and replaced originals back to the pool: unhashed ones
+    to the front, cached ones to the evictable end with their hashes), ``evict_blocks`` (un-hash a cached
+    block rewritten in place when no replacement is free), ``num_gpu_blocks`` / ``get_num_free_blocks``
+    (stats, replacement budget); ``kv_cache_utils.get_block_hash`` and ``Request.block_hashes``
+    (``check: true`` compares a cached block's hash with the request's own).
   * ``SchedulerOutput`` — a dataclass subclass with one declared field carries the step's plan
     (``vtoken/vllm/transport.py``); ``num_scheduled_tokens`` is read.
   * ``SchedulerStats.running_lora_adapters`` (``dict[str, int]``) — carries the vToken gauges to the front

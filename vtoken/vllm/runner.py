@@ -9,8 +9,10 @@ Per step, in the order vLLM calls it::
 
     _update_states(so)     1. run the plan's KV slot moves (before vLLM zeroes or appends blocks: a freed
                               tail block may be handed to another request in this same step)
-                           2. cut the rows the scheduler shrank to their first ``truncate[req]`` blocks
-                           3. vLLM's own update (appends this step's new block ids)
+                           2. put copy-on-write replacements into the rows (``replace[req]``: the moves
+                              already addressed them physically; the kernel must read the same row as vLLM)
+                           3. cut the rows the scheduler shrank to their first ``truncate[req]`` blocks
+                           4. vLLM's own update (appends this step's new block ids)
     _prepare_inputs(so)    vLLM's own preparation (positions stay logical → RoPE), then for vToken rows:
                            seq_len -= offset (attention reads the dense live slots), slot mapping from
                            physical positions (logical - offset) or the table's slot (reuse+repack),
@@ -155,6 +157,8 @@ class VTokenRunnerMixin:
                                    "was built (worker_cls must be vToken's and additional_config enable it)")
             if plan.num_moves:
                 self._vt_move(plan)
+            for rid, blocks in plan.replace.items():
+                self._vt_replace(rid, blocks)
             for rid, keep in plan.truncate.items():
                 self._vt_truncate(rid, keep)
         return super()._update_states(scheduler_output)
@@ -173,6 +177,23 @@ class VTokenRunnerMixin:
         t0 = time.perf_counter()
         self._vt_mover.move(self._vt_kv_tensors, src, dst)
         self._vt_result.move_seconds = time.perf_counter() - t0
+
+    def _vt_replace(self, rid: str, blocks: dict[int, int]) -> None:
+        """Put ``blocks[index]`` at ``index`` of a request's block row (cached state and the persistent batch
+        row); the replaced block ids leave the row (the scheduler released them)."""
+        state = self.requests.get(rid)
+        if state is not None:
+            for ids in state.block_ids:
+                for index, block_id in blocks.items():
+                    ids[index] = block_id
+        idx = self.input_batch.req_id_to_index.get(rid)
+        if idx is not None:
+            for bt in self.input_batch.block_table.block_tables:
+                n = int(bt.num_blocks_per_row[idx])
+                for index, block_id in blocks.items():
+                    if index >= n:
+                        raise RuntimeError(f"vToken: request {rid} replaces row index {index} of {n}")
+                    bt.block_table.np[idx, index] = block_id
 
     def _vt_truncate(self, rid: str, keep: int) -> None:
         """Cut a request's block row to ``keep`` blocks (cached state and the persistent batch row)."""

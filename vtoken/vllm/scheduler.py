@@ -6,11 +6,13 @@
       for each RUNNING request over its budget           (before vLLM schedules anything)
         decide_step(table, policy, cfg)                    vtoken.core.eviction: evict, [reuse] place 1,
                                                            plan, apply — the order every engine follows
-        unhash the blocks it writes; free the row's tail   vtoken.vllm.blocks → vLLM's BlockPool
+        copy-on-write, moves, cut the row's tail           vtoken.vllm.blocks → vLLM's BlockPool
+      release the step's freed blocks (cached keep hashes)
       super().schedule()                                   vLLM admits/allocates with the freed blocks;
                                                            allocation counts come from the token table
       for each scheduled request: table.place(n)           new tokens' slots (append, or the hole above)
-      attach StepPlan (moves, row truncations, offsets)    → worker, same SchedulerOutput
+      attach StepPlan (moves, replacements, truncations,   → worker, same SchedulerOutput
+                       offsets)
     update_from_output():
       fold the worker's SlotScores into the tables          vtoken.core.stats.observe
 
@@ -20,8 +22,10 @@ block arithmetic is physical (``vtoken.vllm.blocks.install_block_sizing``).
 Prefix caching stays on. A leading block another request shares (``ref_cnt > 1``) is declared shared in the
 token table (``mark_shared``): its tokens are never evicted, so it is never a move source or destination.
 A block this request is about to write (a move destination, the hole a new token takes, or any block at or
-past the live frontier) loses its hash first. Freed tail blocks keep their hash when they have one: their
-content is untouched (they were only read).
+past the live frontier) that carries a prefix-cache hash or another request's reference is never written:
+it gets a replacement block, its surviving live tokens are copied across, and it goes back to vLLM's pool
+still cached (copy on write, ``blocks.rewrite_row``, vtoken/core/cow.py). Freed tail blocks keep their hash
+when they have one: their content is untouched (they were only read).
 
 Preemption: vLLM frees every block and later recomputes the request from its logical tokens; the table and
 scores go with the blocks, and the policy evicts down to the budget again from fresh scores (traces record a
@@ -40,7 +44,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from vtoken.core.eviction import decide_step, eviction_count
 from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
-from vtoken.core.manager import physical_slots, request_salt
+from vtoken.core.manager import request_salt
 from vtoken.core.stats import observe, window_queries
 from vtoken.core.token_table import TokenTable
 from vtoken.errors import ConfigError, IntegrityError
@@ -61,6 +65,8 @@ class _StepWork:
     src: list[np.ndarray] = field(default_factory=list)
     dst: list[np.ndarray] = field(default_factory=list)
     truncate: dict[str, int] = field(default_factory=dict)
+    replace: dict[str, dict[int, int]] = field(default_factory=dict)
+    release: list = field(default_factory=list)  # freed once every decision is made (blocks.rewrite_row)
 
 
 class VTokenScheduler(Scheduler):
@@ -154,13 +160,15 @@ class VTokenScheduler(Scheduler):
                 continue
             if request.status == RequestStatus.RUNNING:
                 self._vt_decide(request, st, work)
+        blocks.release(self.kv_cache_manager.block_pool, work.release)
         out = super().schedule(throttle_prefills)
         return attach_plan(out, self._vt_place(out, work))
 
     def _vt_decide(self, request: Request, st: RequestState, work: _StepWork) -> None:
-        """Decide (core), then the block work: unhash what it writes, free the tail — before vLLM
-        allocates this step (mutates the table, the row and the pool). Tokens placed by steps still in
-        flight (async scheduling) have no statistics yet: they are protected like the recent window."""
+        """Decide (core), then the block work (``blocks.rewrite_row``: copy-on-write of blocks it must not
+        write, moves, the cut tail) before vLLM allocates this step (mutates the table, the row and the pool).
+        Tokens placed by steps still in flight (async scheduling) have no statistics yet: they are
+        protected like the recent window."""
         t, cfg, rid = st.table, st.settings.cfg, request.request_id
         if eviction_count(t.live, t.seen, cfg) == 0:
             return
@@ -168,31 +176,32 @@ class VTokenScheduler(Scheduler):
         if guard > cfg.recent:
             cfg = dataclasses.replace(cfg, recent=guard)
         row = self._vt_manager.req_to_blocks[rid]
-        n_shared = blocks.shared_prefix(row)
+        n_shared = min(blocks.shared_prefix(row), t.seen // self.block_size)
         if n_shared != t.shared_blocks:
-            t.mark_shared(min(n_shared, t.seen // self.block_size))
+            t.mark_shared(n_shared)
+        if not blocks.can_replace_shared(row, n_shared, self.kv_cache_manager.block_pool):
+            return  # a shared block past the prefix could not be replaced: decide at a later step
         # the step's new tokens; an async step's placeholder for the token still being sampled counts
         n_new = request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
         st.inflight.freeze(t)
         decision = decide_step(t, st.policy, cfg, st.salt, 1 if n_new == 1 else 0)
-        sp = decision.plan
-        st.observer.decided(decision.victims, sp.num_moves, t.shared_blocks)
         if decision.victims.size == 0:
+            st.observer.decided(decision.victims, 0, t.shared_blocks)
             return
         st.preplaced = decision.placed
-        keep = min(sp.keep_blocks, len(row))
-        blocks.unhash_written(self.kv_cache_manager, rid, row[decision.first_written_block : keep])
-        if sp.num_moves:
-            ids = np.fromiter((b.block_id for b in row), dtype=np.int64, count=len(row))
-            phys = physical_slots(ids, sp.moves.reshape(-1), self.block_size).reshape(-1, 2)
-            work.src.append(phys[:, 0])
-            work.dst.append(phys[:, 1])
-        freed = blocks.free_tail(self.kv_cache_manager, self._vt_manager, rid, keep)
-        if freed:
-            work.truncate[rid] = keep
+        rw = blocks.rewrite_row(self.kv_cache_manager.block_pool, self._vt_manager, rid, decision)
+        st.observer.decided(decision.victims, int(rw.src.size), t.shared_blocks, rw.cow.num_copies, len(rw.replace))
+        work.src.append(rw.src)
+        work.dst.append(rw.dst)
+        work.release.extend(rw.release)
+        if rw.replace:
+            work.replace[rid] = rw.replace
+        if rw.cut:
+            work.truncate[rid] = len(row)
         self._vt_counters = self._vt_counters.add(
-            evicted_tokens=int(decision.victims.size), repack_moves=sp.num_moves, repack_plans=1,
-            reclaimed_blocks=freed,
+            evicted_tokens=int(decision.victims.size), repack_moves=int(rw.src.size), repack_plans=1,
+            reclaimed_blocks=rw.freed, cow_blocks=len(rw.replace), cow_moves=rw.cow.num_copies,
+            cow_fallbacks=rw.fallbacks,
         )
 
     def _vt_place(self, out, work: _StepWork) -> StepPlan:
@@ -220,13 +229,15 @@ class VTokenScheduler(Scheduler):
             held = len(self._vt_manager.req_to_blocks.get(rid, ()))
             if self.vt.check:
                 t.check(dense=True)
+                blocks.check_hashes(rid, self._vt_manager.req_to_blocks.get(rid, []), t,
+                                    self.requests[rid].block_hashes)
                 if held != t.required_blocks():
                     need = t.required_blocks()
                     raise IntegrityError("2: block accounting", f"request {rid} holds {held} blocks, needs {need}")
             st.observer.stepped(held, t, self.current_step)
         src = np.concatenate(work.src) if work.src else np.zeros(0, np.int64)
         dst = np.concatenate(work.dst) if work.dst else np.zeros(0, np.int64)
-        return StepPlan(src=src, dst=dst, truncate=work.truncate, requests=steps, step=step)
+        return StepPlan(src=src, dst=dst, truncate=work.truncate, replace=work.replace, requests=steps, step=step)
 
     def _vt_place_one(self, rid: str, st: RequestState, computed_before: int, n: int) -> np.ndarray:
         """The row slots of the ``n`` tokens this step computes (mutates the table; creates it first)."""

@@ -75,6 +75,8 @@ class RequestTrace:
     moves: int = 0
     evicted: int = 0
     shared_blocks_max: int = 0  # most leading blocks shared with other requests at a decision
+    cow_moves: int = 0  # of ``moves``: copies that kept prefix-cached blocks intact (vtoken/core/cow.py)
+    cow_blocks: int = 0  # prefix-cached blocks replaced instead of rewritten
 
     def new_epoch(self, start: int) -> Epoch:
         ep = Epoch(start=start)
@@ -124,8 +126,10 @@ class RequestObserver:
     def new_table(self, computed_before: int) -> None:
         """A fresh token table (first step, or after a preemption); ``computed_before`` prefix-cache hits."""
 
-    def decided(self, victims: np.ndarray, moves: int, shared_blocks: int) -> None:
-        """A decision evicted ``victims`` and moved ``moves`` slots, with ``shared_blocks`` protected."""
+    def decided(self, victims: np.ndarray, moves: int, shared_blocks: int, cow_moves: int = 0,
+                cow_blocks: int = 0) -> None:
+        """A decision evicted ``victims`` and moved ``moves`` slots (``cow_moves`` of them to keep
+        ``cow_blocks`` prefix-cached blocks intact), with ``shared_blocks`` protected."""
 
     def placed(self, first: int, n: int) -> None:
         """This step computes logical tokens ``first .. first + n - 1`` (one forward round)."""
@@ -154,8 +158,11 @@ class TraceRecorder(RequestObserver):
             ep.place(0, computed_before, 0)
             ep.hits = computed_before
 
-    def decided(self, victims: np.ndarray, moves: int, shared_blocks: int) -> None:
+    def decided(self, victims: np.ndarray, moves: int, shared_blocks: int, cow_moves: int = 0,
+                cow_blocks: int = 0) -> None:
         t = self.trace
+        t.cow_moves += cow_moves
+        t.cow_blocks += cow_blocks
         t.shared_blocks_max = max(t.shared_blocks_max, shared_blocks)
         t.epochs[-1].evict(victims, self.rounds)
         t.evicted += int(victims.size)

@@ -14,8 +14,12 @@ for ``SchedulerOutput`` / ``ModelRunnerOutput``:
 
 The changed block-ID contract (vLLM's rows are append-only): ``StepPlan.truncate[req_id] = n`` tells the
 worker to cut the request's block row to its first ``n`` blocks *before* this step's ``new_block_ids``
-are appended. The scheduler has already returned the cut blocks to vLLM's BlockPool, and the moves in
-``StepPlan`` (which read from those blocks) run before anything else in the step can write them.
+are appended, and ``StepPlan.replace[req_id] = {index: block_id}`` to put ``block_id`` at ``index`` of the
+row (copy on write: a prefix-cached or shared block the step must not write leaves the row for a
+replacement; vtoken/core/cow.py). The scheduler has already returned the cut and replaced blocks to vLLM's
+BlockPool, and the moves in ``StepPlan`` (physical slots: sources through the row before the
+replacements, destinations through the row after them; they read from those blocks) run before
+anything else in the step can write them.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class StepPlan:
     src: np.ndarray  # int64 [k] physical source slots of this step's moves (all requests)
     dst: np.ndarray  # int64 [k] physical destination slots
     truncate: dict[str, int] = field(default_factory=dict)  # req_id -> blocks kept (before appends)
+    replace: dict[str, dict[int, int]] = field(default_factory=dict)  # req_id -> {row index: new block id}
     requests: dict[str, RequestStep] = field(default_factory=dict)  # scheduled requests with a token table
     step: int = -1  # the scheduler's step number: the worker echoes it, the scheduler matches results by it
 
@@ -58,7 +63,7 @@ class StepPlan:
         return int(self.src.shape[0])
 
     def __bool__(self) -> bool:
-        return bool(self.num_moves or self.truncate or self.requests)
+        return bool(self.num_moves or self.truncate or self.replace or self.requests)
 
 
 @dataclass

@@ -71,6 +71,9 @@ class KVCollector(Collector):
             (names.RECLAIMED_BLOCKS, snap.counters.reclaimed_blocks),
             (names.REPACK_MOVES, snap.counters.repack_moves),
             (names.REPACK_PLANS, snap.counters.repack_plans),
+            (names.COW_BLOCKS, snap.counters.cow_blocks),
+            (names.COW_MOVES, snap.counters.cow_moves),
+            (names.COW_FALLBACKS, snap.counters.cow_fallbacks),
         ):
             fam = CounterMetricFamily(metric.name, metric.help)
             fam.add_metric([], float(value))
