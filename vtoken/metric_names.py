@@ -141,7 +141,13 @@ NUM_REQUESTS_WAITING = Metric("vllm:num_requests_waiting", GAUGE,
 NUM_REQUESTS_RUNNING = Metric("vllm:num_requests_running", GAUGE,
                               "Number of requests in model execution batches.", "requests",
                               ("model_name", "engine"))
-VLLM_METRICS = (NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING)
+PREFIX_CACHE_QUERIES = Metric("vllm:prefix_cache_queries", COUNTER,
+                              "Prefix cache queries, in terms of number of queried tokens.", "tokens",
+                              ("model_name", "engine"))
+PREFIX_CACHE_HITS = Metric("vllm:prefix_cache_hits", COUNTER,
+                           "Prefix cache hits, in terms of number of cached tokens.", "tokens",
+                           ("model_name", "engine"))
+VLLM_METRICS = (NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS)
 
 ALL_METRICS = VTOKEN_METRICS + VLLM_METRICS
 

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from vtoken.bench.serve_bench import (
-    PeakRunning,
+    ReplicaMetrics,
     ServeBenchSetup,
     client_command,
     max_rate_meeting,
@@ -38,7 +38,8 @@ def test_each_server_gets_the_fixed_pool_its_mode_and_room_for_the_longest_reque
     s = ServeBenchSetup(model="tiny-llama", pool_blocks=40, input_len=100, output_len=20, dataset="chat",
                         prefix_len=50, extra=("router.stats_period_s=0.25",))
     c = variant_config(s, "repack", "h2o", 9999)
-    assert (c.engine.kv_cache_blocks, c.vtoken.mode, c.vtoken.policy, c.metrics.port) == (40, "repack", "h2o", 9999)
+    assert (c.engine.kv_cache_blocks, c.vtoken.mode, c.metrics.port) == (40, "repack", 9999)
+    assert c.vtoken.policy == "h2o"
     assert c.engine.max_model_len == 50 + 150 + 20 + 1 and c.router.stats_period_s == 0.25
     assert variant_config(s, "none", None).vtoken.mode == "none"
     with pytest.raises(ValueError, match="kv_cache_blocks"):
@@ -56,8 +57,8 @@ def test_client_command_states_the_slos_rate_and_dataset():
 def test_a_run_counts_failed_requests_as_missing_the_slo():
     s = ServeBenchSetup(num_prompts=10)
     result = {"duration": 8.0, "completed": 8, "request_throughput": 1.0, "request_goodput": 0.75,
-              "output_throughput": 30.0, "median_ttft_ms": 120.0, "p99_ttft_ms": 900.0, "median_tpot_ms": 50.0,
-              "p99_tpot_ms": 80.0}
+              "output_throughput": 30.0, "median_ttft_ms": 120.0, "p99_ttft_ms": 900.0,
+              "median_tpot_ms": 50.0, "p99_tpot_ms": 80.0}
     run = run_summary(result, s, 1.25, peak=5)
     assert (run["completed"], run["failed"], run["slo_attainment"]) == (8, 2, 0.6)  # 6 of 10 sent met it
     assert (run["ttft_p50_ms"], run["tpot_p99_ms"], run["peak_running"]) == (120.0, 80.0, 5)
@@ -69,13 +70,17 @@ def test_max_rate_is_the_last_rate_before_the_first_miss():
     assert max_rate_meeting([{"rate": 1, "slo_attainment": 0.89}]) is None
 
 
-def test_peak_running_reads_the_replicas_metrics():
-    values = iter(["1", "4", "2"] + ["0"] * 1000)
+def test_replica_metrics_read_the_peak_batch_and_the_prefix_cache_growth():
+    scrapes = iter([(1, 100, 400), (4, 160, 500), (2, 356, 700)])
+    last = (2, 356, 700)
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
+            running, hits, queries = next(scrapes, last)
             body = (f'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name="m"}} '
-                    f"{next(values)}\nvllm:num_requests_waiting 7\n").encode()
+                    f"{running}\nvllm:num_requests_waiting 7\n"
+                    f'vllm:prefix_cache_hits_total{{engine="0"}} {hits}\n'
+                    f'vllm:prefix_cache_queries_total{{engine="0"}} {queries}\n').encode()
             self.send_response(200)
             self.end_headers()
             self.wfile.write(body)
@@ -86,12 +91,16 @@ def test_peak_running_reads_the_replicas_metrics():
     server = HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        with PeakRunning(f"http://127.0.0.1:{server.server_port}/metrics", period=0.05) as peak:
-            deadline = threading.Event()
-            deadline.wait(0.6)
-        assert peak.peak == 4  # the largest running value, never the waiting gauge's 7
+        with ReplicaMetrics(f"http://127.0.0.1:{server.server_port}/metrics", period=0.05) as seen:
+            threading.Event().wait(0.6)
     finally:
         server.shutdown()
+    assert seen.peak == 4  # the largest running value, never the waiting gauge's 7
+    assert (seen.prefix_hits, seen.prefix_queries) == (256, 300)  # growth since the first scrape
+    result = {"duration": 1.0, "completed": 1, "request_goodput": 1.0}
+    counters = (seen.prefix_hits, seen.prefix_queries)
+    run = run_summary(result, ServeBenchSetup(num_prompts=1), 1.0, seen.peak, counters)
+    assert run["prefix_cache_hit_rate"] == round(256 / 300, 4)
 
 
 @pytest.mark.parametrize(("args", "named"), [
@@ -114,8 +123,9 @@ def test_bad_input_exits_2_naming_the_value_before_any_server_starts(args, named
 def test_command_serves_one_mode_through_vllm_bench_serve_and_reports_json(tmp_path):
     out_file = tmp_path / "serve.json"
     cmd = [*VTOKEN, "bench", "serve", "--model", "tiny-llama", "--modes", "repack", "--policies", "random",
-           "--budget", "0.5", "--pool-blocks", "40", "--rates", "2,1000", "--num-prompts", "6", "--input-len", "64",
-           "--output-len", "16", "--ttft-ms", "120000", "--tpot-ms", "20000", "--json", "--out", str(out_file)]
+           "--budget", "0.5", "--pool-blocks", "40", "--rates", "2,1000", "--num-prompts", "6",
+           "--input-len", "64", "--output-len", "16", "--ttft-ms", "120000", "--tpot-ms", "20000", "--json",
+           "--out", str(out_file)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=880)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)

@@ -8,14 +8,14 @@ one replica, the OpenAI routes, a fixed KV pool of ``pool_blocks``), then per re
         vtoken serve --mode M --policy P --set engine.kv_cache_blocks=N …    (waits for /v1/models)
         for rate in rates:                          ascending
             vllm bench serve --request-rate rate --goodput ttft:… tpot:… --save-result
-            (a thread polls the replica's /metrics: peak vllm:num_requests_running)
+            (a thread polls the replica's /metrics: peak running batch, prefix-cache hits)
         stop the server (SIGINT to its process group, as Ctrl-C)
 
 Per run: request rate achieved, goodput, **SLO attainment** (requests meeting both SLOs / requests sent),
-TTFT and TPOT p50/p99, peak running batch. Per variant: the **maximum rate with ≥ 90 % attainment** among
-the rates run (a lower bound: the next rate failed or was not run). The SLOs are arguments, the same for
-every variant. Side effects: starts and stops servers (ports from ``free_port``), writes vLLM's result files
-into a temporary directory, prints progress on stderr.
+TTFT and TPOT p50/p99, peak running batch, prefix-cache hit rate (tokens). Per variant: the **maximum rate
+with ≥ 90 % attainment** among the rates run (a lower bound: the next rate failed or was not run). The
+SLOs are arguments, the same for every variant. Side effects: starts and stops servers (ports from
+``free_port``), writes vLLM's result files into a temporary directory, prints progress on stderr.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from vtoken.metric_names import NUM_REQUESTS_RUNNING
+from vtoken.metric_names import NUM_REQUESTS_RUNNING, PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
 
 ATTAINMENT_TARGET = 0.9  # "SLA-constrained throughput": the highest rate meeting the SLOs for ≥ 90 %
 DATASETS = ("random", "chat")  # chat: a shared system prompt + lengths drawn ±50 % (a chat-like mix)
@@ -122,37 +122,72 @@ def served_name(model: str) -> str:
     return ServeAppConfig.model_validate({"model": model}).model_name
 
 
-class PeakRunning:
-    """Polls a replica's ``/metrics`` every ``period`` s in a thread; ``peak`` is the largest
-    ``vllm:num_requests_running`` seen (context manager; side effect: HTTP GETs)."""
+class ReplicaMetrics:
+    """Polls a replica's ``/metrics`` every ``period`` s in a thread (context manager; side effect: HTTP
+    GETs): ``peak`` is the largest ``vllm:num_requests_running`` seen; ``prefix_hits`` / ``prefix_queries``
+    are the prefix-cache counters' growth (tokens) between the first and the last poll."""
 
     def __init__(self, url: str, period: float = 0.5) -> None:
         self.url, self.period, self.peak = url, period, 0
+        self._first: dict[str, float] = {}
+        self._last: dict[str, float] = {}
         self._stop = threading.Event()
-        self._pattern = re.compile(rf"^{re.escape(NUM_REQUESTS_RUNNING.name)}(?:{{[^}}]*}})?\s+([0-9.eE+-]+)",
-                                   re.MULTILINE)
 
-    def __enter__(self) -> PeakRunning:
+    @staticmethod
+    def sample(text: str, name: str) -> float | None:
+        """The sum over label sets of the samples named ``name`` in an exposition (pure)."""
+        values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+([0-9.eE+-]+)", text, re.MULTILINE)
+        return sum(float(v) for v in values) if values else None
+
+    def read(self, text: str) -> None:
+        """Fold one scrape into the peak and the counters (mutates)."""
+        running = self.sample(text, NUM_REQUESTS_RUNNING.name)
+        if running is not None:
+            self.peak = max(self.peak, int(running))
+        for metric in (PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES):
+            value = self.sample(text, metric.total)
+            if value is not None:
+                self._first.setdefault(metric.name, value)
+                self._last[metric.name] = value
+
+    def growth(self, metric) -> float:
+        return self._last.get(metric.name, 0.0) - self._first.get(metric.name, 0.0)
+
+    @property
+    def prefix_hits(self) -> float:
+        return self.growth(PREFIX_CACHE_HITS)
+
+    @property
+    def prefix_queries(self) -> float:
+        return self.growth(PREFIX_CACHE_QUERIES)
+
+    def _scrape(self, http: httpx.Client) -> None:
+        try:
+            self.read(http.get(self.url).text)
+        except httpx.HTTPError:
+            pass
+
+    def __enter__(self) -> ReplicaMetrics:
+        self._http = httpx.Client(timeout=5)
+        self._scrape(self._http)  # the counters' start, before the first request
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
         return self
 
     def _poll(self) -> None:
-        with httpx.Client(timeout=5) as http:
-            while not self._stop.wait(self.period):
-                try:
-                    text = http.get(self.url).text
-                except httpx.HTTPError:
-                    continue
-                for value in self._pattern.findall(text):
-                    self.peak = max(self.peak, int(float(value)))
+        while not self._stop.wait(self.period):
+            self._scrape(self._http)
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(10)
+        time.sleep(self.period)  # the last counters: vLLM's stat loggers run on their own interval
+        self._scrape(self._http)
+        self._http.close()
 
 
-def run_summary(result: dict, s: ServeBenchSetup, rate: float, peak: int) -> dict:
+def run_summary(result: dict, s: ServeBenchSetup, rate: float, peak: int, prefix: tuple[float, float] = (0, 0)
+                ) -> dict:
     """One run's numbers from vLLM's saved result (pure). Attainment counts failed requests as misses."""
     duration = float(result.get("duration") or 0.0)
     goodput = float(result.get("request_goodput") or 0.0)
@@ -165,6 +200,7 @@ def run_summary(result: dict, s: ServeBenchSetup, rate: float, peak: int) -> dic
         "output_tok_s": round(float(result.get("output_throughput", 0)), 2),
         **{f"{m}_{q}_ms": _ms(result, m, q) for m in ("ttft", "tpot") for q in ("p50", "p99")},
         "peak_running": peak,
+        "prefix_cache_hit_rate": round(prefix[0] / prefix[1], 4) if prefix[1] else None,  # tokens hit / asked
     }
 
 
@@ -243,14 +279,16 @@ def _drive(s: ServeBenchSetup, proc, url: str, metrics_port: int, model_path: st
     echo(f"{label}: serving after {time.monotonic() - started:.0f} s")
     for rate in sorted(s.rates):
         name = f"{mode}-{policy}-{rate}.json".replace("+", "_")
-        with PeakRunning(f"http://127.0.0.1:{metrics_port}/metrics") as peak:
+        with ReplicaMetrics(f"http://127.0.0.1:{metrics_port}/metrics") as seen:
             out = subprocess.run(client_command(s, url, model_path, rate, tmp, name), capture_output=True,
                                  text=True, timeout=3600)
         if out.returncode != 0:
             raise RuntimeError(f"vllm bench serve failed ({label}, rate {rate}):\n{out.stderr[-2000:]}")
-        run = run_summary(json.loads(Path(tmp, name).read_text()), s, rate, peak.peak)
+        run = run_summary(json.loads(Path(tmp, name).read_text()), s, rate, seen.peak,
+                          (seen.prefix_hits, seen.prefix_queries))
         echo(f"{label}: rate {rate} → {run['request_throughput']} req/s, goodput {run['goodput_req_s']}, "
-             f"attainment {run['slo_attainment']}, peak running {run['peak_running']}")
+             f"attainment {run['slo_attainment']}, peak running {run['peak_running']}, "
+             f"prefix-cache hits {run['prefix_cache_hit_rate']}")
         runs.append(run)
 
 
