@@ -40,7 +40,7 @@ def test_each_server_gets_the_fixed_pool_its_mode_and_room_for_the_longest_reque
     c = variant_config(s, "repack", "h2o", 9999)
     assert (c.engine.kv_cache_blocks, c.vtoken.mode, c.metrics.port) == (40, "repack", 9999)
     assert c.vtoken.policy == "h2o"
-    assert c.engine.max_model_len == 50 + 150 + 20 + 1 and c.router.stats_period_s == 0.25
+    assert c.engine.max_model_len == 50 + 150 + 32 + 20 + 1 and c.router.stats_period_s == 0.25
     assert variant_config(s, "none", None).vtoken.mode == "none"
     with pytest.raises(ValueError, match="kv_cache_blocks"):
         variant_config(ServeBenchSetup(model="tiny-llama", pool_blocks=4), "none", None)
@@ -62,6 +62,9 @@ def test_a_run_counts_failed_requests_as_missing_the_slo():
     run = run_summary(result, s, 1.25, peak=5)
     assert (run["completed"], run["failed"], run["slo_attainment"]) == (8, 2, 0.6)  # 6 of 10 sent met it
     assert (run["ttft_p50_ms"], run["tpot_p99_ms"], run["peak_running"]) == (120.0, 80.0, 5)
+    errors = ["", "", "Bad Request: prompt too long", "", "timeout"]
+    failed = run_summary({**result, "errors": errors}, s, 1.25, 5)
+    assert failed["errors"] == ["Bad Request: prompt too long", "timeout"]  # why, once each
 
 
 def test_max_rate_is_the_last_rate_before_the_first_miss():

@@ -38,6 +38,7 @@ from vtoken.metric_names import NUM_REQUESTS_RUNNING, PREFIX_CACHE_HITS, PREFIX_
 
 ATTAINMENT_TARGET = 0.9  # "SLA-constrained throughput": the highest rate meeting the SLOs for ≥ 90 %
 DATASETS = ("random", "chat")  # chat: a shared system prompt + lengths drawn ±50 % (a chat-like mix)
+TOKENIZER_SLACK = 32  # vllm bench serve re-tokenizes its random prompts: a few tokens more than asked
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,10 @@ class ServeBenchSetup:
 
     def longest_request(self) -> int:
         """Prompt + generated tokens of the longest request the client sends (the engine's
-        ``max_model_len``): ``chat`` draws prompts up to 1.5 × ``input_len`` after the shared prefix."""
+        ``max_model_len``): ``chat`` draws prompts up to 1.5 × ``input_len`` after the shared prefix, and
+        the prompts' decode/re-encode round trip may add a few tokens."""
         prompt = self.prefix_len + (3 * self.input_len + 1) // 2 if self.dataset == "chat" else self.input_len
-        return prompt + self.output_len + 1
+        return prompt + TOKENIZER_SLACK + self.output_len + 1
 
     def variants(self) -> list[tuple[str, str | None]]:
         """``(mode, policy)`` pairs; ``none`` evicts nothing and runs once, without a policy (pure)."""
@@ -201,6 +203,7 @@ def run_summary(result: dict, s: ServeBenchSetup, rate: float, peak: int, prefix
         **{f"{m}_{q}_ms": _ms(result, m, q) for m in ("ttft", "tpot") for q in ("p50", "p99")},
         "peak_running": peak,
         "prefix_cache_hit_rate": round(prefix[0] / prefix[1], 4) if prefix[1] else None,  # tokens hit / asked
+        "errors": sorted({str(e)[:300] for e in result.get("errors") or () if e})[:3],  # why requests failed
     }
 
 
