@@ -40,7 +40,7 @@ def test_each_server_gets_the_fixed_pool_its_mode_and_room_for_the_longest_reque
     c = variant_config(s, "repack", "h2o", 9999)
     assert (c.engine.kv_cache_blocks, c.vtoken.mode, c.metrics.port) == (40, "repack", 9999)
     assert c.vtoken.policy == "h2o"
-    assert c.engine.max_model_len == 50 + 150 + 32 + 20 + 1 and c.router.stats_period_s == 0.25
+    assert c.engine.max_model_len == 39 * 32 and c.router.stats_period_s == 0.25
     assert variant_config(s, "none", None).vtoken.mode == "none"
     with pytest.raises(ValueError, match="kv_cache_blocks"):
         variant_config(ServeBenchSetup(model="tiny-llama", pool_blocks=4), "none", None)

@@ -103,10 +103,15 @@ def variant_config(s: ServeBenchSetup, mode: str, policy: str | None, metrics_po
     from vtoken.serve.launch.cli import parse_scalar
 
     vt = {"mode": mode} | ({"policy": policy, "budget": s.budget} if policy else {})
+    block_size = ServeAppConfig.model_validate({"model": s.model, "vtoken": vt}).vtoken.block_size
+    # max_model_len: what the pool holds (one block is vLLM's null block); a pool too small for the longest
+    # request fails validation here. Not the longest request itself: the client re-tokenizes its random
+    # prompts, and a small-vocabulary tokenizer can make them much longer than asked.
+    pool_tokens = (s.pool_blocks - 1) * block_size
     config = ServeAppConfig.model_validate({
         "model": s.model, "vtoken": vt, "deployment": {"num_replicas": 1},
         "engine": {"kv_cache_blocks": s.pool_blocks, "max_num_seqs": s.max_num_seqs,
-                   "max_model_len": s.longest_request()},
+                   "max_model_len": max(s.longest_request(), pool_tokens)},
         "limits": {"max_tokens": s.output_len}, "metrics": {"port": metrics_port}})
     extra = {}
     for item in s.extra:
