@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import shutil
 import tempfile
 from types import SimpleNamespace
@@ -160,3 +161,31 @@ def test_a_refused_feature_never_reaches_a_first_request(feature, tiny_llama, sl
         text = str(e.value)
     assert REFUSED[feature][1] in text and "docs/support.md" in text, text
     gc.collect()
+
+
+def test_a_refusal_inside_the_engine_reaches_the_replica_with_its_message(monkeypatch):
+    """vLLM re-raises an engine core's start-up failure without its cause's message; the Serve replica
+    starts its engine inside ``refusal_reported``, which turns the refusal the engine wrote into its
+    ``ConfigError`` — and Serve's status message into what ``vtoken serve`` prints."""
+    from vtoken.serve.launch.local import failure_reason
+    from vtoken.serve.replica.engine import refusal_reported
+    from vtoken.vllm.support import REFUSAL_FILE_ENV
+
+    def engine_that_refuses():  # what happens in the engine core process: it inherits the environment
+        with pytest.raises(ConfigError):
+            check_attention_layer("model.layers.0.attn", _impl(alibi_slopes=[0.5]))
+        raise RuntimeError("Engine core initialization failed. See root cause above.")
+
+    with pytest.raises(ConfigError, match="vToken cannot run this engine: ALiBi position biases") as info:
+        with refusal_reported():
+            engine_that_refuses()
+    assert "initialization failed" in str(info.value.__cause__)
+    assert REFUSAL_FILE_ENV not in os.environ
+    with pytest.raises(RuntimeError, match="initialization failed"):  # any other failure: unchanged
+        with refusal_reported():
+            raise RuntimeError("Engine core initialization failed. See root cause above.")
+    status = ("The deployment failed to start 3 times in a row.\nTraceback (most recent call last):\n  ...\n"
+              f"vtoken.errors.ConfigError: {info.value}\n")
+    assert failure_reason([status, ""], "fallback") == str(info.value)
+    assert failure_reason(["Deploying failed.\nRuntimeError: boom\n"], "fallback") == "RuntimeError: boom"
+    assert failure_reason([], "fallback") == "fallback"

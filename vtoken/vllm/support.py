@@ -24,6 +24,8 @@ and no request ever reaches a configuration vToken cannot keep exact. Pure: read
 
 from __future__ import annotations
 
+import os
+
 from vtoken.errors import ConfigError
 
 SUPPORTED = ("vToken supports decoder-only generation models whose layers all use causal full attention "
@@ -34,8 +36,20 @@ SPEC_FREE_FIELDS = frozenset({"block_size", "block_stride_alignment", "num_kv_he
                               "head_size_v", "dcp_sharded", "max_tp_shards", "page_size_padded"})
 
 
+# A file the refusal is also appended to (set by the Serve replica before it starts an engine): vLLM re-raises
+# an engine core's start-up failure as "Engine core initialization failed" without the cause's message.
+REFUSAL_FILE_ENV = "VTOKEN_REFUSAL_FILE"
+
+
 def _refuse(feature: str) -> None:
-    raise ConfigError(f"vToken cannot run this engine: {feature}. {SUPPORTED}")
+    """Raise ``ConfigError`` naming ``feature``; side effect: with ``$VTOKEN_REFUSAL_FILE`` set, the message
+    is appended to that file first (one line), so the process that started the engine can report it."""
+    message = f"vToken cannot run this engine: {feature}. {SUPPORTED}"
+    path = os.environ.get(REFUSAL_FILE_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(message.replace("\n", " ") + "\n")
+    raise ConfigError(message)
 
 
 def check_engine_config(vllm_config) -> None:

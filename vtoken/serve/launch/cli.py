@@ -83,7 +83,7 @@ def serve(
     if ctx.invoked_subcommand is not None:
         return
     from vtoken.errors import ConfigError
-    from vtoken.serve.launch.local import PortInUseError, run_local
+    from vtoken.serve.launch.local import DeployFailedError, PortInUseError, run_local
     from vtoken.serve.replica.engine import preflight, resolve_model_path
 
     try:  # an engine configuration vToken refuses stops here, before Ray or any replica starts
@@ -94,7 +94,7 @@ def serve(
 
     try:
         run_local(cfg, host=host, port=port, dashboard=dashboard, echo=typer.echo)
-    except PortInUseError as exc:
+    except (PortInUseError, DeployFailedError) as exc:  # nothing left running: run_local cleaned up
         typer.echo(f"vtoken serve: {exc}", err=True)
         raise typer.Exit(2) from None
 

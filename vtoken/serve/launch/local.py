@@ -85,6 +85,37 @@ class PortInUseError(OSError):
         super().__init__(f"cannot listen on {host}:{port}: the port is in use (choose another with --port)")
 
 
+class DeployFailedError(RuntimeError):
+    """Serve gave up on the app (its replicas kept failing to start); the message carries the replicas'
+    reason, e.g. vToken's start-up refusal of the model."""
+
+
+def failure_reason(messages: list[str], fallback: str) -> str:
+    """The most specific reason in Serve's status messages of a failed app (pure): vToken's start-up refusal
+    (``vToken cannot run this engine: …``) when a replica's engine refused the model, else the messages'
+    last non-empty line (the replica's exception, when the deployment's message comes last), else
+    ``fallback``."""
+    lines = [line.strip() for text in messages for line in text.splitlines() if line.strip()]
+    for line in lines:
+        if "vToken cannot run this engine" in line:
+            return line[line.index("vToken cannot run this engine"):]
+    return lines[-1] if lines else fallback
+
+
+def deploy_failure_reason(app_name: str, fallback: str) -> str:
+    """``failure_reason`` of ``app_name``'s deployments as ``serve.status()`` reports them (reads Serve's
+    controller; ``fallback`` if it is gone)."""
+    from ray import serve
+
+    try:
+        app = serve.status().applications.get(app_name)
+    except Exception:  # the controller may be gone already: keep Serve's own message
+        return fallback
+    if app is None:
+        return fallback
+    return failure_reason([app.message] + [d.message for d in app.deployments.values()], fallback)
+
+
 class LocalCluster:
     """A private Ray + Serve instance (context manager). Not thread-safe; one per process."""
 
@@ -146,13 +177,18 @@ class LocalCluster:
         return self
 
     def deploy(self, cfg: ServeAppConfig):
-        """Build and run ``cfg`` (replaces an app of the same name); returns when it is RUNNING."""
+        """Build and run ``cfg`` (replaces an app of the same name); returns when it is RUNNING. Raises
+        ``DeployFailedError`` with the replicas' reason when Serve gives up on it."""
         from ray import serve
 
         from vtoken.serve.launch.app import build_app
 
         app = build_app(cfg)
-        return serve.run(app, name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
+        try:
+            return serve.run(app, name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
+        except RuntimeError as exc:  # DEPLOY_FAILED: Serve retried the replica's constructor and gave up
+            reason = deploy_failure_reason(cfg.app_name, str(exc))
+            raise DeployFailedError(f"the app's replicas could not start: {reason}") from None
 
     def __exit__(self, *exc: object) -> None:
         import ray

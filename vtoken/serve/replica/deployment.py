@@ -61,7 +61,7 @@ class VTokenReplica:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from vtoken.serve.replica.engine import bind_cpus, engine_args, resolve_model_path
+        from vtoken.serve.replica.engine import bind_cpus, engine_args, refusal_reported, resolve_model_path
         from vtoken.serve.replica.openai_app import RequestGuard, build_vllm_app
         from vtoken.serve.telemetry.metrics import ReplicaMetrics, start_metrics_server
 
@@ -98,9 +98,9 @@ class VTokenReplica:
         )
         started = time.monotonic()
         factory = engine_factory or AsyncLLM.from_engine_args
-        self._engine = factory(
-            AsyncEngineArgs(**engine_args(cfg, model_path)), stat_loggers=[make_stat_logger_class(self._sink)]
-        )
+        with refusal_reported():  # a vToken refusal fails this constructor with its own message
+            self._engine = factory(AsyncEngineArgs(**engine_args(cfg, model_path)),
+                                   stat_loggers=[make_stat_logger_class(self._sink)])
         api_key = cfg.limits.resolved_api_key()
         vllm_app = await build_vllm_app(self._engine, cfg, model_path)
         self._asgi = RequestGuard(

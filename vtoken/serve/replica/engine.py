@@ -7,7 +7,9 @@ process environment, and says so. vToken is switched on by the integration's own
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from typing import Any
 
 from vtoken.core.config import VTokenConfig
@@ -123,3 +125,28 @@ def bind_cpus(cfg: ServeAppConfig, local_rank: int) -> str:
         return os.environ["VLLM_CPU_OMP_THREADS_BIND"]
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(cfg, local_rank)
     return os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+
+
+@contextlib.contextmanager
+def refusal_reported():
+    """Around an engine start: a vToken start-up refusal raised inside the engine's processes re-raises
+    here as ``ConfigError`` with its own message (vLLM reports only "Engine core initialization failed").
+    Side effects: sets ``$VTOKEN_REFUSAL_FILE`` in this process (the engine's processes inherit it; the
+    refusal is written there, ``vtoken.vllm.support``) to a temp file, removed on exit."""
+    from vtoken.errors import ConfigError
+    from vtoken.vllm.support import REFUSAL_FILE_ENV
+
+    fd, path = tempfile.mkstemp(prefix="vtoken-refusal-")
+    os.close(fd)
+    os.environ[REFUSAL_FILE_ENV] = path
+    try:
+        yield
+    except Exception as exc:
+        with open(path, encoding="utf-8") as f:
+            refusal = f.readline().strip()
+        if refusal and not isinstance(exc, ConfigError):
+            raise ConfigError(refusal) from exc
+        raise
+    finally:
+        os.environ.pop(REFUSAL_FILE_ENV, None)
+        os.unlink(path)
