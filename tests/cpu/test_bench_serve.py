@@ -127,7 +127,7 @@ def test_command_serves_one_mode_through_vllm_bench_serve_and_reports_json(tmp_p
     out_file = tmp_path / "serve.json"
     cmd = [*VTOKEN, "bench", "serve", "--model", "tiny-llama", "--modes", "repack", "--policies", "random",
            "--budget", "0.5", "--pool-blocks", "40", "--rates", "2,1000", "--num-prompts", "6",
-           "--input-len", "64", "--output-len", "16", "--ttft-ms", "120000", "--tpot-ms", "20000", "--json",
+           "--input-len", "64", "--output-len", "48", "--ttft-ms", "120000", "--tpot-ms", "20000", "--json",
            "--out", str(out_file)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=880)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -139,6 +139,6 @@ def test_command_serves_one_mode_through_vllm_bench_serve_and_reports_json(tmp_p
     assert [r["rate"] for r in variant["runs"]] == [2.0, 1000.0]
     for run in variant["runs"]:
         assert run["completed"] == 6 and run["failed"] == 0 and run["slo_attainment"] == 1.0, run
-        assert run["peak_running"] >= 1 and run["ttft_p50_ms"] > 0 and run["tpot_p50_ms"] > 0
+        assert run["ttft_p50_ms"] > 0 and run["tpot_p50_ms"] > 0  # at rate 2 a poll may see none running
     # 6 requests at once (rate 1000) overlap: the replica ran more than one at a time
     assert variant["runs"][1]["peak_running"] >= 2 and variant["max_rate_at_target"] == 1000.0
