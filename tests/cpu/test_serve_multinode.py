@@ -240,7 +240,7 @@ def test_worker_node_killed_under_load_gets_200_or_503_and_serve_restores_it_els
     out = run("kill-node", victim, "--state", c.state.state_dir)
     try:
         back = wait_for(lambda: next((r for r in results if r[3] == spare_id and r[0] > killed_at), None),
-                        f"a replica on {spare}", 540, 1.0, lambda: diagnosis(c))
+                        f"a replica on {spare}", 700, 1.0, lambda: diagnosis(c))
         recovered_s = back[1] - killed_at
         wait_for(lambda: serve_replicas(c).get("RUNNING") == 2, "Serve: 2 replicas RUNNING", 60, 1.0)
         time.sleep(4.0)
