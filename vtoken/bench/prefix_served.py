@@ -45,6 +45,7 @@ def _post_stream(base: str, body: dict) -> tuple[float, int]:
 
 def main(argv: list[str] | None = None) -> None:
     from vtoken.bench.report import environment
+    from vtoken.bench.serve_bench import wait_ready
     from vtoken.models.tiny import tiny_model
     from vtoken.serve.launch.local import free_port
     from vtoken.vllm import SCHEDULER_CLS, WORKER_CLS
@@ -69,19 +70,10 @@ def main(argv: list[str] | None = None) -> None:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit("server exited")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                raise SystemExit("server did not come up")
-            time.sleep(1)
+        try:
+            wait_ready(base, proc, 300, "/health")
+        except RuntimeError as exc:
+            raise SystemExit(str(exc)) from None
         rng = np.random.default_rng(0)
         runs: dict[str, list] = {m: [] for m in modes}
         _post_stream(base, {"model": "tiny", "prompt": rng.integers(10, 500, 64).tolist(), "max_tokens": 4,

@@ -229,20 +229,20 @@ def max_rate_meeting(runs: list[dict], target: float = ATTAINMENT_TARGET) -> flo
     return best
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    """Block until ``GET url/v1/models`` answers 200; raise ``RuntimeError`` if the server exits first or
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float, path: str = "/v1/models") -> None:
+    """Block until ``GET url+path`` answers 200; raise ``RuntimeError`` if the server process exits first or
     ``timeout`` passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"vtoken serve exited with {proc.returncode} before it was ready")
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
         try:
-            if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(1.0)
-    raise RuntimeError(f"vtoken serve was not ready after {timeout:.0f} s")
+    raise RuntimeError(f"the server was not ready after {timeout:.0f} s")
 
 
 def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
