@@ -150,7 +150,8 @@ def test_kv_autoscaling_adds_a_replica_on_another_node_and_both_answer_through_o
     for t in threads:
         t.start()
     try:
-        both = wait_for(lambda: len(n := nodes_answering(c.http, 6)) == 2 and n, "a second replica", 400, 2.0)
+        both = wait_for(lambda: len(n := nodes_answering(c.http, 6)) == 2 and n, "a second replica", 400, 2.0,
+                        diagnose=lambda: diagnosis(c))
     finally:
         stop.set()
         for t in threads:

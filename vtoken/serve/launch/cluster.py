@@ -16,8 +16,11 @@ dashboard and metrics on 127.0.0.1; Ray registers every node under the machine's
 the node's process group and every descendant (``procs.node_pids``: Ray workers run in groups of their
 own) at once, the way a lost machine goes; ``down`` stops exactly this cluster — never ``ray stop``,
 which kills every Ray process of the machine. Nodes on one machine share an IP, so each worker's Serve
-proxy gets its own port (``RAY_SERVE_WORKER_PROXY_HTTP_PORT``) and its engines their own core
-(``VLLM_CPU_OMP_THREADS_BIND``); clients use the head's proxy on the YAML's ``http_options.port``.
+proxy gets its own port (``RAY_SERVE_WORKER_PROXY_HTTP_PORT``); its engines are not pinned to a core
+(``VLLM_CPU_OMP_THREADS_BIND=nobind``, one OpenMP thread each: ``ENGINE_THREADS_ENV``) — with more nodes
+than cores a fixed pin puts two engines on one core while another idles (a replica starting there was
+starved by the busy one beside it for > 400 s), so the OS spreads them. Clients use the head's proxy on
+the YAML's ``http_options.port``.
 ``serve_app.py`` (the YAML's ``import_path``) is on every node's ``PYTHONPATH``, as in k8s/Dockerfile.
 
 Side effects: creates ``--state`` (the cluster's Ray temp dir, node logs, ``cluster.json``) and starts
@@ -137,6 +140,10 @@ def alive_nodes(state: ClusterState, count: int | None = None) -> dict[str, dict
     return {n.node_id: {"resources": n.resources_total, "is_head": n.is_head_node} for n in nodes}
 
 
+# Engines of nodes that share this machine: no pinning, one compute thread (see the module docstring).
+ENGINE_THREADS_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
 def _start_worker(state: ClusterState, i: int, cpus: int, ports: _Ports) -> None:
     """``ray start`` worker ``i`` (appended to ``state.nodes`` and saved)."""
     state_dir = Path(state.state_dir)
@@ -144,8 +151,7 @@ def _start_worker(state: ClusterState, i: int, cpus: int, ports: _Ports) -> None
     common, agent, metrics = _node_args(state_dir, ports)
     args = ["--address", state.address, "--num-cpus", str(cpus), "--include-log-monitor", "false",
             "--resources", json.dumps({f"worker_{i}": 1}), *common]
-    env = node_env(state_dir, {"RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(proxy),
-                               "VLLM_CPU_OMP_THREADS_BIND": str((i - 1) % (os.cpu_count() or 1))})
+    env = node_env(state_dir, {"RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(proxy), **ENGINE_THREADS_ENV})
     state.nodes.append(Node(name, _ray_start(state_dir, name, args, env), agent, metrics, proxy))
     state.save()
 
