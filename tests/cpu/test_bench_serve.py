@@ -8,6 +8,7 @@ attainment target) are checked on hand-built inputs; the command contract runs f
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -16,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from vtoken.bench.serve_bench import (
+    CHAT_RANGE_RATIO,
     ReplicaMetrics,
     ServeBenchSetup,
     client_command,
@@ -44,6 +46,21 @@ def test_each_server_gets_the_fixed_pool_its_mode_and_room_for_the_longest_reque
     assert variant_config(s, "none", None).vtoken.mode == "none"
     with pytest.raises(ValueError, match="kv_cache_blocks"):
         variant_config(ServeBenchSetup(model="tiny-llama", pool_blocks=4), "none", None)
+
+
+def test_chat_requests_fit_the_server_limits_at_the_widest_draw():
+    """chat draws prompt and output lengths ±CHAT_RANGE_RATIO: the server must take the longest output
+    (9 of 12 requests got 400 when limits.max_tokens was the mean output length)."""
+    s = ServeBenchSetup(model="tiny-llama", pool_blocks=128, input_len=64, output_len=64, dataset="chat",
+                        prefix_len=256)
+    c = variant_config(s, "repack", "h2o")
+    widest_out = math.ceil(64 * (1 + CHAT_RANGE_RATIO))
+    assert c.limits.max_tokens == widest_out == s.longest_output()
+    assert c.engine.max_model_len >= 256 + math.ceil(64 * (1 + CHAT_RANGE_RATIO)) + widest_out
+    plain = ServeBenchSetup(model="tiny-llama", input_len=64, output_len=64)
+    assert variant_config(plain, "none", None).limits.max_tokens == 64
+    ratio = client_command(s, "http://x", "/m", 1.0, "/tmp/r", "x.json")
+    assert ratio[ratio.index("--random-range-ratio") + 1] == str(CHAT_RANGE_RATIO)
 
 
 def test_client_command_states_the_slos_rate_and_dataset():

@@ -21,6 +21,7 @@ SLOs are arguments, the same for every variant. Side effects: starts and stops s
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -38,6 +39,7 @@ from vtoken.metric_names import NUM_REQUESTS_RUNNING, PREFIX_CACHE_HITS, PREFIX_
 
 ATTAINMENT_TARGET = 0.9  # "SLA-constrained throughput": the highest rate meeting the SLOs for ≥ 90 %
 DATASETS = ("random", "chat")  # chat: a shared system prompt + lengths drawn ±50 % (a chat-like mix)
+CHAT_RANGE_RATIO = 0.5  # chat: prompt and output lengths drawn from [(1 - r)·len, (1 + r)·len]
 TOKENIZER_SLACK = 32  # vllm bench serve re-tokenizes its random prompts: a few tokens more than asked
 
 
@@ -64,8 +66,17 @@ class ServeBenchSetup:
         """Prompt + generated tokens of the longest request the client sends (the engine's
         ``max_model_len``): ``chat`` draws prompts up to 1.5 × ``input_len`` after the shared prefix, and
         the prompts' decode/re-encode round trip may add a few tokens."""
-        prompt = self.prefix_len + (3 * self.input_len + 1) // 2 if self.dataset == "chat" else self.input_len
-        return prompt + TOKENIZER_SLACK + self.output_len + 1
+        prompt = self.prefix_len + self._widest(self.input_len) if self.dataset == "chat" else self.input_len
+        return prompt + TOKENIZER_SLACK + self.longest_output() + 1
+
+    def longest_output(self) -> int:
+        """The largest ``max_tokens`` the client asks for (the server's ``limits.max_tokens``): ``chat``
+        draws outputs up to (1 + ``CHAT_RANGE_RATIO``) × ``output_len``."""
+        return self._widest(self.output_len) if self.dataset == "chat" else self.output_len
+
+    @staticmethod
+    def _widest(length: int) -> int:
+        return math.ceil(length * (1 + CHAT_RANGE_RATIO))
 
     def variants(self) -> list[tuple[str, str | None]]:
         """``(mode, policy)`` pairs; ``none`` evicts nothing and runs once, without a policy (pure)."""
@@ -88,10 +99,10 @@ def client_command(s: ServeBenchSetup, url: str, model_path: str, rate: float, r
            "--request-rate", str(rate), "--seed", str(s.seed), "--ignore-eos", "--disable-tqdm",
            "--goodput", f"ttft:{s.ttft_ms:g}", f"tpot:{s.tpot_ms:g}",
            "--percentile-metrics", "ttft,tpot,e2el",
-           "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", result_dir,
+           "--metric-percentiles", "50,90,99", "--save-result", "--save-detailed", "--result-dir", result_dir,
            "--result-filename", name]
     if s.dataset == "chat":
-        cmd += ["--random-prefix-len", str(s.prefix_len), "--random-range-ratio", "0.5"]
+        cmd += ["--random-prefix-len", str(s.prefix_len), "--random-range-ratio", str(CHAT_RANGE_RATIO)]
     return cmd
 
 
@@ -112,7 +123,7 @@ def variant_config(s: ServeBenchSetup, mode: str, policy: str | None, metrics_po
         "model": s.model, "vtoken": vt, "deployment": {"num_replicas": 1},
         "engine": {"kv_cache_blocks": s.pool_blocks, "max_num_seqs": s.max_num_seqs,
                    "max_model_len": max(s.longest_request(), pool_tokens)},
-        "limits": {"max_tokens": s.output_len}, "metrics": {"port": metrics_port}})
+        "limits": {"max_tokens": s.longest_output()}, "metrics": {"port": metrics_port}})
     extra = {}
     for item in s.extra:
         key, sep, value = item.partition("=")
