@@ -139,6 +139,36 @@ def test_prefix_sharing_one_request_repacking(prefix_engine, ref_llama):
     assert tc.epochs[0].hits == 128 and ta.cow_blocks > 0  # A evicted from them; none was rewritten
 
 
+def test_score_layers_subset_is_exact_and_changes_the_decisions(prefix_engine, ref_llama):
+    """``score_layers=1`` per request (the last of the tiny model's 2 layers): H2O repack still equals the HF
+    masked reference and its paired naive run (same salt, same subset); its evictions differ from the
+    every-layer run of the same prompt and salt, so the subset really changes the scores. (The prefix
+    cache is not read: paired requests must not share blocks.)"""
+    from vllm import SamplingParams
+
+    llm, d = prefix_engine
+    prompt = np.random.default_rng(3).integers(10, 500, 150).tolist()
+
+    def params(trace_id, mode, layers):
+        vt = {"policy": "h2o", "mode": mode, "budget": 0.3, "salt": 11, "trace_id": trace_id}
+        if layers is not None:
+            vt["score_layers"] = layers
+        return SamplingParams(max_tokens=40, temperature=0.0, logprobs=0, ignore_eos=True,
+                              skip_reading_prefix_cache=True, extra_args={"vtoken": vt})
+
+    runs = [("sl-repack-1", "repack", 1), ("sl-naive-1", "naive", 1), ("sl-repack-all", "repack", None)]
+    # one at a time: the engine's 64-token chunks then split each prompt the same way (paired decisions)
+    outs = [llm.generate([{"prompt_token_ids": prompt}], [params(*r)], use_tqdm=False)[0] for r in runs]
+    traces = {name: RequestTrace.read(d / f"{name}.json") for name, _, _ in runs}
+    tokens = check_against_reference(ref_llama, prompt, outs[0], traces["sl-repack-1"])
+    assert tokens == list(outs[1].outputs[0].token_ids), "tokens differ from the paired naive run"
+    check_against_reference(ref_llama, prompt, outs[2], traces["sl-repack-all"])
+    assert traces["sl-repack-1"].evicted > 0 and traces["sl-repack-all"].evicted > 0
+    ev = {name: np.asarray(t.epochs[0].evicted_round) for name, t in traces.items()}
+    assert np.array_equal(ev["sl-repack-1"], ev["sl-naive-1"])  # paired: the same decisions
+    assert not np.array_equal(ev["sl-repack-1"], ev["sl-repack-all"]), "the subset did not change the scores"
+
+
 def test_abort_frees_state_and_blocks(prefix_engine):
     llm, _ = prefix_engine
     eng = llm.llm_engine

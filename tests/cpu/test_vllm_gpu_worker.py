@@ -94,9 +94,10 @@ def test_gpu_runner_layout_mover_and_scores_come_from_the_cache_view():
     assert r._vt_result.num_moves == 4 and r._vt_result.move_seconds > 0
     # the attention wrapper runs vLLM's kernel, then folds q·K in (keys come from the cache, not `key`)
     got = []
-    r._vt_acc = SimpleNamespace(add_layer=lambda q, k, kv, scale: got.append((k, kv, scale)))
+    r._vt_acc = SimpleNamespace(add_layer=lambda q, k, kv, scale, layer: got.append((k, kv, scale, layer)))
     ctx["l1"].impl.forward(ctx["l1"], "q", "k", "v", views[1], object())
-    assert calls == [("kernel", views[1])] and got == [(None, views[1], 0.5)]
+    # … telling the accumulator which layer it is (forward order: score_layers skips the others)
+    assert calls == [("kernel", views[1])] and got == [(None, views[1], 0.5, 1)] and r._vt_depth == L
     # key norms of the new tokens, read back from the cache after the forward
     slots = torch.tensor([5, 6, 22])
     r._vt_norm_slots = slots

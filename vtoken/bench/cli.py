@@ -62,6 +62,9 @@ def overhead_cmd(
     out: str = typer.Option(None, help="also write the JSON here"),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
                                              help="TP ranks (CPU: one process and core each)"),
+    score_layers: list[int] = typer.Option(None, "--score-layers",
+                                           help="also measure repack+scores@N: only N attention layers score "
+                                                "(repeatable)"),
 ) -> None:
     """Decode-step overhead in vLLM: repack vs naive vs none (no memory pressure), score collection on/off."""
     from vtoken.bench.overhead import overhead
@@ -71,9 +74,12 @@ def overhead_cmd(
 
     try:
         engine_kwargs(VTokenConfig(policy="random", budget=budget, mode="repack", block_size=block_size))
+        for n in score_layers or ():
+            VTokenConfig(score_layers=n)
     except (ConfigError, ValueError) as err:
         refuse(err)
-    overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats, out, tensor_parallel_size)
+    overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats, out, tensor_parallel_size,
+             tuple(score_layers or ()))
 
 
 @bench_app.command("capacity")
@@ -165,12 +171,30 @@ def prefix_cmd(
     prefix(model, block_size, chosen, policy, budget, requests, system_len, user_len, gen_len, repeats, seed, out)
 
 
+def _score_layers(text: str) -> int | None:
+    """``--score-layers`` item: ``all`` → None (every layer), else a count (``ConfigError`` naming it)."""
+    from vtoken.core.config import VTokenConfig
+    from vtoken.errors import ConfigError
+
+    text = text.strip()
+    if text == "all":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise ConfigError(f"--score-layers {text!r}: give 'all' or a positive layer count") from None
+    return VTokenConfig(score_layers=n).score_layers
+
+
 @bench_app.command("quality")
 def quality_cmd(
     quick: bool = typer.Option(False, "--quick", help="a few points, a few minutes (else the full sweep)"),
     policies: str = typer.Option(None, help="comma-separated policy names, or 'all' (default: the preset's)"),
     budgets: str = typer.Option(None, help="comma-separated fractions or token counts (default: the preset's)"),
     granularities: str = typer.Option("token,block", help="token (repack) and/or block (whole blocks, naive)"),
+    score_layers: str = typer.Option("all", "--score-layers",
+                                     help="comma-separated: 'all' (every attention layer scores) and/or layer "
+                                          "counts N (N layers, evenly spread, last included); each point per value"),
     model: str = typer.Option("default", help="a trained model: default | smollm2 | PATH"),
     seed: int = typer.Option(0, help="draws other pass keys, needle positions and text windows"),
     context_tokens: int = typer.Option(400, "--context-tokens", help="filler tokens around the pass key"),
@@ -199,6 +223,7 @@ def quality_cmd(
     grans = tuple(g.strip() for g in granularities.split(",") if g.strip())
     try:
         budget_values = tuple(Budget.parse(b.strip()).to_json() for b in (budgets or preset[1]).split(","))
+        layer_values = tuple(_score_layers(v) for v in score_layers.split(",") if v.strip())
         for p in chosen:
             for g in grans:
                 VTokenConfig(policy=p, **({"granularity": g} if g != "token" else {}))
@@ -213,7 +238,7 @@ def quality_cmd(
         model=path, policies=chosen, budgets=budget_values, granularities=grans,
         depths=tuple(float(d) for d in preset[2].split(",")), per_depth=preset[3], context_tokens=context_tokens,
         windows=preset[4], window_tokens=preset[5], chunk=chunk, seed=seed,
-        tensor_parallel_size=tensor_parallel_size,
+        tensor_parallel_size=tensor_parallel_size, score_layers=layer_values or (None,),
     )
     console = Console(stderr=True)
     with console.status("quality benchmark", spinner="dots") as status:

@@ -7,7 +7,9 @@ nothing is ever preempted or queued):
 * hooks engine, ``scores=never``: ``naive``, ``repack``, ``reuse+repack`` with the ``random`` policy
   (query-free, so the three take identical eviction decisions and only the accounting / copies differ)
 * hooks engine, ``scores=always``: ``repack`` with ``random`` again — identical decisions and moves to the
-  run above, plus q·K score collection over every live key of every layer: the cost of score collection.
+  run above, plus q·K score collection over every live key of every layer: the cost of score collection;
+  with ``--score-layers N`` (repeatable) also ``repack+scores@N``, the same engine with the per-request
+  ``score_layers=N`` (only N of the attention layers score; docs/vllm-integration.md).
 
 A decode step is an ``LLMEngine.step()`` in which every request of the batch is past its prompt; its wall
 time includes the scheduler hook (policy, plan, block frees), the worker hook (moves, seq_len / slot
@@ -51,12 +53,15 @@ def _engine(model: str, block_size: int, mode: str, scores: str, budget: float, 
                    enable_prefix_caching=False, gpu_memory_utilization=0.5, **tp_kw, **kw)
 
 
-def _decode_steps(llm, prompts: list[list[int]], gen_len: int, mode: str | None, tag: str, advance) -> list[float]:
+def _decode_steps(llm, prompts: list[list[int]], gen_len: int, mode: str | None, tag: str, advance,
+                  score_layers: int | None = None) -> list[float]:
     from vllm import SamplingParams
 
     eng = llm.llm_engine
     sched = eng.engine_core.engine_core.scheduler
     extra = {"vtoken": {"mode": mode, "policy": "random", "salt": 1}} if mode else None
+    if score_layers is not None:
+        extra["vtoken"]["score_layers"] = score_layers
     for i, p in enumerate(prompts):
         eng.add_request(f"{tag}-{i}", {"prompt_token_ids": p},
                         SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True, extra_args=extra))
@@ -75,7 +80,7 @@ def _decode_steps(llm, prompts: list[list[int]], gen_len: int, mode: str | None,
 
 
 def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_len: int, budget: float,
-                 repeats: int, tensor_parallel_size: int = 1) -> dict:
+                 repeats: int, tensor_parallel_size: int = 1, score_layers: tuple[int, ...] = ()) -> dict:
     """Measure every variant; returns the JSON-able report (see the module docstring)."""
     from rich.progress import Progress
 
@@ -90,9 +95,10 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
     max_model_len = prompt_len + gen_len + 8
     plan = [("none", "none", "never", [None]),
             ("hooks", "repack", "never", ["naive", "repack", "reuse+repack"]),
-            ("scores", "repack", "always", ["repack"])]
-    per_run: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    steps: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            ("scores", "repack", "always", ["repack", *(f"@{n}" for n in score_layers)])]
+    variants = (*VARIANTS, *(f"repack+scores@{n}" for n in score_layers))
+    per_run: dict[str, list[float]] = {v: [] for v in variants}
+    steps: dict[str, list[float]] = {v: [] for v in variants}
     moves: dict[str, int] = {}
     engines = {label: _engine(path, block_size, mode, scores, budget, max_model_len, tensor_parallel_size)
                for label, mode, scores, _ in plan}
@@ -106,10 +112,14 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
             for label, m in runs:
                 llm = engines[label]
                 sched = llm.llm_engine.engine_core.engine_core.scheduler
+                layers = int(m[1:]) if m and m.startswith("@") else None
                 name = "none" if m is None else ("repack+scores" if label == "scores" else m)
+                if layers is not None:
+                    name, m = f"repack+scores@{layers}", "repack"
                 before = sched.vtoken_stats().counters.repack_moves if m else 0
                 progress.update(task, description=f"{name} (run {r + 1}/{repeats})")
-                t = _decode_steps(llm, prompts, gen_len, m, f"{name}-{r}", lambda: progress.advance(task))
+                t = _decode_steps(llm, prompts, gen_len, m, f"{name}-{r}", lambda: progress.advance(task),
+                                  score_layers=layers)
                 per_run[name].append(statistics.fmean(t) * 1e3)
                 steps[name].extend(x * 1e3 for x in t)
                 if m:
@@ -119,7 +129,7 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
     engines.clear()
     gc.collect()
     # Median over every decode step of every run: robust to bursts of CPU contention on a shared machine.
-    ms = {v: statistics.median(steps[v]) for v in VARIANTS}
+    ms = {v: statistics.median(steps[v]) for v in variants}
     base = ms["none"]
     report = {
         "command": "vtoken " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
@@ -131,14 +141,18 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
         "policy": "random",
         "budget": budget,
         "repeats": repeats,
-        "decode_step_ms": {v: round(ms[v], 3) for v in VARIANTS},
-        "decode_step_ms_p90": {v: round(float(np.percentile(steps[v], 90)), 3) for v in VARIANTS},
-        "decode_step_ms_run_means": {v: [round(x, 3) for x in per_run[v]] for v in VARIANTS},
+        "decode_step_ms": {v: round(ms[v], 3) for v in variants},
+        "decode_step_ms_p90": {v: round(float(np.percentile(steps[v], 90)), 3) for v in variants},
+        "decode_step_ms_run_means": {v: [round(x, 3) for x in per_run[v]] for v in variants},
         "moves_per_run": moves,
-        "overhead_vs_none_pct": {v: round(100 * (ms[v] / base - 1), 1) for v in VARIANTS if v != "none"},
+        "overhead_vs_none_pct": {v: round(100 * (ms[v] / base - 1), 1) for v in variants if v != "none"},
         "repack_vs_naive_pct": round(100 * (ms["repack"] / ms["naive"] - 1), 1),
         "score_collection_pct": round(100 * (ms["repack+scores"] / ms["repack"] - 1), 1),
     }
+    if score_layers:  # repack+scores@N over repack: the target of issue 9 is ≤ 1.10
+        report["score_layers"] = list(score_layers)
+        report["scores_vs_repack_ratio"] = {v: round(ms[v] / ms["repack"], 3) for v in variants
+                                            if v.startswith("repack+scores")}
     return report
 
 
@@ -152,8 +166,10 @@ def overhead(
     repeats: Annotated[int, typer.Option(help="runs per variant (median reported)")] = 3,
     out: Annotated[str | None, typer.Option(help="also write the JSON here")] = None,
     tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", min=1)] = 1,
+    score_layers: tuple[int, ...] = (),
 ) -> None:
     """Decode-step overhead of repack vs naive vs none (no memory pressure), and of score collection."""
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the JSON
-    report = run_overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats, tensor_parallel_size)
+    report = run_overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats, tensor_parallel_size,
+                          score_layers)
     emit(report, out)

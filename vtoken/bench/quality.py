@@ -51,6 +51,7 @@ class QualitySetup:
     recent: int = 16
     answer_tokens: int = 12
     tensor_parallel_size: int = 1  # > 1: vLLM's multiprocess executor (start_engine)
+    score_layers: tuple[int | None, ...] = (None,)  # each point once per value (None: every layer scores)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class Point:
     policy: str
     granularity: str
     budget: float | int | None  # None: the full cache
+    score_layers: int | None = None  # attention layers that score (None: every layer)
 
     @property
     def mode(self) -> str:
@@ -69,7 +71,8 @@ class Point:
 
     @property
     def key(self) -> str:
-        return f"{self.policy}_{self.granularity}_{self.budget}"
+        tail = "" if self.score_layers is None else f"@{self.score_layers}"
+        return f"{self.policy}_{self.granularity}_{self.budget}{tail}"
 
     def extra(self, trace_id: str, salt: int) -> dict:
         vt = {"policy": self.policy, "mode": self.mode, "trace_id": trace_id, "salt": salt}
@@ -77,6 +80,8 @@ class Point:
             vt["budget"] = self.budget
         if self.granularity != "token":
             vt["granularity"] = self.granularity
+        if self.score_layers is not None:
+            vt["score_layers"] = self.score_layers
         return {"vtoken": vt}
 
 
@@ -84,7 +89,8 @@ FULL = Point("h2o", "token", None)
 
 
 def points(setup: QualitySetup) -> list[Point]:
-    return [FULL] + [Point(p, g, b) for p in setup.policies for g in setup.granularities for b in setup.budgets]
+    return [FULL] + [Point(p, g, b, n) for p in setup.policies for g in setup.granularities for b in setup.budgets
+                     for n in setup.score_layers]
 
 
 def _run(llm, trace_dir: str, cases, pts: list[Point], params_for) -> dict:
@@ -191,12 +197,12 @@ def run_quality(setup: QualitySetup, on_phase=lambda text: None) -> dict:
             return round(statistics.fmean(values), 3) if values else None
 
         return {"policy": pt.policy, "granularity": pt.granularity, "mode": pt.mode, "budget": pt.budget,
-                "accuracy": r["accuracy"], "perplexity": m["perplexity"],
+                "score_layers": pt.score_layers, "accuracy": r["accuracy"], "perplexity": m["perplexity"],
                 "retained_blocks_mean": both("retained_blocks_mean"),
                 "packing_bound_mean": both("packing_bound_mean"), "retrieval": r, "language_modelling": m}
 
     full = merged(FULL)
-    for key in ("policy", "granularity", "budget"):
+    for key in ("policy", "granularity", "budget", "score_layers"):
         full.pop(key)
     return {
         "bench": "quality",

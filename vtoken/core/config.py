@@ -15,7 +15,8 @@ from typing import Any
 from vtoken.errors import ConfigError
 from vtoken.policies import get_policy_class, make_policy
 
-__all__ = ["Budget", "Granularity", "Mode", "Trigger", "VTokenConfig", "check_block_size", "reject_unknown"]
+__all__ = ["Budget", "Granularity", "Mode", "Trigger", "VTokenConfig", "check_block_size", "reject_unknown",
+           "score_layer_indices"]
 
 
 def _edge_schema(parse: Callable[[Any], Any], dump: Callable[[Any], Any], values: tuple[str, ...] = ()) -> Any:
@@ -185,6 +186,10 @@ class VTokenConfig:
     ``recent``: the last ``recent`` logical tokens are never evicted (recent window).
     ``trigger``: when eviction runs. ``granularity``: evict single tokens or whole original blocks.
     ``seed``: seed of the ``random`` policy.
+    ``score_layers``: how many attention layers contribute to the attention statistics (H2O, TOVA,
+    Scissorhands, SnapKV): ``None`` = every layer; ``n`` = ``n`` layers spread evenly over the depth, counted
+    back from the last (``score_layer_indices``); ``n`` ≥ depth is every layer. Unscored layers cost nothing;
+    the statistics are the mean over the scored layers. Key norms (KNorm) always use every layer.
     """
 
     __pydantic_config__ = {"extra": "forbid"}  # read by pydantic only (the serving config's edge)
@@ -198,6 +203,7 @@ class VTokenConfig:
     trigger: Trigger = Trigger.STEP
     granularity: Granularity = Granularity.TOKEN
     seed: int = 0
+    score_layers: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", Budget.parse(self.budget))
@@ -209,6 +215,10 @@ class VTokenConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
+        n = self.score_layers
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ConfigError(f"score_layers must be a positive integer (layers scored) or null (every layer), "
+                              f"got {n!r}")
         get_policy_class(self.policy)
 
     def make_policy(self):
@@ -246,6 +256,19 @@ def reject_unknown(given: Mapping[str, Any], valid: tuple[str, ...], where: str)
         raise ConfigError(
             f"unknown {where} setting(s) {', '.join(map(repr, unknown))}; valid settings: {', '.join(valid)}"
         )
+
+
+def score_layer_indices(count: int | None, depth: int) -> tuple[int, ...]:
+    """The attention layers (0-based, in forward order) that score when ``count`` of ``depth`` do: every
+    ``depth/count``-th layer counted back from the last, ``depth - 1 - floor(j·depth/count)`` for
+    ``j = 0..count-1``, ascending. ``None`` or ``count >= depth``: every layer; ``1``: the last. Pure."""
+    if depth < 1:
+        raise ValueError(f"depth must be positive, got {depth}")
+    if count is None or count >= depth:
+        return tuple(range(depth))
+    if count < 1:
+        raise ValueError(f"count must be positive, got {count}")
+    return tuple(sorted(depth - 1 - (j * depth) // count for j in range(count)))
 
 
 def check_block_size(block_size: object) -> int:

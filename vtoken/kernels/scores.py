@@ -181,3 +181,43 @@ class ScoreAccumulator:
                 stats["key_norm"] = (rs.key_norm / rs.norm_layers).cpu().numpy().astype(np.float64)
             out[rid] = SlotScores(n_queries=rs.n_q, seq_len=rs.seq_len, **stats)
         return out
+
+
+@dataclass
+class LayerGroups:
+    """One step's accumulators, one per distinct set of scored layers among its requests (``score_layers``,
+    vtoken/core/config.py): ``groups`` is ``[(layers or None for every layer, accumulator)]`` in an order the
+    step's plan fixes (identical on every tensor-parallel rank). A layer outside a group's set never reaches
+    that group's accumulator (no gather, no softmax), so each request's statistics are the mean over its own
+    scored layers. Quacks like a ``ScoreAccumulator`` for the runner, ``finish_step_result`` and the TP
+    reduction (vtoken/vllm/tp.py)."""
+
+    groups: list[tuple[frozenset[int] | None, ScoreAccumulator]]
+
+    @property
+    def requests(self) -> dict[str, RequestScores]:
+        return {rid: rs for _, acc in self.groups for rid, rs in acc.requests.items()}
+
+    def add_layer(self, query: torch.Tensor, key: torch.Tensor | None, kv_cache: torch.Tensor, scale: float,
+                  layer: int | None = None) -> None:
+        """Fold attention layer ``layer`` (forward order; ``None``: fold into every group) into the groups
+        that score it."""
+        for layers, acc in self.groups:
+            if layers is None or layer is None or layer in layers:
+                acc.add_layer(query, key, kv_cache, scale)
+
+    def linear_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every group's buffers, group by group (see ``ScoreAccumulator.linear_buffers``). Pure."""
+        attention, norms = [], []
+        for _, acc in self.groups:
+            a, n = acc.linear_buffers()
+            attention.extend(a)
+            norms.extend(n)
+        return attention, norms
+
+    def finish(self) -> dict[str, SlotScores]:
+        """Every group's ``finish``, merged (a request belongs to one group)."""
+        out: dict[str, SlotScores] = {}
+        for _, acc in self.groups:
+            out.update(acc.finish())
+        return out

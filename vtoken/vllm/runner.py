@@ -45,7 +45,8 @@ from vllm.v1.outputs import AsyncModelRunnerOutput
 
 from vtoken.kernels.gpu_layout import PagedLayout, read_k, unique_caches
 from vtoken.kernels.moves import SlotMover
-from vtoken.kernels.scores import RequestScores, ScoreAccumulator
+from vtoken.core.config import score_layer_indices
+from vtoken.kernels.scores import LayerGroups, RequestScores, ScoreAccumulator
 from vtoken.vllm.results import DeferredResultOutput, attach_step_result
 from vtoken.vllm.transport import StepPlan, StepResult, plan_of
 
@@ -58,7 +59,8 @@ class VTokenRunnerMixin:
     _vt_ready: bool = False
     _vt_plan: StepPlan | None = None
     _vt_result: StepResult | None = None
-    _vt_acc: ScoreAccumulator | None = None
+    _vt_acc: LayerGroups | ScoreAccumulator | None = None
+    _vt_depth: int = 0  # attention layers (the depth ``score_layers`` is spread over)
     _vt_layout: object = None  # what the mover and the accumulator read through (platform-specific)
     _vt_paged: PagedLayout | None = None  # the same layout as a PagedLayout (key norms)
     _vt_mover: SlotMover | None = None
@@ -113,14 +115,17 @@ class VTokenRunnerMixin:
         self._vt_tp = tp_reducer(vllm_config) if vllm_config is not None else None
         self._vt_layout, self._vt_paged = self._vt_make_layout(layers[0])
         self._vt_mover = self._vt_make_mover(self._vt_layout)
-        for layer in layers:
-            self._vt_wrap(layer)
+        self._vt_depth = len(layers)
+        for index, layer in zip(_forward_order(groups[0].layer_names), layers):
+            self._vt_wrap(layer, index)
         self._vt_ready = True
         logger.info("vToken worker ready: %d attention layers, block size %d, mover %s", len(layers),
                     self._vt_paged.block_size, type(self._vt_mover).__name__)
 
-    def _vt_wrap(self, layer) -> None:
-        """Wrap this layer's ``impl.forward`` (per instance) to score the step's queries after the kernel."""
+    def _vt_wrap(self, layer, index: int | None = None) -> None:
+        """Wrap this layer's ``impl.forward`` (per instance) to score the step's queries after the kernel;
+        ``index``: the layer's place in the forward order (the accumulator skips it unless a request's
+        ``score_layers`` subset holds it)."""
         impl = layer.impl
         if getattr(impl, "_vtoken_wrapped", False):
             return
@@ -132,7 +137,7 @@ class VTokenRunnerMixin:
             out = orig(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
             acc = runner._vt_acc
             if acc is not None and attn_metadata is not None:
-                acc.add_layer(query, None, kv_cache, scale)
+                acc.add_layer(query, None, kv_cache, scale, layer=index)
             return out
 
         impl.forward = forward
@@ -245,7 +250,7 @@ class VTokenRunnerMixin:
     def _vt_collect(self, plan: StepPlan, req_ids, qsl, rows) -> None:
         """This step's score accumulator and key-norm requests (``_vt_acc``, ``_vt_norm_*``)."""
         seq_lens = self.optimistic_seq_lens_cpu[: len(req_ids)].numpy()
-        acc = self._vt_make_accumulator(self._vt_layout)
+        accs: dict[frozenset[int] | None, ScoreAccumulator] = {}
         norms, slots, at = {}, [], 0
         for i, rid in enumerate(req_ids):
             rs = plan.requests.get(rid)
@@ -254,7 +259,11 @@ class VTokenRunnerMixin:
             q0, q1 = int(qsl[i]), int(qsl[i + 1])
             if rs.scores:
                 n_blocks = int(rows.num_blocks_per_row[i])
-                acc.requests[rid] = RequestScores(
+                subset = None if rs.score_layers is None or rs.score_layers >= self._vt_depth else (
+                    frozenset(score_layer_indices(rs.score_layers, self._vt_depth)))
+                if subset not in accs:
+                    accs[subset] = self._vt_make_accumulator(self._vt_layout)
+                accs[subset].requests[rid] = RequestScores(
                     q_start=q0, q_end=q1, seq_len=int(seq_lens[i]),
                     block_row=torch.from_numpy(rows.block_table.np[i, :n_blocks].astype(np.int64)),
                     want_attention=True, want_key_norm=False, window=rs.window,
@@ -268,7 +277,8 @@ class VTokenRunnerMixin:
                 norms[rid] = (at, at + n, int(seq_lens[i]))
                 slots.append(rows.slot_mapping.gpu[q0:q1])
                 at += n
-        self._vt_acc = acc if acc.requests else None
+        order = sorted(accs, key=lambda s: (s is not None, sorted(s or ())))  # same on every TP rank
+        self._vt_acc = LayerGroups([(s, accs[s]) for s in order]) if accs else None
         self._vt_norm_reqs = norms or None
         self._vt_norm_slots = torch.cat(slots) if slots else None
 
@@ -308,3 +318,17 @@ class VTokenRunnerMixin:
             return DeferredResultOutput(out, parts)
         return attach_step_result(out, parts)
 
+
+def _forward_order(layer_names: list[str]) -> list[int]:
+    """Each attention layer's place in the forward order, from the layer index vLLM reads from its name
+    (``model.layers.12.self_attn.attn`` → 12); the listed order when a name carries none. Pure."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    try:
+        found = [extract_layer_index(name) for name in layer_names]
+    except (AssertionError, ValueError):
+        return list(range(len(layer_names)))
+    rank = {idx: r for r, idx in enumerate(sorted(set(found)))}
+    if len(rank) != len(found):
+        return list(range(len(layer_names)))
+    return [rank[idx] for idx in found]

@@ -224,6 +224,7 @@ class VTokenScheduler(Scheduler):
                 steps[rid] = RequestStep(
                     offset=offset, slots=None if appended else slots, scores=st.want_attention or window > 0,
                     key_norm=st.want_key_norm, window=window, norm_back=back,
+                    score_layers=st.settings.cfg.score_layers,
                 )
             st.inflight.add(step, computed_before - back, t.live, scored=st.want_attention or window > 0)
             held = len(self._vt_manager.req_to_blocks.get(rid, ()))

@@ -52,9 +52,11 @@ class VerifyCase:
     budget: float | int
     name: str = ""
     granularity: str = "token"  # "block": whole original blocks (the block-level baseline)
+    score_layers: int | None = None  # attention layers that score (None: every layer)
 
     def key(self) -> str:
         tail = "" if self.granularity == "token" else f"_{self.granularity}"
+        tail += "" if self.score_layers is None else f"_L{self.score_layers}"
         mode = Mode.parse(self.mode).value.replace("+", "-")
         return self.name or f"{self.policy}_{mode}_{self.budget}{tail}"
 
@@ -128,12 +130,12 @@ def paired_mode(mode: Mode, present: set[Mode]) -> Mode | None:
 
 def pair_results(results: list[VerifyResult]) -> None:
     """Set ``paired_naive_match`` on each result that has a partner of another mode with the same policy,
-    budget and granularity (mutates the results; a result without one keeps ``None``)."""
-    runs = {(r.case.policy, r.case.budget, r.case.granularity, Mode.parse(r.case.mode)): r.tokens
-            for r in results}
+    budget, granularity and score_layers (mutates the results; a result without one keeps ``None``)."""
+    runs = {(r.case.policy, r.case.budget, r.case.granularity, r.case.score_layers, Mode.parse(r.case.mode)):
+            r.tokens for r in results}
     for r in results:
-        same = (r.case.policy, r.case.budget, r.case.granularity)
-        partner = paired_mode(Mode.parse(r.case.mode), {k[3] for k in runs if k[:3] == same})
+        same = (r.case.policy, r.case.budget, r.case.granularity, r.case.score_layers)
+        partner = paired_mode(Mode.parse(r.case.mode), {k[4] for k in runs if k[:4] == same})
         if partner is not None:
             r.paired_naive_match = r.tokens == runs[(*same, partner)]
 
@@ -170,7 +172,7 @@ def run_cases(
         prompt = make_prompt(model, prompt_len)
     for c in cases:  # fail before any engine work on a bad value
         VTokenConfig(policy=c.policy, budget=Budget.parse(c.budget), mode=c.mode, block_size=block_size,
-                     granularity=c.granularity)
+                     granularity=c.granularity, score_layers=c.score_layers)
     own = llm is None
     tmp = None
     if own:
@@ -184,7 +186,7 @@ def run_cases(
     for c in cases:
         extra = {"vtoken": {"policy": c.policy, "mode": Mode.parse(c.mode).value, "budget": c.budget,
                             "trace_id": c.key(), "sinks": sinks, "recent": recent, "seed": seed,
-                            "salt": salt, "granularity": c.granularity}}
+                            "salt": salt, "granularity": c.granularity, "score_layers": c.score_layers}}
         requests.append(SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, seed=seed,
                                        ignore_eos=True, extra_args=extra))
     outs = llm.generate([{"prompt_token_ids": list(prompt)}] * len(cases), requests, use_tqdm=False)

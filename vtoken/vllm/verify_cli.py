@@ -44,6 +44,8 @@ def verify(
     sinks: Annotated[int, typer.Option(help="protected first tokens")] = 4,
     recent: Annotated[int, typer.Option(help="protected last tokens")] = 16,
     granularity: Annotated[str, typer.Option(help="token | block (evict whole original blocks)")] = "token",
+    score_layers: Annotated[int | None, typer.Option(
+        "--score-layers", help="attention layers that score (evenly spread, last included); unset: every layer")] = None,
     tensor_parallel_size: Annotated[
         int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="TP ranks (CPU: one core and process each)")
     ] = 1,
@@ -60,7 +62,7 @@ def verify(
         if not m.evicts:
             raise ConfigError("mode 'none' evicts nothing; verify one of: naive, repack, reuse+repack")
         cfg = VTokenConfig(policy=policy, budget=b, mode=m, block_size=block_size, sinks=sinks, recent=recent,
-                           seed=seed, granularity=granularity)
+                           seed=seed, granularity=granularity, score_layers=score_layers)
         engine_kwargs(cfg)  # also checks the block size against the installed vLLM
         path = resolve_model(model)
     except (ConfigError, ValueError) as e:
@@ -69,7 +71,8 @@ def verify(
     bval = b.count if b.count is not None else b.fraction
     partner = Mode.REPACK if m is Mode.NAIVE else Mode.NAIVE  # the paired run: same decisions, other mode
     g = cfg.granularity.value
-    cases = [VerifyCase(policy, mode_.value, bval, granularity=g) for mode_ in (m, partner)]
+    cases = [VerifyCase(policy, mode_.value, bval, granularity=g, score_layers=score_layers)
+             for mode_ in (m, partner)]
     from rich.console import Console
 
     label = f"verifying {policy} {m.value} (+ paired {partner.value}) in vLLM and HF …"
@@ -85,6 +88,7 @@ def verify(
         "budget": str(b),
         "mode": m.value,
         "granularity": g,
+        "score_layers": score_layers,
         "block_size": block_size,
         "seed": seed,
         "tensor_parallel_size": tensor_parallel_size,
