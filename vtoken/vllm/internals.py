@@ -64,6 +64,9 @@ Worker side (worker process) — ``vtoken/vllm/runner.py``, ``results.py``, ``wo
     ``use_v2_model_runner``, ``vllm_config.is_mm_encoder_only``.
   * ``vllm.v1.worker.cpu_worker.CPUWorker`` — ``VTokenCPUWorker``'s second base; ``init_device`` switches the
     ``CPUModelRunner`` instance's class (``use_v2_model_runner`` checked: only V1 is hooked).
+  * ``vllm.model_executor.models.utils.extract_layer_index`` — each attention layer's index from its name
+    (``model.layers.12.self_attn.attn`` → 12): the forward order ``score_layers`` is spread over
+    (``runner._forward_order``; the listed order when a name carries none).
   * ``GPUModelRunner._update_states`` — overridden: slot moves and row truncation run *before* vLLM's
     update (which zeroes new blocks and appends new block ids), then ``super()``.
     Touched: ``self.requests[req].block_ids``, ``input_batch.req_id_to_index``,
