@@ -75,7 +75,8 @@ def test_quality_command_reports_full_cache_and_points(default_model, tmp_path):
     out, png = tmp_path / "q.json", tmp_path / "q.png"
     run = subprocess.run(
         [VTOKEN, "bench", "quality", "--quick", "--policies", "h2o", "--budgets", "0.2",
-         "--granularities", "token,block", "--json", "--out", str(out), "--plot", str(png)],
+         "--granularities", "token,block", "--score-layers", "all,1", "--json", "--out", str(out),
+         "--plot", str(png)],
         capture_output=True, text=True, timeout=900,
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -85,8 +86,8 @@ def test_quality_command_reports_full_cache_and_points(default_model, tmp_path):
     full = report["full_cache"]
     assert full["accuracy"] >= 0.9, "the pass-key task must be solvable with the full cache"
     assert 1.0 < full["perplexity"] < 100.0
-    assert {(p["policy"], p["granularity"], p["budget"]) for p in report["points"]} == {
-        ("h2o", "token", 0.2), ("h2o", "block", 0.2)}
+    assert {(p["policy"], p["granularity"], p["budget"], p["score_layers"]) for p in report["points"]} == {
+        ("h2o", g, 0.2, n) for g in ("token", "block") for n in (None, 1)}  # @1: its traces found too
     for p in report["points"]:
         assert 0.0 <= p["accuracy"] <= 1.0 and p["perplexity"] > 0
         assert p["retained_blocks_mean"] < full["retained_blocks_mean"]  # eviction really freed blocks

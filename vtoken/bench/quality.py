@@ -26,7 +26,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from vtoken.bench.quality_tasks import passkey_cases, perplexity, text_windows
 
@@ -105,7 +104,7 @@ def _run(llm, trace_dir: str, cases, pts: list[Point], params_for) -> dict:
             params.append(params_for(pt.extra(tid, salt=1000 + i)))
             keys.append((pt.key, case.name, tid))
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return {(k, c): (out, RequestTrace.read(Path(trace_dir) / f"{tid}.json")) for (k, c, tid), out in zip(keys, outs)}
+    return {(k, c): (out, RequestTrace.read_id(trace_dir, tid)) for (k, c, tid), out in zip(keys, outs)}
 
 
 def _blocks(traces) -> dict:

@@ -57,6 +57,11 @@ class Epoch:
         return causal & alive
 
 
+def trace_file_name(trace_id: str) -> str:
+    """The file a trace id is written to: characters other than letters, digits and ``-_.+`` become ``_``."""
+    return "".join(c if c.isalnum() or c in "-_.+" else "_" for c in trace_id) + ".json"
+
+
 @dataclass
 class RequestTrace:
     request_id: str
@@ -93,8 +98,7 @@ class RequestTrace:
         return cls(**raw)
 
     def file_name(self) -> str:
-        name = self.trace_id or self.request_id
-        return "".join(c if c.isalnum() or c in "-_.+" else "_" for c in name) + ".json"
+        return trace_file_name(self.trace_id or self.request_id)
 
     def write(self, directory: str | os.PathLike) -> Path:
         """Atomic write into ``directory`` (created if missing)."""
@@ -105,6 +109,11 @@ class RequestTrace:
         tmp.write_text(self.to_json())
         os.replace(tmp, target)
         return target
+
+    @classmethod
+    def read_id(cls, directory: str | os.PathLike, trace_id: str) -> RequestTrace:
+        """The trace written for ``trace_id`` into ``directory`` (its name made file-safe, as ``write`` does)."""
+        return cls.read(Path(directory) / trace_file_name(trace_id))
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> RequestTrace:

@@ -196,7 +196,7 @@ def run_cases(
         comp = out.outputs[0]
         tokens = list(comp.token_ids)
         vllm_lp = np.array([d[t].logprob for d, t in zip(comp.logprobs, tokens)], dtype=np.float64)
-        trace = RequestTrace.read(Path(trace_dir) / f"{c.key()}.json")
+        trace = RequestTrace.read_id(trace_dir, c.key())
         top, ref_lp = reference_scores(ref, list(prompt), tokens, trace)
         held = np.asarray(trace.held_blocks)
         bound = np.asarray(trace.packing_bound)
