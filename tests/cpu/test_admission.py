@@ -58,10 +58,13 @@ def test_ignored_samples_and_a_single_batch_size():
     assert m.cap(8) == 4  # 10·n ≤ 45
 
 
-def test_negative_slope_is_clamped():
+def test_a_slope_that_is_not_positive_falls_back_to_proportional():
     m = fitted(0.040, -0.002, range(1, 9), tpot_s=0.1)
-    a, b = m.fit()
-    assert b == 0.0 and m.cap(8) == 8
+    ratios = [(0.040 - 0.002 * n) / n for n in range(1, 9)]
+    assert m.fit() == (0.0, pytest.approx(np.mean(ratios), rel=0.05))  # weights decay slightly
+    c = m.cap(8)
+    assert m.predict(c) <= 0.1 * HEADROOM < m.predict(c + 1) and c == 7
+    assert fitted(0.080, 0.0, range(1, 9), tpot_s=0.05).cap(8) == 1  # flat 80 ms: ≈ 27 ms per request ⇒ 1
 
 
 @settings(max_examples=60, deadline=None)

@@ -15,9 +15,10 @@ Invariants (tested in tests/cpu/test_admission.py):
 * otherwise ``1 ≤ cap(max_n) ≤ max_n``: at least one request always runs (no starvation, no deadlock:
   with nothing running, vLLM's check ``num_running >= cap`` is false, so a waiting request is admitted);
 * ``cap`` is non-decreasing in ``tpot_s`` (a looser target never admits fewer);
-* the slope is clamped at ``b ≥ 0`` (a step never gets faster with more requests); when every sample has the
-  same batch size (no slope can be fitted) the model is proportional, ``a = 0, b = mean(step_s / n)``,
-  which is conservative: the cap then moves the batch size, and the next samples fit a real line.
+* the fitted slope is positive: when every sample has the same batch size (no slope can be fitted) or the
+  fit's slope is ≤ 0 (noise, or one slow step at a small batch), the model is proportional,
+  ``a = 0, b = mean(step_s / n)``, which is conservative: the cap then moves the batch size, and the next
+  samples fit a real line.
 
 Nothing here reads a clock or knows vLLM: the caller measures and feeds ``observe``.
 """
@@ -93,7 +94,9 @@ class StepTimeModel:
         var = self._wnn / self._w - mean_n * mean_n
         if var <= 1e-9 * max(1.0, mean_n * mean_n):
             return 0.0, self._wr / self._w  # one batch size only: proportional (module docstring)
-        b = max(0.0, (self._wny / self._w - mean_n * mean_y) / var)
+        b = (self._wny / self._w - mean_n * mean_y) / var
+        if b <= 0:
+            return 0.0, self._wr / self._w  # not explained by batch size: proportional (module docstring)
         return mean_y - b * mean_n, b
 
     def predict(self, n: int) -> float | None:
