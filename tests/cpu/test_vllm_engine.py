@@ -188,6 +188,41 @@ def test_abort_frees_state_and_blocks(prefix_engine):
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == free0
 
 
+
+def test_admission_cap_keeps_outputs_exact(prefix_engine, ref_llama):
+    """SLO-aware admission (vtoken/core/admission.py) switched on in the running engine with a target no step
+    meets: after two measured steps the cap is 1, so the third request waits instead of joining the two already
+    running (never preempted), and then runs alone. Every output is still the HF masked reference's. The setting's path
+    (``admission_tpot_ms`` → the scheduler) is tested in tests/cpu/test_admission.py."""
+    from vtoken.core.admission import AdmissionConfig, StepTimeModel
+
+    llm, d = prefix_engine
+    sched = scheduler_of(llm)
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(10, 500, 70).tolist() for _ in range(3)]
+    running, schedule = [], sched.schedule
+
+    def schedule_and_count(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        running.append((len(sched.running), sched.admission_cap()))
+        return out
+
+    sched._vt_steptime = StepTimeModel(AdmissionConfig(tpot_s=1e-9, min_samples=2))
+    sched.schedule = schedule_and_count
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [sp(40, mode="repack", budget=0.4, trace_id=f"adm-{i}") for i in range(3)],
+                            use_tqdm=False)
+    finally:
+        del sched.schedule
+        sched._vt_steptime, sched.max_num_active_reqs = None, sched._vt_max_active
+    # the two admitted before the cap existed run on (never preempted); the third waits, then runs alone
+    first_alone = next(i for i, (n, cap) in enumerate(running) if n == 1 and cap == 1 and i > 2)
+    assert max(n for n, _ in running) == 2 and max(n for n, _ in running[first_alone:]) == 1
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        check_against_reference(ref_llama, p, out, RequestTrace.read(d / f"adm-{i}.json"))
+
+
 # ------------------------------------------------------------------------------------------ small pool
 @pytest.fixture(scope="module")
 def small_engine(tmp_path_factory):

@@ -43,18 +43,25 @@ def engine_kwargs(
     scores: str = "auto",
     trace_dir: str | None = None,
     check: bool = False,
+    admission_tpot_ms: float | None = None,
 ) -> dict[str, Any]:
     """Extra keyword arguments for ``LLM(...)`` / ``EngineArgs`` / ``AsyncEngineArgs`` that turn vToken on.
 
     Returns ``scheduler_cls``, ``worker_cls``, ``additional_config`` and ``block_size``. With
-    ``cfg.mode == "none"`` it returns only ``block_size`` (vanilla vLLM, no hooks). Raises ``ConfigError``
+    ``cfg.mode == "none"`` it returns only ``block_size`` (vanilla vLLM, no hooks), and with
+    ``admission_tpot_ms`` set also the scheduler and its ``additional_config`` (SLO-aware admission on vanilla
+    vLLM's KV accounting; the worker stays vLLM's). Raises ``ConfigError``
     for invalid settings, including a block size the installed vLLM cannot run (before any engine starts).
     """
     cfg = cfg if cfg is not None else VTokenConfig()
     check_platform_block_size(cfg.block_size)
-    settings = EngineSettings(cfg=cfg, scores=scores, trace_dir=trace_dir, check=check)
+    settings = EngineSettings(cfg=cfg, scores=scores, trace_dir=trace_dir, check=check,
+                              admission_tpot_ms=admission_tpot_ms)
     if not settings.enabled:
-        return {"block_size": cfg.block_size}
+        if settings.admission is None:
+            return {"block_size": cfg.block_size}
+        return {"scheduler_cls": SCHEDULER_CLS, "additional_config": {"vtoken": settings.to_additional_config()},
+                "block_size": cfg.block_size}
     return {
         "scheduler_cls": SCHEDULER_CLS,
         "worker_cls": WORKER_CLS,

@@ -17,6 +17,8 @@ Engine level (``--additional-config '{"vtoken": {...}}'`` or ``LLM(additional_co
     scores     auto | always | never  (collect q·K scores)     auto (only for attention policies)
     trace_dir  directory: write one JSON trace per finished request (used by `vtoken verify`)  unset
     check      bool: run the token-table integrity checks every step (slow; tests)            false
+    admission_tpot_ms  number > 0: SLO-aware admission, hold the running batch to what meets this TPOT
+               target given measured step times (vtoken/core/admission.py; any mode)               unset (off)
 
 Per request (``SamplingParams(extra_args={"vtoken": {...}})``; in the OpenAI API, whose ``vllm_xargs`` holds
 flat values only, ``"vllm_xargs": {"vtoken.policy": "tova", "vtoken.budget": 0.3}``):
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
+from vtoken.core.admission import AdmissionConfig
 from vtoken.core.config import VTokenConfig, reject_unknown
 from vtoken.errors import ConfigError
 
@@ -74,14 +77,17 @@ def _own_fields(cls) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class EngineSettings:
     """Everything vToken reads from one engine's ``additional_config["vtoken"]``: the ``VTokenConfig`` fields
-    plus ``scores``, ``trace_dir`` and ``check`` (validated on construction; keys = ``keys()``)."""
+    plus ``scores``, ``trace_dir``, ``check`` and ``admission_tpot_ms`` (validated on construction; keys = ``keys()``)."""
 
     cfg: VTokenConfig
     scores: str = "auto"
     trace_dir: str | None = None
     check: bool = False
+    admission_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
+        if self.admission_tpot_ms is not None:
+            AdmissionConfig.from_ms(self.admission_tpot_ms)  # raises ConfigError naming a bad value
         if self.scores not in SCORE_MODES:
             raise ConfigError(f"unknown scores setting {self.scores!r}; valid values: {', '.join(SCORE_MODES)}")
         if not isinstance(self.check, bool):
@@ -98,6 +104,11 @@ class EngineSettings:
     def enabled(self) -> bool:
         """Whether the hooks do anything (mode 'none' at engine level is vanilla vLLM)."""
         return self.cfg.mode.evicts
+
+    @property
+    def admission(self) -> AdmissionConfig | None:
+        """SLO-aware admission's config, ``None`` when off (``admission_tpot_ms`` unset)."""
+        return None if self.admission_tpot_ms is None else AdmissionConfig.from_ms(self.admission_tpot_ms)
 
     def to_additional_config(self) -> dict[str, Any]:
         """The JSON-able dict that round-trips through ``from_additional_config``."""

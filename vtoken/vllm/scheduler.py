@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
+from vtoken.core.admission import StepTimeModel
 from vtoken.core.eviction import decide_step, eviction_count
 from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
 from vtoken.core.manager import request_salt
@@ -92,6 +94,7 @@ class VTokenScheduler(Scheduler):
         self._vt_reqs: dict[str, RequestState] = {}
         self._vt_counters = ReclaimCounters()
         self._vt_step = 0  # StepPlan.step of the next step
+        self._vt_init_admission(settings)
         if not settings.enabled:
             return
         check_supported(vllm_config, kv_cache_config)
@@ -147,8 +150,53 @@ class VTokenScheduler(Scheduler):
             st.observer.finished()
         return super()._free_request(request, delay_free_blocks)
 
+    # ------------------------------------------------------------------ SLO-aware admission
+    def _vt_init_admission(self, settings: EngineSettings) -> None:
+        """``admission_tpot_ms`` set: fit step time against batch size (vtoken/core/admission.py) and, before
+        every ``schedule()``, lower vLLM's admission limit ``max_num_active_reqs`` (checked before a waiting
+        request enters RUNNING) to the batch size predicted to meet the target. Running requests are never
+        preempted for it; the cap is ≥ 1, so with nothing running a request is always admitted. Works in
+        every mode (also ``none``). ``_vt_clock`` is replaceable (tests)."""
+        adm = settings.admission
+        self._vt_steptime = StepTimeModel(adm) if adm is not None else None
+        self._vt_max_active = self.max_num_active_reqs  # the configured limit (max_num_seqs / active seqs)
+        self._vt_clock = time.perf_counter
+        self._vt_started: dict[int, float] = {}  # id(SchedulerOutput) → when its schedule() began
+        self._vt_last_update: float | None = None
+        if adm is not None:
+            logger.info("vToken admission on: TPOT target %.1f ms, headroom %.2f, max active %d",
+                        adm.tpot_s * 1000, adm.headroom, self._vt_max_active)
+
+    def admission_cap(self) -> int | None:
+        """The current SLO admission cap (``None``: admission off, or not enough steps measured yet)."""
+        return None if self._vt_steptime is None else self._vt_steptime.cap(self._vt_max_active)
+
+    def _vt_time_step(self, scheduler_output) -> None:
+        """A step's duration: from when it was scheduled, or from the previous step's output if later (one
+        step in flight under async scheduling; idle time before a schedule() is not counted), to its output.
+        Attributed to the step's batch size (requests scheduled in it)."""
+        now = self._vt_clock()
+        start = self._vt_started.pop(id(scheduler_output), None)
+        if start is not None:
+            begin = start if self._vt_last_update is None else max(start, self._vt_last_update)
+            self._vt_steptime.observe(len(scheduler_output.num_scheduled_tokens), now - begin)
+        self._vt_last_update = now
+
     # ------------------------------------------------------------------ the step
     def schedule(self, throttle_prefills: bool = False):
+        if self._vt_steptime is None:
+            return self._vt_schedule(throttle_prefills)
+        start = self._vt_clock()
+        cap = self.admission_cap()
+        self.max_num_active_reqs = self._vt_max_active if cap is None else min(self._vt_max_active, cap)
+        out = self._vt_schedule(throttle_prefills)
+        if out.total_num_scheduled_tokens > 0:
+            self._vt_started[id(out)] = start
+            while len(self._vt_started) > 8:  # outputs never fed back (bounded; ordinarily 1 or 2 entries)
+                self._vt_started.pop(next(iter(self._vt_started)))
+        return out
+
+    def _vt_schedule(self, throttle_prefills: bool = False):
         if not self.vt.enabled:
             return super().schedule(throttle_prefills)
         work = _StepWork()
@@ -264,6 +312,8 @@ class VTokenScheduler(Scheduler):
     def update_from_output(self, scheduler_output, model_runner_output):
         """Fold the step's scores into the tables through the step's own records (request_state.py), then
         vLLM's update. Scores of a preempted or finished request are dropped."""
+        if self._vt_steptime is not None:
+            self._vt_time_step(scheduler_output)
         plan, res = plan_of(scheduler_output), result_of(model_runner_output)
         if plan is not None and res is not None and res.step != plan.step:
             raise IntegrityError("4: logical positions",

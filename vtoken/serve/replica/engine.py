@@ -20,22 +20,22 @@ class VTokenUnavailableError(RuntimeError):
     """vToken reclamation was requested but the vLLM integration (``vtoken.vllm``) is not installed."""
 
 
-def vtoken_engine_kwargs(cfg: VTokenConfig) -> dict[str, Any]:
+def vtoken_engine_kwargs(cfg: VTokenConfig, admission_tpot_ms: float | None = None) -> dict[str, Any]:
     """Extra ``AsyncEngineArgs`` kwargs from ``vtoken.vllm.engine_kwargs`` (scheduler/worker classes,
-    ``additional_config``, block size; only the block size for mode ``none``).
+    ``additional_config``, block size; only the block size for mode ``none`` without admission).
 
     Raises ``VTokenUnavailableError`` when an evicting mode is configured without the integration.
     """
     try:
         from vtoken.vllm import engine_kwargs
     except ImportError as exc:
-        if not cfg.mode.evicts:
+        if not cfg.mode.evicts and admission_tpot_ms is None:
             return {"block_size": cfg.block_size}
         raise VTokenUnavailableError(
             f"vToken mode {cfg.mode.value!r} needs vtoken.vllm.engine_kwargs, which is not available "
             f"({exc}); use vtoken.mode='none' to serve vanilla vLLM"
         ) from None
-    return dict(engine_kwargs(cfg))
+    return dict(engine_kwargs(cfg, admission_tpot_ms=admission_tpot_ms))
 
 
 def resolve_model_path(spec: str) -> str:
@@ -80,7 +80,7 @@ def engine_args(cfg: ServeAppConfig, model_path: str) -> dict[str, Any]:
         kwargs["kv_cache_memory_bytes"] = max(64 << 20, int(e.kv_cache_gib * (1 << 30)) // 16)
     else:
         kwargs["kv_cache_memory_bytes"] = int(e.kv_cache_gib * (1 << 30))
-    kwargs.update(vtoken_engine_kwargs(cfg.vtoken))
+    kwargs.update(vtoken_engine_kwargs(cfg.vtoken, cfg.slo.tpot_ms if cfg.slo.admission else None))
     return kwargs
 
 

@@ -1,0 +1,110 @@
+"""SLO-aware admission's pure model (vtoken/core/admission.py): the online fit, the cap and its invariants,
+and the ``admission_tpot_ms`` setting's validation (engine and serving config)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vtoken.core.admission import HEADROOM, AdmissionConfig, StepTimeModel, cap_for
+from vtoken.errors import ConfigError
+
+
+def fitted(a, b, ns, tpot_s=0.1, noise=0.0, seed=0, **kw):
+    m = StepTimeModel(AdmissionConfig(tpot_s=tpot_s, **kw))
+    rng = np.random.default_rng(seed)
+    for n in ns:
+        m.observe(int(n), a + b * n + noise * rng.standard_normal())
+    return m
+
+
+def test_fit_recovers_intercept_and_slope():
+    ns = np.random.default_rng(1).integers(1, 17, 200)
+    a, b = fitted(0.020, 0.005, ns).fit()
+    assert a == pytest.approx(0.020, abs=1e-9) and b == pytest.approx(0.005, abs=1e-9)
+    a, b = fitted(0.020, 0.005, ns, noise=0.001).fit()
+    assert a == pytest.approx(0.020, abs=2e-3) and b == pytest.approx(0.005, abs=3e-4)
+
+
+def test_cap_is_the_largest_batch_that_meets_the_target():
+    ns = list(range(1, 17)) * 4
+    m = fitted(0.020, 0.005, ns, tpot_s=0.05)  # 0.9·50 ms = 45 ms: 20 + 5·n ≤ 45 ⇒ n ≤ 5
+    assert m.cap(16) == 5
+    assert m.predict(5) <= 0.05 * HEADROOM < m.predict(6)
+
+
+def test_no_cap_before_warm_up_and_clamped_to_one_and_max():
+    m = StepTimeModel(AdmissionConfig(tpot_s=0.05, min_samples=8))
+    for i in range(7):
+        m.observe(1 + i % 3, 1.0)
+        assert m.cap(16) is None
+    m.observe(2, 1.0)
+    assert m.cap(16) == 1  # far too slow even for one request: still one (never 0)
+    assert fitted(0.001, 0.0001, range(1, 9), tpot_s=1.0).cap(16) == 16  # loose: the configured max
+    assert cap_for(0.0, 0.0, 1.0, 0) == 1
+
+
+def test_ignored_samples_and_a_single_batch_size():
+    m = StepTimeModel(AdmissionConfig(tpot_s=0.05, min_samples=2))
+    m.observe(0, 1.0)
+    m.observe(3, 0.0)
+    m.observe(3, float("nan"))
+    assert m.samples == 0
+    for _ in range(4):
+        m.observe(8, 0.08)  # always 8 running, 10 ms per request: proportional model
+    assert m.fit() == (0.0, pytest.approx(0.01))
+    assert m.cap(8) == 4  # 10·n ≤ 45
+
+
+def test_a_slope_that_is_not_positive_falls_back_to_proportional():
+    m = fitted(0.040, -0.002, range(1, 9), tpot_s=0.1)
+    ratios = [(0.040 - 0.002 * n) / n for n in range(1, 9)]
+    assert m.fit() == (0.0, pytest.approx(np.mean(ratios), rel=0.05))  # weights decay slightly
+    c = m.cap(8)
+    assert m.predict(c) <= 0.1 * HEADROOM < m.predict(c + 1) and c == 7
+    assert fitted(0.080, 0.0, range(1, 9), tpot_s=0.05).cap(8) == 1  # flat 80 ms: ≈ 27 ms per request ⇒ 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(a=st.floats(0.001, 0.1), b=st.floats(0.0, 0.02), t1=st.floats(0.001, 0.5), t2=st.floats(0.001, 0.5),
+       max_n=st.integers(1, 64))
+def test_cap_monotone_in_target_and_within_bounds(a, b, t1, t2, max_n):
+    lo, hi = sorted((t1, t2))
+    ns = list(range(1, 13))
+    c_lo, c_hi = fitted(a, b, ns, tpot_s=lo).cap(max_n), fitted(a, b, ns, tpot_s=hi).cap(max_n)
+    assert 1 <= c_lo <= c_hi <= max_n
+
+
+@pytest.mark.parametrize("bad", [0, -5, float("nan"), float("inf"), "50", True])
+def test_bad_targets_are_refused_naming_the_value(bad):
+    from vtoken.core.config import VTokenConfig
+    from vtoken.vllm.config import EngineSettings
+
+    with pytest.raises(ConfigError, match="admission_tpot_ms"):
+        AdmissionConfig.from_ms(bad)
+    with pytest.raises(ConfigError, match="admission_tpot_ms"):
+        EngineSettings(cfg=VTokenConfig(block_size=32), admission_tpot_ms=bad)
+    with pytest.raises(ConfigError, match="admission"):
+        EngineSettings.from_additional_config({"vtoken": {"admission_tpot_ms": bad}}, 32)
+
+
+def test_setting_flows_through_additional_config_and_the_serving_config():
+    from vtoken.core.config import VTokenConfig
+    from vtoken.serve.config import ServeAppConfig
+    from vtoken.serve.replica.engine import engine_args
+    from vtoken.vllm import SCHEDULER_CLS, engine_kwargs
+    from vtoken.vllm.config import EngineSettings
+
+    s = EngineSettings.from_additional_config({"vtoken": {"admission_tpot_ms": 150}}, 32)
+    assert s.admission == AdmissionConfig(tpot_s=0.15)
+    assert EngineSettings.from_additional_config({}, 32).admission is None  # off by default
+    kw = engine_kwargs(VTokenConfig(block_size=32, mode="none"), admission_tpot_ms=150)
+    assert kw["scheduler_cls"] == SCHEDULER_CLS and "worker_cls" not in kw  # vanilla vLLM + admission
+    assert kw["additional_config"]["vtoken"]["admission_tpot_ms"] == 150
+    assert engine_kwargs(VTokenConfig(block_size=32, mode="none")) == {"block_size": 32}
+    on = ServeAppConfig.model_validate({"slo": {"tpot_ms": 120, "admission": True}})
+    off = ServeAppConfig.model_validate({"slo": {"tpot_ms": 120}})
+    assert engine_args(on, "/m")["additional_config"]["vtoken"]["admission_tpot_ms"] == 120
+    assert "admission_tpot_ms" not in engine_args(off, "/m")["additional_config"]["vtoken"]

@@ -1,0 +1,98 @@
+"""SLO-aware admission in the vToken scheduler, in-process and without model weights (as
+tests/cpu/test_vllm_async_scheduler.py builds its scheduler; ``ModelRunnerOutput``s fed by hand).
+
+The "GPU" is a fake clock: a step running ``n`` requests takes ``A + B·n`` seconds. With a TPOT target that
+only ``CAP`` requests meet, admission holds the running batch at ``CAP`` while the rest wait, never preempts,
+and every request finishes; with admission off the same workload runs ``max_num_seqs`` at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+import test_vllm_async_scheduler as base
+
+A, B = 0.010, 0.010  # step = 10 ms + 10 ms per running request
+TPOT_MS = 60.0  # 0.9·60 = 54 ms ⇒ 10 + 10·n ≤ 54 ⇒ n ≤ 4
+CAP, MAX_SEQS, N_REQ, GEN = 4, 8, 14, 40
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def execute(so, sched):
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(so.num_scheduled_tokens)
+    sampled = [[] if sched.requests[rid].is_prefill_chunk else [7] for rid in ids]
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                             sampled_token_ids=sampled)
+
+
+def drive(sched, requests, in_flight, max_iters=2000):
+    """vLLM's engine loop: ``in_flight`` 1 (``step``) or 2 (``step_with_batch_queue``, async scheduling).
+    Returns per step (running, waiting, cap, admitted) and each request's generated token count."""
+    clock, queue, log = Clock(), deque(), []
+    sched._vt_clock = clock
+    for r in requests:
+        sched.add_request(r)
+    generated = {r.request_id: 0 for r in requests}
+    for _ in range(max_iters):
+        if not sched.has_requests() and not queue:
+            break
+        if sched.has_requests():
+            so = sched.schedule()
+            cap = sched.admission_cap()
+            log.append((len(sched.running), len(sched.waiting), cap, len(so.scheduled_new_reqs)))
+            queue.append((so, execute(so, sched)))
+            if len(queue) < in_flight and so.total_num_scheduled_tokens > 0 and sched.has_requests():
+                continue
+        so, out = queue.popleft()
+        clock.t += A + B * len(so.num_scheduled_tokens)  # the oldest step in flight completes now
+        for eco in sched.update_from_output(so, out).values():
+            for o in eco.outputs:
+                generated[o.request_id] += len(o.new_token_ids)
+    assert not queue and not sched.has_requests(), "did not finish"
+    return log, generated
+
+
+def workload():
+    return [base.make_request(f"r{i}", 16, GEN) for i in range(N_REQ)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("mode", ["repack", "none"])
+def test_tight_tpot_holds_the_batch_at_the_cap(async_scheduling, mode):
+    sched = base.make_scheduler(async_scheduling=async_scheduling, max_num_seqs=MAX_SEQS, num_blocks=128,
+                                vtoken={"mode": mode, "admission_tpot_ms": TPOT_MS})
+    log, generated = drive(sched, workload(), 2 if async_scheduling else 1)
+    assert all(n == GEN for n in generated.values()), generated  # everyone finished, nothing starved
+    capped = [(run, wait, cap, adm) for run, wait, cap, adm in log if cap is not None]
+    assert capped and all(cap == CAP for _, _, cap, _ in capped[len(capped) // 4 :])  # the fit found it
+    assert all(run <= cap for run, _, cap, adm in capped if adm)  # no admission above the cap ...
+    assert any(run == cap and wait > 0 for run, wait, cap, _ in capped)  # ... and others waited at it
+    assert sched.max_num_active_reqs == CAP and sched.max_num_running_reqs == MAX_SEQS
+    assert max(run for run, *_ in log) == MAX_SEQS  # before warm-up: no cap; never preempted to reach it
+    if mode != "none":
+        assert sched.vtoken_stats().counters.preemptions == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_admission_off_runs_max_num_seqs_and_a_loose_target_costs_nothing(async_scheduling):
+    in_flight = 2 if async_scheduling else 1
+    off = base.make_scheduler(async_scheduling=async_scheduling, max_num_seqs=MAX_SEQS, num_blocks=128)
+    log_off, gen = drive(off, workload(), in_flight)
+    assert all(n == GEN for n in gen.values())
+    assert off.admission_cap() is None and all(cap is None for _, _, cap, _ in log_off)
+    assert max(run for run, *_ in log_off) == MAX_SEQS
+    loose = base.make_scheduler(async_scheduling=async_scheduling, max_num_seqs=MAX_SEQS, num_blocks=128,
+                                vtoken={"admission_tpot_ms": 10_000.0})
+    log_loose, _ = drive(loose, workload(), in_flight)
+    assert loose.admission_cap() == MAX_SEQS
+    assert [run for run, *_ in log_loose] == [run for run, *_ in log_off]  # the same schedule, step for step

@@ -1,0 +1,120 @@
+"""SLO-aware admission: how many requests may run at once so that a decode step still meets a TPOT target.
+
+A pure model of step time against the running batch size, fitted online from measured steps::
+
+    step_s(n) ≈ a + b·n          (exponentially weighted least squares over (n, step_s) samples)
+    cap       = largest n in [1, max_n] with step_s(n) ≤ headroom · tpot_s
+
+The scheduler (vtoken/vllm/scheduler.py) sets vLLM's admission limit (``max_num_active_reqs``) to
+``min(configured max, cap)`` before every step. The cap only stops *admission*: running requests are never
+preempted for it, so a batch already above the cap drains by requests finishing.
+
+Invariants (tested in tests/cpu/test_admission.py):
+
+* ``cap(max_n)`` is ``None`` (no cap) until ``min_samples`` steps have been observed;
+* otherwise ``1 ≤ cap(max_n) ≤ max_n``: at least one request always runs (no starvation, no deadlock:
+  with nothing running, vLLM's check ``num_running >= cap`` is false, so a waiting request is admitted);
+* ``cap`` is non-decreasing in ``tpot_s`` (a looser target never admits fewer);
+* the fitted slope is positive: when every sample has the same batch size (no slope can be fitted) or the
+  fit's slope is ≤ 0 (noise, or one slow step at a small batch), the model is proportional,
+  ``a = 0, b = mean(step_s / n)``, which is conservative: the cap then moves the batch size, and the next
+  samples fit a real line.
+
+Nothing here reads a clock or knows vLLM: the caller measures and feeds ``observe``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from vtoken.errors import ConfigError
+
+HEADROOM = 0.9  # predicted step ≤ 90 % of the TPOT target: steps vary, and TPOT also carries prefill steps
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """``tpot_s``: the TPOT target (seconds per output token); ``headroom``: the fraction of it a predicted
+    step may use; ``min_samples``: steps observed before any cap; ``half_life``: steps after which a
+    sample's weight halves (old batch sizes fade as the machine's speed changes)."""
+
+    tpot_s: float
+    headroom: float = HEADROOM
+    min_samples: int = 8
+    half_life: float = 64.0
+
+    def __post_init__(self) -> None:
+        t = self.tpot_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ConfigError(f"admission TPOT target must be a positive number of seconds, got {t!r}")
+        if not 0 < self.headroom <= 1:
+            raise ConfigError(f"admission headroom must be in (0, 1], got {self.headroom!r}")
+        if isinstance(self.min_samples, bool) or not isinstance(self.min_samples, int) or self.min_samples < 2:
+            raise ConfigError(f"admission min_samples must be an integer >= 2, got {self.min_samples!r}")
+        if not self.half_life > 0:
+            raise ConfigError(f"admission half_life must be positive, got {self.half_life!r}")
+
+    @classmethod
+    def from_ms(cls, tpot_ms: float) -> AdmissionConfig:
+        """From a target in milliseconds (``admission_tpot_ms``); ``ConfigError`` names a bad value."""
+        if isinstance(tpot_ms, bool) or not isinstance(tpot_ms, (int, float)) or not tpot_ms > 0 \
+                or not math.isfinite(tpot_ms):
+            raise ConfigError(f"admission_tpot_ms must be a positive number of milliseconds, got {tpot_ms!r}")
+        return cls(tpot_s=tpot_ms / 1000.0)
+
+
+class StepTimeModel:
+    """Online fit of ``step_s ≈ a + b·n`` (see the module docstring). Mutable: ``observe`` adds a sample."""
+
+    def __init__(self, cfg: AdmissionConfig) -> None:
+        self.cfg = cfg
+        self._decay = 0.5 ** (1.0 / cfg.half_life)
+        self._w = self._wn = self._wnn = self._wy = self._wny = self._wr = 0.0
+        self.samples = 0
+
+    def observe(self, n: int, step_s: float) -> None:
+        """One step that ran ``n ≥ 1`` requests in ``step_s`` seconds (others are ignored)."""
+        if n < 1 or not (step_s > 0 and math.isfinite(step_s)):
+            return
+        d = self._decay
+        self._w = self._w * d + 1.0
+        self._wn = self._wn * d + n
+        self._wnn = self._wnn * d + n * n
+        self._wy = self._wy * d + step_s
+        self._wny = self._wny * d + n * step_s
+        self._wr = self._wr * d + step_s / n
+        self.samples += 1
+
+    def fit(self) -> tuple[float, float] | None:
+        """``(a, b)`` in seconds, or ``None`` before ``min_samples`` steps."""
+        if self.samples < self.cfg.min_samples:
+            return None
+        mean_n, mean_y = self._wn / self._w, self._wy / self._w
+        var = self._wnn / self._w - mean_n * mean_n
+        if var <= 1e-9 * max(1.0, mean_n * mean_n):
+            return 0.0, self._wr / self._w  # one batch size only: proportional (module docstring)
+        b = (self._wny / self._w - mean_n * mean_y) / var
+        if b <= 0:
+            return 0.0, self._wr / self._w  # not explained by batch size: proportional (module docstring)
+        return mean_y - b * mean_n, b
+
+    def predict(self, n: int) -> float | None:
+        ab = self.fit()
+        return None if ab is None else ab[0] + ab[1] * n
+
+    def cap(self, max_n: int) -> int | None:
+        """The largest batch size in ``[1, max_n]`` predicted to meet the target; ``None`` = no cap yet."""
+        ab = self.fit()
+        if ab is None:
+            return None
+        return cap_for(ab[0], ab[1], self.cfg.tpot_s * self.cfg.headroom, max_n)
+
+
+def cap_for(a: float, b: float, limit_s: float, max_n: int) -> int:
+    """Largest ``n`` in ``[1, max_n]`` with ``a + b·n ≤ limit_s`` (1 when none does; ``b`` clamped ≥ 0)."""
+    max_n = max(1, int(max_n))
+    if b <= 0:
+        return max_n if a <= limit_s else 1
+    n = math.floor((limit_s - a) / b + 1e-9)
+    return min(max_n, max(1, n))
