@@ -25,6 +25,10 @@ Scheduler side (engine-core process) — ``vtoken/vllm/scheduler.py``, ``async_s
     ``num_output_placeholders`` (async: the token still being sampled) / ``num_prompt_tokens`` /
     ``status`` / ``sampling_params.extra_args``; in ``update_from_output``, the step's
     ``SchedulerOutput.num_scheduled_tokens`` (its in-flight records are matched by the plan's step number).
+  * ``Scheduler.max_num_active_reqs`` (admission into RUNNING, separate from the runner's
+    ``max_num_running_reqs``) — read once as the configured limit and lowered before each ``schedule()`` by
+    SLO-aware admission (``vtoken/vllm/admission.py``, ``admission_tpot_ms``); ``SchedulerOutput
+    .total_num_scheduled_tokens`` read to time non-empty steps.
   * ``KVCacheCoordinator.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` — wrapped *on the
     scheduler's own coordinator instance* so rows are sized by the token table (live tokens, or the naive
     rule) instead of the logical token count; ``num_computed_tokens`` stays logical.

@@ -36,14 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from vtoken.core.admission import StepTimeModel
 from vtoken.core.eviction import decide_step, eviction_count
 from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
 from vtoken.core.manager import request_salt
@@ -51,6 +49,7 @@ from vtoken.core.stats import observe, window_queries
 from vtoken.core.token_table import TokenTable
 from vtoken.errors import ConfigError, IntegrityError
 from vtoken.vllm import blocks
+from vtoken.vllm.admission import AdmissionMixin
 from vtoken.vllm.config import EngineSettings, request_settings
 from vtoken.vllm.engine_setup import prepare_engine, refuse_under_full_graphs
 from vtoken.vllm.request_state import RequestState, new_request_state, step_scores
@@ -71,7 +70,7 @@ class _StepWork:
     release: list = field(default_factory=list)  # freed once every decision is made (blocks.rewrite_row)
 
 
-class VTokenScheduler(Scheduler):
+class VTokenScheduler(AdmissionMixin, Scheduler):
     """vLLM's V1 scheduler with per-token eviction and repacking (see the module docstring). The one name to
     configure: with async scheduling on, constructing it builds ``VTokenAsyncScheduler`` (vLLM's
     ``AsyncScheduler`` with the same hooks; vtoken/vllm/async_scheduler.py)."""
@@ -150,50 +149,13 @@ class VTokenScheduler(Scheduler):
             st.observer.finished()
         return super()._free_request(request, delay_free_blocks)
 
-    # ------------------------------------------------------------------ SLO-aware admission
-    def _vt_init_admission(self, settings: EngineSettings) -> None:
-        """``admission_tpot_ms`` set: fit step time against batch size (vtoken/core/admission.py) and, before
-        every ``schedule()``, lower vLLM's admission limit ``max_num_active_reqs`` (checked before a waiting
-        request enters RUNNING) to the batch size predicted to meet the target. Running requests are never
-        preempted for it; the cap is ≥ 1, so with nothing running a request is always admitted. Works in
-        every mode (also ``none``). ``_vt_clock`` is replaceable (tests)."""
-        adm = settings.admission
-        self._vt_steptime = StepTimeModel(adm) if adm is not None else None
-        self._vt_max_active = self.max_num_active_reqs  # the configured limit (max_num_seqs / active seqs)
-        self._vt_clock = time.perf_counter
-        self._vt_started: dict[int, float] = {}  # id(SchedulerOutput) → when its schedule() began
-        self._vt_last_update: float | None = None
-        if adm is not None:
-            logger.info("vToken admission on: TPOT target %.1f ms, headroom %.2f, max active %d",
-                        adm.tpot_s * 1000, adm.headroom, self._vt_max_active)
-
-    def admission_cap(self) -> int | None:
-        """The current SLO admission cap (``None``: admission off, or not enough steps measured yet)."""
-        return None if self._vt_steptime is None else self._vt_steptime.cap(self._vt_max_active)
-
-    def _vt_time_step(self, scheduler_output) -> None:
-        """A step's duration: from when it was scheduled, or from the previous step's output if later (one
-        step in flight under async scheduling; idle time before a schedule() is not counted), to its output.
-        Attributed to the step's batch size (requests scheduled in it)."""
-        now = self._vt_clock()
-        start = self._vt_started.pop(id(scheduler_output), None)
-        if start is not None:
-            begin = start if self._vt_last_update is None else max(start, self._vt_last_update)
-            self._vt_steptime.observe(len(scheduler_output.num_scheduled_tokens), now - begin)
-        self._vt_last_update = now
-
     # ------------------------------------------------------------------ the step
     def schedule(self, throttle_prefills: bool = False):
         if self._vt_steptime is None:
             return self._vt_schedule(throttle_prefills)
-        start = self._vt_clock()
-        cap = self.admission_cap()
-        self.max_num_active_reqs = self._vt_max_active if cap is None else min(self._vt_max_active, cap)
+        start = self._vt_admit()
         out = self._vt_schedule(throttle_prefills)
-        if out.total_num_scheduled_tokens > 0:
-            self._vt_started[id(out)] = start
-            while len(self._vt_started) > 8:  # outputs never fed back (bounded; ordinarily 1 or 2 entries)
-                self._vt_started.pop(next(iter(self._vt_started)))
+        self._vt_scheduled(out, start)
         return out
 
     def _vt_schedule(self, throttle_prefills: bool = False):
