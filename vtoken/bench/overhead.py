@@ -32,8 +32,6 @@ import typer
 
 from vtoken.bench.report import emit
 
-VARIANTS = ("none", "naive", "repack", "reuse+repack", "repack+scores")
-
 
 def _engine(model: str, block_size: int, mode: str, scores: str, budget: float, max_model_len: int, tp: int = 1):
     from vllm import LLM
@@ -93,29 +91,27 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
     vocab = AutoConfig.from_pretrained(path).vocab_size
     prompts = [rng.integers(10, min(vocab, 30000), prompt_len).tolist() for _ in range(batch)]
     max_model_len = prompt_len + gen_len + 8
-    plan = [("none", "none", "never", [None]),
-            ("hooks", "repack", "never", ["naive", "repack", "reuse+repack"]),
-            ("scores", "repack", "always", ["repack", *(f"@{n}" for n in score_layers)])]
-    variants = (*VARIANTS, *(f"repack+scores@{n}" for n in score_layers))
+    # (engine label, engine mode, scores, [(variant, request mode, score_layers)]) — one engine per label
+    plan = [("none", "none", "never", [("none", None, None)]),
+            ("hooks", "repack", "never", [(m, m, None) for m in ("naive", "repack", "reuse+repack")]),
+            ("scores", "repack", "always", [("repack+scores", "repack", None),
+                                            *((f"repack+scores@{n}", "repack", n) for n in score_layers)])]
+    runs = [(label, *run) for label, _, _, label_runs in plan for run in label_runs]
+    variants = tuple(name for _, name, _, _ in runs)
     per_run: dict[str, list[float]] = {v: [] for v in variants}
     steps: dict[str, list[float]] = {v: [] for v in variants}
     moves: dict[str, int] = {}
     engines = {label: _engine(path, block_size, mode, scores, budget, max_model_len, tensor_parallel_size)
                for label, mode, scores, _ in plan}
-    runs = [(label, m) for label, _, _, modes in plan for m in modes]
     total = len(runs) * repeats * (gen_len - 1)
     with Progress(transient=True) as progress:
         task = progress.add_task("decode steps", total=total)
         for label, llm in engines.items():
             _decode_steps(llm, prompts[:2], 4, None if label == "none" else "repack", f"warm-{label}", lambda: None)
         for r in range(repeats):  # variants interleaved, so bursts of contention hit them evenly
-            for label, m in runs:
+            for label, name, m, layers in runs:
                 llm = engines[label]
                 sched = llm.llm_engine.engine_core.engine_core.scheduler
-                layers = int(m[1:]) if m and m.startswith("@") else None
-                name = "none" if m is None else ("repack+scores" if label == "scores" else m)
-                if layers is not None:
-                    name, m = f"repack+scores@{layers}", "repack"
                 before = sched.vtoken_stats().counters.repack_moves if m else 0
                 progress.update(task, description=f"{name} (run {r + 1}/{repeats})")
                 t = _decode_steps(llm, prompts, gen_len, m, f"{name}-{r}", lambda: progress.advance(task),
