@@ -6,6 +6,10 @@
 
 from __future__ import annotations
 
+# How every start-up refusal of an engine configuration begins (vtoken/vllm/support.py writes it; the serving
+# launcher finds it in Serve's status messages to report the reason).
+REFUSAL_PREFIX = "vToken cannot run this engine"
+
 
 class ConfigError(ValueError):
     """A vToken setting has an invalid value; the message names the setting and the value."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 
-from vtoken.errors import ConfigError
+from vtoken.errors import REFUSAL_PREFIX, ConfigError
 
 SUPPORTED = ("vToken supports decoder-only generation models whose layers all use causal full attention "
              "over one unquantized KV cache (fp32/fp16/bf16), tensor parallelism, pipeline parallel size 1; "
@@ -44,7 +44,7 @@ REFUSAL_FILE_ENV = "VTOKEN_REFUSAL_FILE"
 def _refuse(feature: str) -> None:
     """Raise ``ConfigError`` naming ``feature``; side effect: with ``$VTOKEN_REFUSAL_FILE`` set, the message
     is appended to that file first (one line), so the process that started the engine can report it."""
-    message = f"vToken cannot run this engine: {feature}. {SUPPORTED}"
+    message = f"{REFUSAL_PREFIX}: {feature}. {SUPPORTED}"
     path = os.environ.get(REFUSAL_FILE_ENV)
     if path:
         with open(path, "a", encoding="utf-8") as f:

@@ -26,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+from vtoken.errors import REFUSAL_PREFIX
 from vtoken.serve.config import ServeAppConfig
 from vtoken.serve.control.failover import CALLBACK_ENV, CALLBACK_PATH
 
@@ -97,8 +98,8 @@ def failure_reason(messages: list[str], fallback: str) -> str:
     ``fallback``."""
     lines = [line.strip() for text in messages for line in text.splitlines() if line.strip()]
     for line in lines:
-        if "vToken cannot run this engine" in line:
-            return line[line.index("vToken cannot run this engine"):]
+        if REFUSAL_PREFIX in line:
+            return line[line.index(REFUSAL_PREFIX):]
     return lines[-1] if lines else fallback
 
 
