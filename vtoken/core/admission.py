@@ -33,6 +33,11 @@ from vtoken.errors import ConfigError
 HEADROOM = 0.9  # predicted step ≤ 90 % of the TPOT target: steps vary, and TPOT also carries prefill steps
 
 
+def _positive_number(value: object) -> bool:
+    """A finite number > 0 (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
 @dataclass(frozen=True)
 class AdmissionConfig:
     """``tpot_s``: the TPOT target (seconds per output token); ``headroom``: the fraction of it a predicted
@@ -45,9 +50,8 @@ class AdmissionConfig:
     half_life: float = 64.0
 
     def __post_init__(self) -> None:
-        t = self.tpot_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-            raise ConfigError(f"admission TPOT target must be a positive number of seconds, got {t!r}")
+        if not _positive_number(self.tpot_s):
+            raise ConfigError(f"admission TPOT target must be a positive number of seconds, got {self.tpot_s!r}")
         if not 0 < self.headroom <= 1:
             raise ConfigError(f"admission headroom must be in (0, 1], got {self.headroom!r}")
         if isinstance(self.min_samples, bool) or not isinstance(self.min_samples, int) or self.min_samples < 2:
@@ -58,8 +62,7 @@ class AdmissionConfig:
     @classmethod
     def from_ms(cls, tpot_ms: float) -> AdmissionConfig:
         """From a target in milliseconds (``admission_tpot_ms``); ``ConfigError`` names a bad value."""
-        if isinstance(tpot_ms, bool) or not isinstance(tpot_ms, (int, float)) or not tpot_ms > 0 \
-                or not math.isfinite(tpot_ms):
+        if not _positive_number(tpot_ms):
             raise ConfigError(f"admission_tpot_ms must be a positive number of milliseconds, got {tpot_ms!r}")
         return cls(tpot_s=tpot_ms / 1000.0)
 
