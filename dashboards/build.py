@@ -183,10 +183,13 @@ def sla_dashboard() -> dict:
     load = [
         _panel(timeseries, "Finished requests/s per replica", "Requests judged against the SLO.", "reqps",
                [_per_replica_rate(names.REQUESTS)]),
-        _panel(timeseries, "Queue per replica", "vLLM's waiting and running requests per engine.",
+        _panel(timeseries, "Queue per replica",
+               "vLLM's waiting and running requests per engine, and the running-batch limit SLO-aware admission "
+               "sets (slo.admission; absent when off).",
                "short", [_q(f"sum by (replica) ({m.name}{{{SEL}}})", f"{s} {{{{replica}}}}")
                          for m, s in ((names.NUM_REQUESTS_WAITING, "waiting"),
-                                      (names.NUM_REQUESTS_RUNNING, "running"))]),
+                                      (names.NUM_REQUESTS_RUNNING, "running"),
+                                      (names.ADMISSION_LIMIT, "admission limit"))]),
         _panel(timeseries, "Finished requests/s per node", "Requests judged against the SLO, per node.",
                "reqps", [_per_replica_rate(names.REQUESTS, by="node")]),
     ]

@@ -98,6 +98,9 @@ FREE_KV_TOKENS = Metric("vtoken:free_kv_tokens", GAUGE, "Free KV slots after rec
 FRAGMENTATION_RATIO = Metric("vtoken:fragmentation_ratio", GAUGE, "1 - live / (held * B)", "ratio",
                              ("mode",))
 KV_UTILIZATION = Metric("vtoken:kv_utilization", GAUGE, "held / pool", "ratio", ("mode",))
+ADMISSION_LIMIT = Metric("vtoken:admission_limit", GAUGE,
+                         "Running-batch limit SLO-aware admission holds the engine to (absent when admission is off)",
+                         "requests", ("mode",))
 STATS_AGE_SECONDS = Metric("vtoken:stats_age_seconds", GAUGE,
                            "Seconds since the engine step these KV numbers come from", "seconds", ("mode",))
 
@@ -129,7 +132,7 @@ ROUTING_STATS_POLLS = Metric("vtoken:routing_stats_polls", COUNTER,
                              "Polls of record_routing_stats answered (Serve feeding the KV-aware router)", "polls")
 
 KV_GAUGES = (LIVE_TOKENS, HELD_BLOCKS, PACKING_BOUND_BLOCKS, NAIVE_BLOCKS, POOL_BLOCKS, FREE_KV_TOKENS,
-             FRAGMENTATION_RATIO, KV_UTILIZATION, STATS_AGE_SECONDS)
+             FRAGMENTATION_RATIO, KV_UTILIZATION, STATS_AGE_SECONDS, ADMISSION_LIMIT)
 KV_COUNTERS = (EVICTED_TOKENS, RECLAIMED_BLOCKS, REPACK_MOVES, REPACK_PLANS, COW_BLOCKS, COW_MOVES, COW_FALLBACKS)
 SLA_METRICS = (REQUESTS, SLO_MET, TTFT_SECONDS, TPOT_SECONDS, E2E_SECONDS, REPACK_SECONDS, ROUTING_STATS_POLLS)
 VTOKEN_METRICS = KV_GAUGES + KV_COUNTERS + SLA_METRICS  # everything a replica exports, exposition order

@@ -139,7 +139,7 @@ def exposition_families() -> tuple:
     metrics = ReplicaMetrics(sink, SloTargets.from_ms(1000, 100), "h2o", "repack", REPLICA_LABELS,
                              include_process_registry=False)
     sink.put(KVSnapshot(live_tokens=96, held_blocks=4, packing_bound_blocks=3, naive_blocks=6, pool_blocks=63,
-                        block_size=32, num_running=1,
+                        block_size=32, num_running=1, admission_limit=5,
                         counters=ReclaimCounters(evicted_tokens=12, reclaimed_blocks=3, repack_moves=9,
                                                  repack_seconds=0.004, repack_plans=2)))
     sink.finished(RequestLatency(0.2, 0.05, 1.0, 10, "length"))

@@ -122,7 +122,7 @@ class Replica:
 
         i = self.step = self.step + 1
         self.sink.put(KVSnapshot(live_tokens=90 + i % 7, held_blocks=4, packing_bound_blocks=3,
-                                 naive_blocks=6, pool_blocks=63, block_size=32, num_running=1,
+                                 naive_blocks=6, pool_blocks=63, block_size=32, num_running=1, admission_limit=8,
                                  counters=ReclaimCounters(evicted_tokens=10 * i, reclaimed_blocks=i,
                                                           repack_moves=5 * i, repack_seconds=0.001 * i,
                                                           repack_plans=i)))

@@ -61,6 +61,13 @@ def test_snapshot_from_vanilla_and_from_vtoken_stats():
         1,
     )
     assert snap.fragmentation_ratio == pytest.approx(1 - 100 / 128)
+    assert snap.admission_limit is None  # admission off
+    from vtoken.vllm.stats import ADMISSION_LIMIT, admission_limit_from
+
+    for extra in (encode(vt), {}):  # admission's limit reaches the snapshot with vToken's numbers and without
+        got = snapshot_from(sched(usage=0.5, extra={**extra, ADMISSION_LIMIT: 6}), 63, 32, vtoken_stats_from,
+                            admission_limit_from)
+        assert (got.admission_limit, got.source) == (6, "vtoken" if extra else "vllm")
     assert snap.kv_utilization == pytest.approx(4 / 63)
     assert snap.free_kv_tokens == 59 * 32
 

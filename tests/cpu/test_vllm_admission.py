@@ -13,6 +13,8 @@ from collections import deque
 import pytest
 import test_vllm_async_scheduler as base
 
+from vtoken.vllm.stats import admission_limit_from
+
 A, B = 0.010, 0.010  # step = 10 ms + 10 ms per running request
 TPOT_MS = 60.0  # 0.9·60 = 54 ms ⇒ 10 + 10·n ≤ 54 ⇒ n ≤ 4
 CAP, MAX_SEQS, N_REQ, GEN = 4, 8, 14, 40
@@ -78,6 +80,7 @@ def test_tight_tpot_holds_the_batch_at_the_cap(async_scheduling, mode):
     assert all(run <= cap for run, _, cap, adm in capped if adm)  # no admission above the cap ...
     assert any(run == cap and wait > 0 for run, wait, cap, _ in capped)  # ... and others waited at it
     assert sched.max_num_active_reqs == CAP and sched.max_num_running_reqs == MAX_SEQS
+    assert admission_limit_from(sched.make_stats()) == CAP  # exported (vtoken:admission_limit), any mode
     assert max(run for run, *_ in log) == MAX_SEQS  # before warm-up: no cap; never preempted to reach it
     if mode != "none":
         assert sched.vtoken_stats().counters.preemptions == 0
@@ -90,6 +93,7 @@ def test_admission_off_runs_max_num_seqs_and_a_loose_target_costs_nothing(async_
     log_off, gen = drive(off, workload(), in_flight)
     assert all(n == GEN for n in gen.values())
     assert off.admission_cap() is None and all(cap is None for _, _, cap, _ in log_off)
+    assert admission_limit_from(off.make_stats()) is None  # off: no vtoken:admission_limit series
     assert max(run for run, *_ in log_off) == MAX_SEQS
     loose = base.make_scheduler(async_scheduling=async_scheduling, max_num_seqs=MAX_SEQS, num_blocks=128,
                                 vtoken={"admission_tpot_ms": 10_000.0})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from vtoken.core.config import VTokenConfig
@@ -16,7 +18,14 @@ from vtoken.vllm.internals import (
     installed_vllm_version,
     is_vtoken_worker,
 )
-from vtoken.vllm.stats import decode, encode, encode_stats, vtoken_stats_from
+from vtoken.vllm.stats import (
+    admission_limit_from,
+    decode,
+    encode,
+    encode_admission,
+    encode_stats,
+    vtoken_stats_from,
+)
 
 
 def test_installed_vllm_is_the_pinned_version():
@@ -131,6 +140,14 @@ def test_stats_survive_vllm_msgspec_transport():
     assert got.fragmentation_ratio == pytest.approx(1 - 100 / 160)
     assert got.kv_utilization == pytest.approx(5 / 99)
     assert vtoken_stats_from(SchedulerStats()) is None and vtoken_stats_from(None) is None
+    encode_admission(s, 3)  # admission's limit rides beside the snapshot without changing it
+    back = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=s)))
+    again = vtoken_stats_from(back.scheduler_stats)
+    assert admission_limit_from(back.scheduler_stats) == 3 and again == replace(got, at=again.at)
+    alone = SchedulerStats()
+    encode_admission(alone, 2)  # mode none: the limit without a snapshot
+    assert admission_limit_from(alone) == 2 and vtoken_stats_from(alone) is None
+    assert admission_limit_from(SchedulerStats()) is None
     assert decode({"lora-a": 1}) is None
     assert all(isinstance(v, int) for v in encode(st).values())
 

@@ -68,6 +68,8 @@ class KVSnapshot:
     ``num_running`` / ``num_waiting``: vLLM's scheduler queues (filled in by the replica).
     ``source``: ``"vtoken"`` when the numbers come from vToken's accounting, ``"vllm"`` when estimated from
     vLLM's ``kv_cache_usage`` (vToken off). ``at``: wall-clock time of the step (0: never stepped).
+    ``admission_limit``: the running-batch limit SLO-aware admission holds the engine to (``None``: admission
+    off; reported in every mode, also ``none``).
     """
 
     live_tokens: int = 0
@@ -84,6 +86,7 @@ class KVSnapshot:
     mode: str = ""
     source: str = "vllm"
     at: float = field(default_factory=time.time)
+    admission_limit: int | None = None
 
     @property
     def free_blocks(self) -> int:

@@ -53,7 +53,7 @@ from vtoken.vllm.admission import AdmissionMixin
 from vtoken.vllm.config import EngineSettings, request_settings
 from vtoken.vllm.engine_setup import prepare_engine, refuse_under_full_graphs
 from vtoken.vllm.request_state import RequestState, new_request_state, step_scores
-from vtoken.vllm.stats import encode_stats
+from vtoken.vllm.stats import encode_admission, encode_stats
 from vtoken.vllm.support import check_supported
 from vtoken.vllm.trace import RequestObserver, RequestTrace, TraceRecorder
 from vtoken.vllm.transport import RequestStep, StepPlan, attach_plan, plan_of, result_of
@@ -299,6 +299,8 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
         stats = super().make_stats(*args, **kwargs)
         if stats is not None and self.vt.enabled:
             encode_stats(stats, self._vt_snapshot())
+        if stats is not None and self._vt_steptime is not None:
+            encode_admission(stats, self.max_num_active_reqs)  # the limit in force for the next step
         return stats
 
     def _vt_snapshot(self) -> KVSnapshot:

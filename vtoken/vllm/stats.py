@@ -22,7 +22,9 @@ Reading them in a stat logger::
 
     AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(cfg), model=...), stat_loggers=[MyLogger])
 
-The values refresh once per engine step; consumers must tolerate staleness.
+The values refresh once per engine step; consumers must tolerate staleness. SLO-aware admission's limit
+travels apart from the snapshot (``vtoken:admission_limit``, ``encode_admission`` / ``admission_limit_from``):
+it is reported also when vToken's accounting is off (mode ``none``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ _LABELS = ("policy", "mode")
 _GAUGES = ("live_tokens", "held_blocks", "packing_bound_blocks", "naive_blocks", "pool_blocks", "block_size",
            "num_requests")  # the KVSnapshot fields the engine fills (the replica adds its queues)
 _SECONDS = "repack_seconds"  # the one float counter: carried as integer microseconds
+ADMISSION_LIMIT = f"{PREFIX}admission_limit"  # KVSnapshot.admission_limit, carried on its own (any mode)
 
 
 def encode(snap: KVSnapshot) -> dict[str, int]:
@@ -61,7 +64,7 @@ def decode(items: dict[str, int]) -> KVSnapshot | None:
     raw: dict[str, Any] = {}
     labels: dict[str, str] = {}
     for key, value in items.items():
-        if not key.startswith(PREFIX):
+        if not key.startswith(PREFIX) or key == ADMISSION_LIMIT:
             continue
         name = key[len(PREFIX) :]
         if "=" in name:
@@ -93,3 +96,15 @@ def vtoken_stats_from(scheduler_stats: Any) -> KVSnapshot | None:
     if not items:
         return None
     return decode(items)
+
+
+def encode_admission(scheduler_stats: Any, limit: int) -> None:
+    """Write SLO-aware admission's current running-batch ``limit`` into a vLLM ``SchedulerStats`` (mutates it)."""
+    scheduler_stats.running_lora_adapters[ADMISSION_LIMIT] = int(limit)
+
+
+def admission_limit_from(scheduler_stats: Any) -> int | None:
+    """The admission limit riding on a ``SchedulerStats`` (``None``: no stats, or admission is off)."""
+    items = getattr(scheduler_stats, "running_lora_adapters", None) or {}
+    value = items.get(ADMISSION_LIMIT)
+    return None if value is None else int(value)

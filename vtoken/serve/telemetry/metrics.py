@@ -58,6 +58,8 @@ class KVCollector(Collector):
             (names.KV_UTILIZATION, snap.kv_utilization),
             (names.STATS_AGE_SECONDS, max(0.0, time.time() - snap.at) if snap.at else float("nan")),
         )
+        if snap.admission_limit is not None:  # SLO-aware admission on
+            gauges += ((names.ADMISSION_LIMIT, snap.admission_limit),)
         for metric, value in gauges:  # each labelled by ("mode",)
             fam = GaugeMetricFamily(metric.name, metric.help, labels=list(metric.labels))
             fam.add_metric([self._mode], float(value))

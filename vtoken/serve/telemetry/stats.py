@@ -62,17 +62,21 @@ def routing_stats(snap: KVSnapshot, now: float) -> dict[str, float]:
 
 
 def snapshot_from(
-    scheduler_stats: Any, pool_blocks: int, block_size: int, vtoken_reader: Callable[[Any], Any] | None = None
+    scheduler_stats: Any, pool_blocks: int, block_size: int, vtoken_reader: Callable[[Any], Any] | None = None,
+    admission_reader: Callable[[Any], int | None] | None = None,
 ) -> KVSnapshot:
     """Build a snapshot from one ``SchedulerStats`` (pure). ``vtoken_reader`` is
-    ``vtoken.vllm.stats.vtoken_stats_from`` when available; it returns None when vToken is off."""
+    ``vtoken.vllm.stats.vtoken_stats_from`` when available; it returns None when vToken is off.
+    ``admission_reader`` (``vtoken.vllm.stats.admission_limit_from``) fills ``admission_limit`` in any mode."""
     running = int(getattr(scheduler_stats, "num_running_reqs", 0))
     waiting = int(getattr(scheduler_stats, "num_waiting_reqs", 0))
+    limit = admission_reader(scheduler_stats) if admission_reader is not None else None
     vt = vtoken_reader(scheduler_stats) if vtoken_reader is not None else None
     if vt is not None:
-        return replace(vt, num_running=running, num_waiting=waiting)
+        return replace(vt, num_running=running, num_waiting=waiting, admission_limit=limit)
     held = int(round(float(getattr(scheduler_stats, "kv_cache_usage", 0.0)) * pool_blocks))
     return KVSnapshot(
+        admission_limit=limit,
         live_tokens=held * block_size,
         held_blocks=held,
         packing_bound_blocks=held,
@@ -135,9 +139,10 @@ def make_stat_logger_class(sink: StatsSink) -> type:
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     try:
+        from vtoken.vllm.stats import admission_limit_from as admission
         from vtoken.vllm.stats import vtoken_stats_from as reader
     except ImportError:  # the vLLM integration is not installed: vanilla accounting
-        reader = None
+        reader = admission = None
 
     class ReplicaStatLogger(StatLoggerBase):
         """Feeds ``sink`` from every engine step; cheap (no engine call)."""
@@ -152,7 +157,8 @@ def make_stat_logger_class(sink: StatsSink) -> type:
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
             if scheduler_stats is not None:
-                sink.put(snapshot_from(scheduler_stats, self._pool(), int(self._cache.block_size), reader))
+                sink.put(snapshot_from(scheduler_stats, self._pool(), int(self._cache.block_size), reader,
+                                       admission))
             if iteration_stats is not None:
                 for fin in iteration_stats.finished_requests:
                     sink.finished(latency_of(fin))
