@@ -16,15 +16,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from vtoken.bench.serve_bench import (
-    CHAT_RANGE_RATIO,
-    ReplicaMetrics,
-    ServeBenchSetup,
-    client_command,
-    max_rate_meeting,
-    run_summary,
-    variant_config,
-)
+from vtoken.bench.serve_bench import CHAT_RANGE_RATIO, ServeBenchSetup, client_command, variant_config
+from vtoken.bench.serve_results import ReplicaMetrics, max_rate_meeting, rate_at_target, run_summary
 
 VTOKEN = [sys.executable, "-m", "vtoken.cli"]
 
@@ -38,9 +31,10 @@ def test_variants_run_none_once_and_every_policy_for_the_evicting_modes():
 
 def test_each_server_gets_the_fixed_pool_its_mode_and_room_for_the_longest_request():
     s = ServeBenchSetup(model="tiny-llama", pool_blocks=40, input_len=100, output_len=20, dataset="chat",
-                        prefix_len=50, extra=("router.stats_period_s=0.25",))
+                        prefix_len=50, ttft_ms=9000, tpot_ms=250, extra=("router.stats_period_s=0.25",))
     c = variant_config(s, "repack", "h2o", 9999)
     assert (c.engine.kv_cache_blocks, c.vtoken.mode, c.metrics.port) == (40, "repack", 9999)
+    assert (c.slo.ttft_ms, c.slo.tpot_ms) == (9000, 250)  # admission and vtoken:slo_met judge what the client does
     assert c.vtoken.policy == "h2o"
     assert c.engine.max_model_len == 39 * 32 and c.router.stats_period_s == 0.25
     assert variant_config(s, "none", None).vtoken.mode == "none"
@@ -90,6 +84,14 @@ def test_max_rate_is_the_last_rate_before_the_first_miss():
     assert max_rate_meeting([{"rate": 1, "slo_attainment": 0.89}]) is None
 
 
+def test_interpolated_rate_crosses_the_target_between_the_last_pass_and_the_first_miss():
+    runs = [{"rate": r, "slo_attainment": a} for r, a in ((1, 1.0), (3, 0.5), (2, 0.95), (4, 0.99))]
+    assert rate_at_target(runs) == pytest.approx(2 + 1 / 9, abs=1e-4)  # 0.95 at 2, 0.5 at 3: a ninth of the way
+    assert rate_at_target(runs[:1]) == 1  # nothing above missed: the last rate run
+    assert rate_at_target([{"rate": 1, "slo_attainment": 0.89}]) is None
+    assert rate_at_target([{"rate": 1, "slo_attainment": 0.9}, {"rate": 2, "slo_attainment": 0.0}]) == 1
+
+
 def test_replica_metrics_read_the_peak_batch_and_the_prefix_cache_growth():
     scrapes = iter([(1, 100, 400), (4, 160, 500), (2, 356, 700)])
     last = (2, 356, 700)
@@ -99,6 +101,7 @@ def test_replica_metrics_read_the_peak_batch_and_the_prefix_cache_growth():
             running, hits, queries = next(scrapes, last)
             body = (f'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name="m"}} '
                     f"{running}\nvllm:num_requests_waiting 7\n"
+                    f'vtoken:admission_limit{{mode="repack"}} {9 - running}\n'
                     f'vllm:prefix_cache_hits_total{{engine="0"}} {hits}\n'
                     f'vllm:prefix_cache_queries_total{{engine="0"}} {queries}\n').encode()
             self.send_response(200)
@@ -116,11 +119,12 @@ def test_replica_metrics_read_the_peak_batch_and_the_prefix_cache_growth():
     finally:
         server.shutdown()
     assert seen.peak == 4  # the largest running value, never the waiting gauge's 7
+    assert seen.limit_low == 5  # the lowest admission limit (9 - 4)
     assert (seen.prefix_hits, seen.prefix_queries) == (256, 300)  # growth since the first scrape
     result = {"duration": 1.0, "completed": 1, "request_goodput": 1.0}
     counters = (seen.prefix_hits, seen.prefix_queries)
-    run = run_summary(result, ServeBenchSetup(num_prompts=1), 1.0, seen.peak, counters)
-    assert run["prefix_cache_hit_rate"] == round(256 / 300, 4)
+    run = run_summary(result, ServeBenchSetup(num_prompts=1), 1.0, seen.peak, counters, seen.limit_low)
+    assert run["prefix_cache_hit_rate"] == round(256 / 300, 4) and run["admission_limit_min"] == 5
 
 
 @pytest.mark.parametrize(("args", "named"), [
@@ -145,7 +149,7 @@ def test_command_serves_one_mode_through_vllm_bench_serve_and_reports_json(tmp_p
     cmd = [*VTOKEN, "bench", "serve", "--model", "tiny-llama", "--modes", "repack", "--policies", "random",
            "--budget", "0.5", "--pool-blocks", "40", "--rates", "2,1000", "--num-prompts", "6",
            "--input-len", "64", "--output-len", "48", "--ttft-ms", "120000", "--tpot-ms", "20000", "--json",
-           "--out", str(out_file)]
+           "--out", str(out_file), "--plot", str(tmp_path / "serve.png")]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=880)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
@@ -159,3 +163,6 @@ def test_command_serves_one_mode_through_vllm_bench_serve_and_reports_json(tmp_p
         assert run["ttft_p50_ms"] > 0 and run["tpot_p50_ms"] > 0  # at rate 2 a poll may see none running
     # 6 requests at once (rate 1000) overlap: the replica ran more than one at a time
     assert variant["runs"][1]["peak_running"] >= 2 and variant["max_rate_at_target"] == 1000.0
+    assert variant["rate_at_target_interpolated"] == 1000.0  # nothing missed: the highest rate run
+    assert all(run["admission_limit_min"] is None for run in variant["runs"])  # admission off: no series
+    assert (tmp_path / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

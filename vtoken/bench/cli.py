@@ -372,6 +372,7 @@ def serve_cmd(
     as_json: bool = typer.Option(False, "--json", help="print the JSON only (progress otherwise on stderr)"),
     log: str = typer.Option(None, help="the servers' output goes here (default: discarded)"),
     out: str = typer.Option(None, help="also write the JSON here"),
+    plot: str = typer.Option(None, help="write the attainment / goodput vs rate plot (PNG) here"),
 ) -> None:
     """The served path per mode: `vtoken serve` + `vllm bench serve`, goodput and SLO attainment per rate."""
     from vtoken.bench.report import emit
@@ -408,4 +409,8 @@ def serve_cmd(
         report = run_serve_bench(setup, echo, log)
     except RuntimeError as exc:
         refuse(str(exc))
+    if plot:
+        from vtoken.bench.serve_plot import plot_serve
+
+        plot_serve(report, plot)
     emit(report, out)

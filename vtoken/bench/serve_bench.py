@@ -12,8 +12,9 @@ one replica, the OpenAI routes, a fixed KV pool of ``pool_blocks``), then per re
         stop the server (SIGINT to its process group, as Ctrl-C)
 
 Per run: request rate achieved, goodput, **SLO attainment** (requests meeting both SLOs / requests sent),
-TTFT and TPOT p50/p99, peak running batch, prefix-cache hit rate (tokens). Per variant: the **maximum rate
-with ≥ 90 % attainment** among the rates run (a lower bound: the next rate failed or was not run). The
+TTFT and TPOT p50/p99, peak running batch, the lowest SLO-admission limit, prefix-cache hit rate (tokens).
+Per variant: the **maximum rate with ≥ 90 % attainment** among the rates run (a lower bound: the next rate
+failed or was not run) and where attainment crosses 90 % between the rates run (linear). The
 SLOs are arguments, the same for every variant. Side effects: starts and stops servers (ports from
 ``free_port``), writes vLLM's result files into a temporary directory, prints progress on stderr.
 """
@@ -23,21 +24,24 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from vtoken.metric_names import NUM_REQUESTS_RUNNING, PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
+from vtoken.bench.serve_results import (
+    ATTAINMENT_TARGET,
+    ReplicaMetrics,
+    max_rate_meeting,
+    rate_at_target,
+    run_summary,
+)
 
-ATTAINMENT_TARGET = 0.9  # "SLA-constrained throughput": the highest rate meeting the SLOs for ≥ 90 %
 DATASETS = ("random", "chat")  # chat: a shared system prompt + lengths drawn ±50 % (a chat-like mix)
 CHAT_RANGE_RATIO = 0.5  # chat: prompt and output lengths drawn from [(1 - r)·len, (1 + r)·len]
 TOKENIZER_SLACK = 32  # vllm bench serve re-tokenizes its random prompts: a few tokens more than asked
@@ -108,7 +112,7 @@ def client_command(s: ServeBenchSetup, url: str, model_path: str, rate: float, r
 
 def variant_config(s: ServeBenchSetup, mode: str, policy: str | None, metrics_port: int = 9500):
     """The ``ServeAppConfig`` of one variant's server: one replica, the fixed pool, the variant's mode and
-    policy, then ``s.extra`` (``key=value`` as ``vtoken serve --set``). Validates: raises ``ValueError``
+    policy, the benchmark's SLOs (what ``slo.admission`` targets and ``vtoken:slo_met`` counts), then ``s.extra`` (``key=value`` as ``vtoken serve --set``). Validates: raises ``ValueError``
     (pydantic's ``ValidationError``) naming the bad setting, before any server starts."""
     from vtoken.serve.config import ServeAppConfig
     from vtoken.serve.launch.cli import parse_scalar
@@ -123,7 +127,8 @@ def variant_config(s: ServeBenchSetup, mode: str, policy: str | None, metrics_po
         "model": s.model, "vtoken": vt, "deployment": {"num_replicas": 1},
         "engine": {"kv_cache_blocks": s.pool_blocks, "max_num_seqs": s.max_num_seqs,
                    "max_model_len": max(s.longest_request(), pool_tokens)},
-        "limits": {"max_tokens": s.longest_output()}, "metrics": {"port": metrics_port}})
+        "limits": {"max_tokens": s.longest_output()}, "metrics": {"port": metrics_port},
+        "slo": {"ttft_ms": s.ttft_ms, "tpot_ms": s.tpot_ms}})  # the server's SLO (metrics, admission) = the client's
     extra = {}
     for item in s.extra:
         key, sep, value = item.partition("=")
@@ -138,106 +143,6 @@ def served_name(model: str) -> str:
     from vtoken.serve.config import ServeAppConfig
 
     return ServeAppConfig.model_validate({"model": model}).model_name
-
-
-class ReplicaMetrics:
-    """Polls a replica's ``/metrics`` every ``period`` s in a thread (context manager; side effect: HTTP
-    GETs): ``peak`` is the largest ``vllm:num_requests_running`` seen; ``prefix_hits`` / ``prefix_queries``
-    are the prefix-cache counters' growth (tokens) between the first and the last poll."""
-
-    def __init__(self, url: str, period: float = 0.5) -> None:
-        self.url, self.period, self.peak = url, period, 0
-        self._first: dict[str, float] = {}
-        self._last: dict[str, float] = {}
-        self._stop = threading.Event()
-
-    @staticmethod
-    def sample(text: str, name: str) -> float | None:
-        """The sum over label sets of the samples named ``name`` in an exposition (pure)."""
-        values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+([0-9.eE+-]+)", text, re.MULTILINE)
-        return sum(float(v) for v in values) if values else None
-
-    def read(self, text: str) -> None:
-        """Fold one scrape into the peak and the counters (mutates)."""
-        running = self.sample(text, NUM_REQUESTS_RUNNING.name)
-        if running is not None:
-            self.peak = max(self.peak, int(running))
-        for metric in (PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES):
-            value = self.sample(text, metric.total)
-            if value is not None:
-                self._first.setdefault(metric.name, value)
-                self._last[metric.name] = value
-
-    def growth(self, metric) -> float:
-        return self._last.get(metric.name, 0.0) - self._first.get(metric.name, 0.0)
-
-    @property
-    def prefix_hits(self) -> float:
-        return self.growth(PREFIX_CACHE_HITS)
-
-    @property
-    def prefix_queries(self) -> float:
-        return self.growth(PREFIX_CACHE_QUERIES)
-
-    def _scrape(self, http: httpx.Client) -> None:
-        try:
-            self.read(http.get(self.url).text)
-        except httpx.HTTPError:
-            pass
-
-    def __enter__(self) -> ReplicaMetrics:
-        self._http = httpx.Client(timeout=5)
-        self._scrape(self._http)  # the counters' start, before the first request
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-        return self
-
-    def _poll(self) -> None:
-        while not self._stop.wait(self.period):
-            self._scrape(self._http)
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        time.sleep(self.period)  # the last counters: vLLM's stat loggers run on their own interval
-        self._scrape(self._http)
-        self._http.close()
-
-
-def run_summary(result: dict, s: ServeBenchSetup, rate: float, peak: int, prefix: tuple[float, float] = (0, 0)
-                ) -> dict:
-    """One run's numbers from vLLM's saved result (pure). Attainment counts failed requests as misses."""
-    duration = float(result.get("duration") or 0.0)
-    goodput = float(result.get("request_goodput") or 0.0)
-    met, completed = round(goodput * duration), int(result.get("completed", 0))
-    return {
-        "rate": rate, "completed": completed, "failed": s.num_prompts - completed,
-        "duration_s": round(duration, 2),
-        "request_throughput": round(float(result.get("request_throughput", 0)), 4),
-        "goodput_req_s": round(goodput, 4), "slo_attainment": round(met / s.num_prompts, 4),
-        "output_tok_s": round(float(result.get("output_throughput", 0)), 2),
-        **{f"{m}_{q}_ms": _ms(result, m, q) for m in ("ttft", "tpot") for q in ("p50", "p99")},
-        "peak_running": peak,
-        "prefix_cache_hit_rate": round(prefix[0] / prefix[1], 4) if prefix[1] else None,  # tokens hit / asked
-        "errors": sorted({str(e)[:300] for e in result.get("errors") or () if e})[:3],  # why requests failed
-    }
-
-
-def _ms(result: dict, metric: str, q: str) -> float | None:
-    key = "median" if q == "p50" else q
-    value = result.get(f"{key}_{metric}_ms")
-    return None if value is None else round(float(value), 1)
-
-
-def max_rate_meeting(runs: list[dict], target: float = ATTAINMENT_TARGET) -> float | None:
-    """The highest rate whose run met the SLOs for ≥ ``target`` of its requests, with every lower rate
-    meeting it too (pure); ``None`` if the lowest rate already failed."""
-    best = None
-    for run in sorted(runs, key=lambda r: r["rate"]):
-        if run["slo_attainment"] < target:
-            break
-        best = run["rate"]
-    return best
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float, path: str = "/v1/models") -> None:
@@ -286,6 +191,7 @@ def run_variant(s: ServeBenchSetup, mode: str, policy: str | None, model_path: s
         finally:
             stop(proc)
     return {"mode": mode, "policy": policy, "runs": runs, "max_rate_at_target": max_rate_meeting(runs),
+            "rate_at_target_interpolated": rate_at_target(runs),
             "peak_running": max((r["peak_running"] for r in runs), default=0)}
 
 
@@ -304,10 +210,10 @@ def _drive(s: ServeBenchSetup, proc, url: str, metrics_port: int, model_path: st
         if out.returncode != 0:
             raise RuntimeError(f"vllm bench serve failed ({label}, rate {rate}):\n{out.stderr[-2000:]}")
         run = run_summary(json.loads(Path(tmp, name).read_text()), s, rate, seen.peak,
-                          (seen.prefix_hits, seen.prefix_queries))
+                          (seen.prefix_hits, seen.prefix_queries), seen.limit_low)
         echo(f"{label}: rate {rate} → {run['request_throughput']} req/s, goodput {run['goodput_req_s']}, "
              f"attainment {run['slo_attainment']}, peak running {run['peak_running']}, "
-             f"prefix-cache hits {run['prefix_cache_hit_rate']}")
+             f"admission limit ≥ {run['admission_limit_min']}, prefix-cache hits {run['prefix_cache_hit_rate']}")
         runs.append(run)
 
 

@@ -1,0 +1,145 @@
+"""``vtoken bench serve``'s numbers: what one run measured and what a variant's runs add up to.
+
+``ReplicaMetrics`` polls the replica's ``/metrics`` during a run (peak running batch, prefix-cache growth, the
+lowest SLO-admission limit); ``run_summary`` reads vLLM's saved result; ``max_rate_meeting`` and
+``rate_at_target`` are the SLA-constrained throughput of a variant's runs. All pure but ``ReplicaMetrics``
+(a polling thread, HTTP GETs).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import httpx
+
+from vtoken.metric_names import ADMISSION_LIMIT, NUM_REQUESTS_RUNNING, PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
+
+if TYPE_CHECKING:
+    from vtoken.bench.serve_bench import ServeBenchSetup
+
+ATTAINMENT_TARGET = 0.9  # "SLA-constrained throughput": the highest rate meeting the SLOs for ≥ 90 %
+
+
+class ReplicaMetrics:
+    """Polls a replica's ``/metrics`` every ``period`` s in a thread (context manager; side effect: HTTP
+    GETs): ``peak`` is the largest ``vllm:num_requests_running`` seen; ``prefix_hits`` / ``prefix_queries``
+    are the prefix-cache counters' growth (tokens) between the first and the last poll; ``limit_low`` is
+    the lowest ``vtoken:admission_limit`` seen (``None``: SLO-aware admission off)."""
+
+    def __init__(self, url: str, period: float = 0.5) -> None:
+        self.url, self.period, self.peak = url, period, 0
+        self.limit_low: int | None = None
+        self._first: dict[str, float] = {}
+        self._last: dict[str, float] = {}
+        self._stop = threading.Event()
+
+    @staticmethod
+    def sample(text: str, name: str) -> float | None:
+        """The sum over label sets of the samples named ``name`` in an exposition (pure)."""
+        values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+([0-9.eE+-]+)", text, re.MULTILINE)
+        return sum(float(v) for v in values) if values else None
+
+    def read(self, text: str) -> None:
+        """Fold one scrape into the peak and the counters (mutates)."""
+        running = self.sample(text, NUM_REQUESTS_RUNNING.name)
+        if running is not None:
+            self.peak = max(self.peak, int(running))
+        limit = self.sample(text, ADMISSION_LIMIT.name)
+        if limit is not None:
+            self.limit_low = int(limit) if self.limit_low is None else min(self.limit_low, int(limit))
+        for metric in (PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES):
+            value = self.sample(text, metric.total)
+            if value is not None:
+                self._first.setdefault(metric.name, value)
+                self._last[metric.name] = value
+
+    def growth(self, metric) -> float:
+        return self._last.get(metric.name, 0.0) - self._first.get(metric.name, 0.0)
+
+    @property
+    def prefix_hits(self) -> float:
+        return self.growth(PREFIX_CACHE_HITS)
+
+    @property
+    def prefix_queries(self) -> float:
+        return self.growth(PREFIX_CACHE_QUERIES)
+
+    def _scrape(self, http: httpx.Client) -> None:
+        try:
+            self.read(http.get(self.url).text)
+        except httpx.HTTPError:
+            pass
+
+    def __enter__(self) -> ReplicaMetrics:
+        self._http = httpx.Client(timeout=5)
+        self._scrape(self._http)  # the counters' start, before the first request
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.period):
+            self._scrape(self._http)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        time.sleep(self.period)  # the last counters: vLLM's stat loggers run on their own interval
+        self._scrape(self._http)
+        self._http.close()
+
+
+def run_summary(result: dict, s: ServeBenchSetup, rate: float, peak: int, prefix: tuple[float, float] = (0, 0),
+                limit_low: int | None = None) -> dict:
+    """One run's numbers from vLLM's saved result (pure). Attainment counts failed requests as misses.
+    ``limit_low``: the lowest running-batch limit SLO-aware admission set during the run (``None``: off)."""
+    duration = float(result.get("duration") or 0.0)
+    goodput = float(result.get("request_goodput") or 0.0)
+    met, completed = round(goodput * duration), int(result.get("completed", 0))
+    return {
+        "rate": rate, "completed": completed, "failed": s.num_prompts - completed,
+        "duration_s": round(duration, 2),
+        "request_throughput": round(float(result.get("request_throughput", 0)), 4),
+        "goodput_req_s": round(goodput, 4), "slo_attainment": round(met / s.num_prompts, 4),
+        "output_tok_s": round(float(result.get("output_throughput", 0)), 2),
+        **{f"{m}_{q}_ms": _ms(result, m, q) for m in ("ttft", "tpot") for q in ("p50", "p99")},
+        "peak_running": peak, "admission_limit_min": limit_low,
+        "prefix_cache_hit_rate": round(prefix[0] / prefix[1], 4) if prefix[1] else None,  # tokens hit / asked
+        "errors": sorted({str(e)[:300] for e in result.get("errors") or () if e})[:3],  # why requests failed
+    }
+
+
+def _ms(result: dict, metric: str, q: str) -> float | None:
+    key = "median" if q == "p50" else q
+    value = result.get(f"{key}_{metric}_ms")
+    return None if value is None else round(float(value), 1)
+
+
+def max_rate_meeting(runs: list[dict], target: float = ATTAINMENT_TARGET) -> float | None:
+    """The highest rate whose run met the SLOs for ≥ ``target`` of its requests, with every lower rate
+    meeting it too (pure); ``None`` if the lowest rate already failed."""
+    best = None
+    for run in sorted(runs, key=lambda r: r["rate"]):
+        if run["slo_attainment"] < target:
+            break
+        best = run["rate"]
+    return best
+
+
+def rate_at_target(runs: list[dict], target: float = ATTAINMENT_TARGET) -> float | None:
+    """Where attainment crosses ``target`` (pure): linear between ``max_rate_meeting`` and the next rate run
+    (the first that missed); ``max_rate_meeting`` itself when no higher rate missed, ``None`` when the lowest
+    rate already missed. Less tied to the grid than ``max_rate_meeting``, and an estimate between two runs."""
+    best = max_rate_meeting(runs, target)
+    if best is None:
+        return None
+    above = sorted((r for r in runs if r["rate"] > best), key=lambda r: r["rate"])
+    if not above:
+        return best
+    low = max((r for r in runs if r["rate"] == best), key=lambda r: r["slo_attainment"])
+    high = above[0]
+    share = (low["slo_attainment"] - target) / (low["slo_attainment"] - high["slo_attainment"])
+    return round(best + share * (high["rate"] - best), 4)
