@@ -8,18 +8,18 @@ order. The engine test (the real scheduler → worker path) is in tests/cpu/test
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from vtoken.core.config import VTokenConfig, score_layer_indices
+from vtoken.core.config import DEFAULT_SCORE_LAYERS, VTokenConfig, score_layer_indices
 from vtoken.errors import ConfigError
 from vtoken.kernels.check import fill_random
-from vtoken.kernels.gpu_layout import PagedScoreAccumulator, allocate_kv_caches, layout_for
+from vtoken.kernels.gpu_layout import PagedScoreAccumulator, allocate_kv_caches, layout_for, read_k
 from vtoken.kernels.scores import LayerGroups, RequestScores, attention_probs
-from vtoken.kernels.gpu_layout import read_k
 
 
 @pytest.mark.parametrize("count,depth,want", [
@@ -69,7 +69,17 @@ def test_score_layers_flows_through_engine_request_and_serving_config():
     from vtoken.serve.config import ServeAppConfig
     from vtoken.vllm.config import EngineSettings, request_settings
 
-    assert VTokenConfig().score_layers is None  # default: every layer
+    assert VTokenConfig().score_layers == DEFAULT_SCORE_LAYERS == 1  # default: the last layer (measured, issue 9)
+    everything = EngineSettings.from_additional_config({"vtoken": {"score_layers": None}}, 32)
+    assert everything.cfg.score_layers is None  # null: every layer, also through the round trip
+    again = EngineSettings.from_additional_config({"vtoken": everything.to_additional_config()}, 32)
+    assert again.cfg.score_layers is None
+    assert ServeAppConfig.model_validate({"vtoken": {"score_layers": None}}).vtoken.score_layers is None
+    assert ServeAppConfig.model_validate({}).vtoken.score_layers == DEFAULT_SCORE_LAYERS
+    from vtoken.vllm import engine_kwargs
+
+    sent = engine_kwargs(VTokenConfig(score_layers=None))["additional_config"]["vtoken"]
+    assert "score_layers" in sent and sent["score_layers"] is None  # reaches the engine as null, not dropped
     engine = EngineSettings.from_additional_config({"vtoken": {"score_layers": 4}}, 32)
     assert engine.cfg.score_layers == 4
     again = EngineSettings.from_additional_config({"vtoken": engine.to_additional_config()}, 32)
@@ -104,7 +114,10 @@ def test_quality_points_carry_score_layers():
                          score_layers=(None, 4))
     pts = points(setup)
     assert [p.key for p in pts[1:]] == ["h2o_token_0.2", "h2o_token_0.2@4"]
-    assert pts[2].extra("t", 1)["vtoken"]["score_layers"] == 4 and "score_layers" not in pts[1].extra("t", 1)["vtoken"]
+    assert pts[2].extra("t", 1)["vtoken"]["score_layers"] == 4
+    assert pts[1].extra("t", 1)["vtoken"]["score_layers"] is None  # every layer, said explicitly (default: fewer)
+    default = dataclasses.replace(setup, score_layers=QualitySetup.score_layers)
+    assert [p.score_layers for p in points(default)[1:]] == [DEFAULT_SCORE_LAYERS]  # the bench measures the default
     assert Point("h2o", "token", 0.2).score_layers is None
 
 

@@ -150,9 +150,8 @@ def test_score_layers_subset_is_exact_and_changes_the_decisions(prefix_engine, r
     prompt = np.random.default_rng(3).integers(10, 500, 150).tolist()
 
     def params(trace_id, mode, layers):
-        vt = {"policy": "h2o", "mode": mode, "budget": 0.3, "salt": 11, "trace_id": trace_id}
-        if layers is not None:
-            vt["score_layers"] = layers
+        vt = {"policy": "h2o", "mode": mode, "budget": 0.3, "salt": 11, "trace_id": trace_id,
+              "score_layers": layers}  # None: every layer (explicit: the default scores fewer)
         return SamplingParams(max_tokens=40, temperature=0.0, logprobs=0, ignore_eos=True,
                               skip_reading_prefix_cache=True, extra_args={"vtoken": vt})
 

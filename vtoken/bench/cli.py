@@ -8,6 +8,7 @@ from __future__ import annotations
 import typer
 
 from vtoken.bench.report import refuse
+from vtoken.core.config import DEFAULT_SCORE_LAYERS
 
 bench_app = typer.Typer(help="Benchmarks (JSON out, with the command that produced it).", no_args_is_help=True)
 
@@ -64,7 +65,8 @@ def overhead_cmd(
                                              help="TP ranks (CPU: one process and core each)"),
     score_layers: list[int] = typer.Option(None, "--score-layers",
                                            help="also measure repack+scores@N: only N attention layers score "
-                                                "(repeatable)"),
+                                                "(repeatable; repack+scores is the default score_layers, "
+                                                "repack+scores@all every layer, both always run)"),
 ) -> None:
     """Decode-step overhead in vLLM: repack vs naive vs none (no memory pressure), score collection on/off."""
     from vtoken.bench.overhead import overhead
@@ -192,9 +194,10 @@ def quality_cmd(
     policies: str = typer.Option(None, help="comma-separated policy names, or 'all' (default: the preset's)"),
     budgets: str = typer.Option(None, help="comma-separated fractions or token counts (default: the preset's)"),
     granularities: str = typer.Option("token,block", help="token (repack) and/or block (whole blocks, naive)"),
-    score_layers: str = typer.Option("all", "--score-layers",
+    score_layers: str = typer.Option(str(DEFAULT_SCORE_LAYERS), "--score-layers",
                                      help="comma-separated: 'all' (every attention layer scores) and/or layer "
-                                          "counts N (N layers, evenly spread, last included); each point per value"),
+                                          "counts N (N layers, evenly spread, last included); each point per value "
+                                          "(default: the engine's default score_layers)"),
     model: str = typer.Option("default", help="a trained model: default | smollm2 | PATH"),
     seed: int = typer.Option(0, help="draws other pass keys, needle positions and text windows"),
     context_tokens: int = typer.Option(400, "--context-tokens", help="filler tokens around the pass key"),
@@ -238,7 +241,7 @@ def quality_cmd(
         model=path, policies=chosen, budgets=budget_values, granularities=grans,
         depths=tuple(float(d) for d in preset[2].split(",")), per_depth=preset[3], context_tokens=context_tokens,
         windows=preset[4], window_tokens=preset[5], chunk=chunk, seed=seed,
-        tensor_parallel_size=tensor_parallel_size, score_layers=layer_values or (None,),
+        tensor_parallel_size=tensor_parallel_size, score_layers=layer_values or (DEFAULT_SCORE_LAYERS,),
     )
     console = Console(stderr=True)
     with console.status("quality benchmark", spinner="dots") as status:

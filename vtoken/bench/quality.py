@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 from vtoken.bench.quality_tasks import passkey_cases, perplexity, text_windows
+from vtoken.core.config import DEFAULT_SCORE_LAYERS
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class QualitySetup:
     recent: int = 16
     answer_tokens: int = 12
     tensor_parallel_size: int = 1  # > 1: vLLM's multiprocess executor (start_engine)
-    score_layers: tuple[int | None, ...] = (None,)  # each point once per value (None: every layer scores)
+    score_layers: tuple[int | None, ...] = (DEFAULT_SCORE_LAYERS,)  # each point once per value (None: every layer)
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,7 @@ class Point:
             vt["budget"] = self.budget
         if self.granularity != "token":
             vt["granularity"] = self.granularity
-        if self.score_layers is not None:
-            vt["score_layers"] = self.score_layers
+        vt["score_layers"] = self.score_layers  # None: every layer (explicit, the engine default is fewer)
         return {"vtoken": vt}
 
 

@@ -12,7 +12,7 @@ Engine level (``--additional-config '{"vtoken": {...}}'`` or ``LLM(additional_co
     trigger    step | block                                    step
     granularity  token | block  (evict tokens / whole blocks)  token
     seed       int >= 0  (random policy)                       0
-    score_layers  int >= 1: attention layers that score, evenly spread, last included; null: every layer   null
+    score_layers  int >= 1: attention layers that score, evenly spread, last included; null: every layer   1
     block_size must equal vLLM's --block-size if given         vLLM's block size
     scores     auto | always | never  (collect q·K scores)     auto (only for attention policies)
     trace_dir  directory: write one JSON trace per finished request (used by `vtoken verify`)  unset
