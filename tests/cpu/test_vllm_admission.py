@@ -15,7 +15,8 @@ import test_vllm_async_scheduler as base
 
 from vtoken.vllm.stats import admission_limit_from
 
-A, B = 0.010, 0.010  # step = 10 ms + 10 ms per running request
+A, B = 0.010, 0.010  # decode step = 10 ms + 10 ms per running request
+P = 0.010  # + 10 ms per prefill token: a 16-token prompt makes its step 160 ms slower (not a batch-size cost)
 TPOT_MS = 60.0  # 0.9·60 = 54 ms ⇒ 10 + 10·n ≤ 54 ⇒ n ≤ 4
 CAP, MAX_SEQS, N_REQ, GEN = 4, 8, 14, 40
 
@@ -56,7 +57,8 @@ def drive(sched, requests, in_flight, max_iters=2000):
             if len(queue) < in_flight and so.total_num_scheduled_tokens > 0 and sched.has_requests():
                 continue
         so, out = queue.popleft()
-        clock.t += A + B * len(so.num_scheduled_tokens)  # the oldest step in flight completes now
+        n = len(so.num_scheduled_tokens)  # the oldest step in flight completes now
+        clock.t += A + B * n + P * (so.total_num_scheduled_tokens - n)
         for eco in sched.update_from_output(so, out).values():
             for o in eco.outputs:
                 generated[o.request_id] += len(o.new_token_ids)

@@ -46,12 +46,15 @@ class AdmissionMixin:
     def _vt_time_step(self, scheduler_output) -> None:
         """A step's duration: from when it was scheduled, or from the previous step's output if later (one
         step in flight under async scheduling; idle time before a schedule() is not counted), to its output.
-        Attributed to the step's batch size (requests scheduled in it)."""
+        Attributed to the step's batch size (requests scheduled in it) — decode steps only (one token per
+        scheduled request): a step that prefills is paid once per request and would read as a slow small
+        batch (in served runs the cap fell to 1 after each burst of arrivals when prefills were samples)."""
         now = self._vt_clock()
         start = self._vt_started.pop(id(scheduler_output), None)
-        if start is not None:
+        n = len(scheduler_output.num_scheduled_tokens)
+        if start is not None and scheduler_output.total_num_scheduled_tokens == n:
             begin = start if self._vt_last_update is None else max(start, self._vt_last_update)
-            self._vt_steptime.observe(len(scheduler_output.num_scheduled_tokens), now - begin)
+            self._vt_steptime.observe(n, now - begin)
         self._vt_last_update = now
 
     def _vt_admit(self) -> float:
