@@ -149,7 +149,7 @@ def test_command_serves_one_mode_through_vllm_bench_serve_and_reports_json(tmp_p
     cmd = [*VTOKEN, "bench", "serve", "--model", "tiny-llama", "--modes", "repack", "--policies", "random",
            "--budget", "0.5", "--pool-blocks", "40", "--rates", "2,1000", "--num-prompts", "6",
            "--input-len", "64", "--output-len", "48", "--ttft-ms", "120000", "--tpot-ms", "20000", "--json",
-           "--out", str(out_file), "--plot", str(tmp_path / "serve.png")]
+           "--out", str(out_file), "--plot", str(tmp_path / "serve.png"), "--set", "slo.admission=true"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=880)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
@@ -164,5 +164,7 @@ def test_command_serves_one_mode_through_vllm_bench_serve_and_reports_json(tmp_p
     # 6 requests at once (rate 1000) overlap: the replica ran more than one at a time
     assert variant["runs"][1]["peak_running"] >= 2 and variant["max_rate_at_target"] == 1000.0
     assert variant["rate_at_target_interpolated"] == 1000.0  # nothing missed: the highest rate run
-    assert all(run["admission_limit_min"] is None for run in variant["runs"])  # admission off: no series
+    # admission on: its limit reached the report through engine → SchedulerStats → replica → /metrics, and
+    # with a loose TPOT (20 s, the server's slo.tpot_ms from --tpot-ms) it never went below max_num_seqs
+    assert all(run["admission_limit_min"] == 16 for run in variant["runs"]), variant["runs"]
     assert (tmp_path / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
