@@ -40,7 +40,8 @@ def app_config(metrics_port: int) -> ServeAppConfig:
             "model": "tiny-llama",
             "vtoken": {"mode": "repack", "policy": "h2o", "budget": 0.5, "sinks": 4, "recent": 16},
             "engine": {"kv_cache_blocks": 72, "max_model_len": 2048, "max_num_seqs": 8},
-            "slo": {"ttft_ms": 2000, "tpot_ms": 200},
+            "slo": {"ttft_ms": 2000, "tpot_ms": 200, "admission": True},  # loose for the tiny model: exports
+            # vtoken:admission_limit (the SLA dashboard's queue panel) without holding anyone back
             "limits": {**LIMITS, "api_key": API_KEY},
             "deployment": {"num_replicas": 2, "num_cpus": 0.5, "health_check_period_s": 2.0},
             "router": {"stats_period_s": 0.5, "stale_after_s": 3.0},
