@@ -40,6 +40,7 @@ from vtoken.bench.serve_results import (
     max_rate_meeting,
     rate_at_target,
     run_summary,
+    variant_label,
 )
 
 DATASETS = ("random", "chat")  # chat: a shared system prompt + lengths drawn ±50 % (a chat-like mix)
@@ -199,7 +200,7 @@ def _drive(s: ServeBenchSetup, proc, url: str, metrics_port: int, model_path: st
            runs: list, echo, started: float) -> None:
     """Wait for the server, then one ``vllm bench serve`` run per rate, ascending (appends to ``runs``)."""
     mode, policy = variant
-    label = mode if policy is None else f"{mode}/{policy}"
+    label = variant_label(mode, policy)
     wait_ready(url, proc, 900)
     echo(f"{label}: serving after {time.monotonic() - started:.0f} s")
     for rate in sorted(s.rates):

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
-def variant_label(variant: dict) -> str:
-    """``none`` or ``mode/policy`` (pure)."""
-    return variant["mode"] if variant["policy"] is None else f"{variant['mode']}/{variant['policy']}"
+from vtoken.bench.serve_results import variant_label
 
 
 def plot_serve(report: dict, path: str | Path) -> None:
@@ -26,7 +23,7 @@ def plot_serve(report: dict, path: str | Path) -> None:
     target = report["slo"]["attainment_target"]
     for i, variant in enumerate(report["variants"]):
         runs = sorted(variant["runs"], key=lambda r: r["rate"])
-        colour, label = plt.cm.tab10(i % 10), variant_label(variant)
+        colour, label = plt.cm.tab10(i % 10), variant_label(variant["mode"], variant["policy"])
         rates = [r["rate"] for r in runs]
         att.plot(rates, [r["slo_attainment"] for r in runs], "o-", color=colour, label=label)
         good.plot(rates, [r["goodput_req_s"] for r in runs], "o-", color=colour, label=label)

@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 ATTAINMENT_TARGET = 0.9  # "SLA-constrained throughput": the highest rate meeting the SLOs for ≥ 90 %
 
 
+def variant_label(mode: str, policy: str | None) -> str:
+    """How progress lines and the plot name a variant: ``none``, or ``mode/policy`` (pure)."""
+    return mode if policy is None else f"{mode}/{policy}"
+
+
 class ReplicaMetrics:
     """Polls a replica's ``/metrics`` every ``period`` s in a thread (context manager; side effect: HTTP
     GETs): ``peak`` is the largest ``vllm:num_requests_running`` seen; ``prefix_hits`` / ``prefix_queries``

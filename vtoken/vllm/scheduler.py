@@ -300,7 +300,7 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
         if stats is not None and self.vt.enabled:
             encode_stats(stats, self._vt_snapshot())
         if stats is not None and self._vt_steptime is not None:
-            encode_admission(stats, self.max_num_active_reqs)  # the limit in force for the next step
+            encode_admission(stats, self.max_num_active_reqs)  # the limit the latest schedule() ran with
         return stats
 
     def _vt_snapshot(self) -> KVSnapshot:
