@@ -102,6 +102,8 @@ def polls_after(app, replicas: list[str], extra: int = 2) -> None:
 
 
 def replicas_by_rank(http: httpx.Client, tries: int = 30) -> dict[int, str]:
+    """``{rank: replica id}`` of the replicas that answered ``tries`` sequential requests (the router's
+    choice: on idle replicas both answer)."""
     seen: dict[int, str] = {}
     for _ in range(tries):
         r = complete(http)
@@ -109,6 +111,16 @@ def replicas_by_rank(http: httpx.Client, tries: int = 30) -> dict[int, str]:
         if len(seen) == 2:
             break
     return seen
+
+
+def live_replicas(app) -> set[str]:
+    """Replica ids of the deployment's live replica actors, from Ray's named-actor registry (not
+    through the router, whose choice depends on load)."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app.cfg.app_name}#{app.cfg.deployment.name}#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    return {n[len(prefix):] for n in names if n.startswith(prefix)}
 
 
 # ---------------------------------------------------------------------------------------------- API
@@ -417,8 +429,9 @@ def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
     import ray
     from ray import serve
 
-    ranks = replicas_by_rank(app.http)
-    victim = ranks[0]
+    replicas = live_replicas(app)
+    assert len(replicas) == 2, replicas
+    victim = sorted(replicas)[0]
     outcomes: list[str] = []
     lock = threading.Lock()
 
@@ -470,8 +483,9 @@ def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
         status = serve.status().applications[app.cfg.app_name]
         dep = status.deployments[app.cfg.deployment.name]
         if status.status == "RUNNING" and dep.replica_states.get("RUNNING", 0) == 2:
-            now = set(replicas_by_rank(app.http).values())
-            if len(now) == 2 and victim not in now:
+            now = live_replicas(app)
+            answered = {complete(app.http).headers.get("x-vtoken-replica") for _ in range(4)}
+            if len(now) == 2 and victim not in now and answered <= now:
                 recovered = time.monotonic() - killed_at
                 break
         time.sleep(1)

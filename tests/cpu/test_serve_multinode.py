@@ -171,15 +171,17 @@ def test_router_ranks_replicas_across_nodes_by_free_kv(cluster):
     c = cluster
     holders: dict[str, str] = {}
     started = {k: threading.Event() for k in ("big", "small")}
+    done = threading.Event()  # set when either long generation ends: from then on queues differ
 
     def generate(key: str, prompt: str) -> None:
-        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 700, "ignore_eos": True,
+        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 900, "ignore_eos": True,
                 "stream": True}
         with c.http.stream("POST", "/v1/completions", json=body, timeout=600) as r:
             holders[key] = r.headers["x-vtoken-node"]
             started[key].set()
             for _ in r.iter_lines():
                 pass
+        done.set()
 
     threads = [threading.Thread(target=generate, args=("big", PROMPT * 24), daemon=True)]
     threads[0].start()
@@ -189,12 +191,19 @@ def test_router_ranks_replicas_across_nodes_by_free_kv(cluster):
     threads[1].start()
     assert started["small"].wait(120) and holders["big"] != holders["small"]
     time.sleep(2.0)
-    targets = Counter(complete(c.http, max_tokens=2).headers["x-vtoken-node"] for _ in range(20))
+    targets: Counter = Counter()
+    for _ in range(20):  # only answers routed while both long generations still run count
+        node = complete(c.http, max_tokens=2).headers["x-vtoken-node"]
+        if done.is_set():
+            break
+        targets[node] += 1
     for t in threads:
         t.join(600)
-    print(f"\n[multinode] router across nodes: {targets[holders['small']]}/20 short requests to the node "
+    n = sum(targets.values())
+    print(f"\n[multinode] router across nodes: {targets[holders['small']]}/{n} short requests to the node "
           f"with more free KV ({c.names[holders['small']]}; long prompt on {c.names[holders['big']]})")
-    assert targets[holders["small"]] >= 16
+    assert n >= 6, "the long generations finished too early to measure"
+    assert targets[holders["small"]] / n >= 0.8
 
 
 def test_prometheus_finds_every_replica_on_every_node_through_the_registry(cluster):
