@@ -67,14 +67,36 @@ def test_a_slope_that_is_not_positive_falls_back_to_proportional():
     assert fitted(0.080, 0.0, range(1, 9), tpot_s=0.05).cap(8) == 1  # flat 80 ms: ≈ 27 ms per request ⇒ 1
 
 
+def test_prefill_overhead_is_charged_per_step_and_lowers_the_cap():
+    m = fitted(0.020, 0.005, list(range(1, 17)) * 4, tpot_s=0.05)  # decode only: 20 + 5·n ≤ 45 ⇒ 5
+    assert m.overhead == 0.0 and m.cap(16) == 5
+    for i in range(40):  # one step in 4 prefills, 40 ms beyond the fit: 10 ms per step on average
+        m.observe_overhead(0.040 if i % 4 == 0 else 0.0)
+    assert m.overhead == pytest.approx(0.010, rel=0.1)
+    assert m.cap(16) == 3  # 20 + 10 + 5·n ≤ 45 ⇒ n ≤ 3
+    assert m.predict(3) == pytest.approx(0.035)  # the decode fit itself is unchanged
+    before = m.overhead
+    m.observe_overhead(float("nan"))
+    assert m.overhead == before  # ignored
+    m.observe_overhead(-1.0)  # a prefill step faster than the fit: counts as 0, not as a credit
+    assert 0 < m.overhead < before
+
+
 @settings(max_examples=60, deadline=None)
 @given(a=st.floats(0.001, 0.1), b=st.floats(0.0, 0.02), t1=st.floats(0.001, 0.5), t2=st.floats(0.001, 0.5),
-       max_n=st.integers(1, 64))
-def test_cap_monotone_in_target_and_within_bounds(a, b, t1, t2, max_n):
+       max_n=st.integers(1, 64), o1=st.floats(0.0, 0.1), o2=st.floats(0.0, 0.1))
+def test_cap_monotone_in_target_and_overhead_and_within_bounds(a, b, t1, t2, max_n, o1, o2):
     lo, hi = sorted((t1, t2))
     ns = list(range(1, 13))
     c_lo, c_hi = fitted(a, b, ns, tpot_s=lo).cap(max_n), fitted(a, b, ns, tpot_s=hi).cap(max_n)
     assert 1 <= c_lo <= c_hi <= max_n
+    less, more = sorted((o1, o2))
+    caps = []
+    for overhead in (less, more):
+        m = fitted(a, b, ns, tpot_s=hi)
+        m.observe_overhead(overhead)
+        caps.append(m.cap(max_n))
+    assert 1 <= caps[1] <= caps[0] <= c_hi  # more overhead never admits more
 
 
 @pytest.mark.parametrize("bad", [0, -5, float("nan"), float("inf"), "50", True])

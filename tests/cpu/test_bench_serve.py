@@ -24,18 +24,20 @@ VTOKEN = [sys.executable, "-m", "vtoken.cli"]
 
 def test_variants_run_none_once_and_every_policy_for_the_evicting_modes():
     s = ServeBenchSetup(modes=("none", "naive", "repack"), policies=("h2o", "random"))
-    assert s.variants() == [("none", None), ("naive", "h2o"), ("naive", "random"), ("repack", "h2o"),
-                            ("repack", "random")]
-    assert ServeBenchSetup(modes=("repack",), policies=("tova",)).variants() == [("repack", "tova")]
+    assert s.variants() == [("none", None, False), ("naive", "h2o", False), ("naive", "random", False),
+                            ("repack", "h2o", False), ("repack", "random", False)]
+    ab = ServeBenchSetup(modes=("repack",), policies=("tova",), admission=(True, False))
+    assert ab.variants() == [("repack", "tova", False), ("repack", "tova", True)]  # the A/B: off, then on
 
 
 def test_each_server_gets_the_fixed_pool_its_mode_and_room_for_the_longest_request():
     s = ServeBenchSetup(model="tiny-llama", pool_blocks=40, input_len=100, output_len=20, dataset="chat",
                         prefix_len=50, ttft_ms=9000, tpot_ms=250, extra=("router.stats_period_s=0.25",))
-    c = variant_config(s, "repack", "h2o", 9999)
+    c = variant_config(s, "repack", "h2o", metrics_port=9999)
     assert (c.engine.kv_cache_blocks, c.vtoken.mode, c.metrics.port) == (40, "repack", 9999)
     assert (c.slo.ttft_ms, c.slo.tpot_ms) == (9000, 250)  # admission and vtoken:slo_met judge what the client does
-    assert c.vtoken.policy == "h2o"
+    assert c.vtoken.policy == "h2o" and c.slo.admission is False
+    assert variant_config(s, "repack", "h2o", True).slo.admission is True  # the variant's own setting
     assert c.engine.max_model_len == 39 * 32 and c.router.stats_period_s == 0.25
     assert variant_config(s, "none", None).vtoken.mode == "none"
     with pytest.raises(ValueError, match="kv_cache_blocks"):
@@ -134,6 +136,7 @@ def test_replica_metrics_read_the_peak_batch_and_the_prefix_cache_growth():
     (["--dataset", "sharegpt"], "sharegpt"),
     (["--pool-blocks", "4"], "kv_cache_blocks"),
     (["--set", "engine.nope=1"], "engine.nope"),
+    (["--admission", "maybe"], "--admission"),
 ])
 def test_bad_input_exits_2_naming_the_value_before_any_server_starts(args, named):
     out = subprocess.run([*VTOKEN, "bench", "serve", "--model", "tiny-llama", *args], capture_output=True,
@@ -149,14 +152,14 @@ def test_command_serves_one_mode_through_vllm_bench_serve_and_reports_json(tmp_p
     cmd = [*VTOKEN, "bench", "serve", "--model", "tiny-llama", "--modes", "repack", "--policies", "random",
            "--budget", "0.5", "--pool-blocks", "40", "--rates", "2,1000", "--num-prompts", "6",
            "--input-len", "64", "--output-len", "48", "--ttft-ms", "120000", "--tpot-ms", "20000", "--json",
-           "--out", str(out_file), "--plot", str(tmp_path / "serve.png"), "--set", "slo.admission=true"]
+           "--out", str(out_file), "--plot", str(tmp_path / "serve.png"), "--admission", "on"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=880)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     assert report == json.loads(out_file.read_text())
     assert report["command"].startswith("vtoken bench serve") and report["environment"]["cores"] >= 1
     (variant,) = report["variants"]
-    assert (variant["mode"], variant["policy"]) == ("repack", "random")
+    assert (variant["mode"], variant["policy"], variant["admission"]) == ("repack", "random", True)
     assert [r["rate"] for r in variant["runs"]] == [2.0, 1000.0]
     for run in variant["runs"]:
         assert run["completed"] == 6 and run["failed"] == 0 and run["slo_attainment"] == 1.0, run

@@ -431,7 +431,7 @@ def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
 
     replicas = live_replicas(app)
     assert len(replicas) == 2, replicas
-    victim = sorted(replicas)[0]
+    victim = min(replicas)
     outcomes: list[str] = []
     lock = threading.Lock()
 

@@ -371,6 +371,7 @@ def serve_cmd(
     ttft_ms: float = typer.Option(15000, "--ttft-ms", help="TTFT SLO (ms), the same for every mode"),
     tpot_ms: float = typer.Option(300, "--tpot-ms", help="TPOT SLO (ms), the same for every mode"),
     seed: int = typer.Option(0),
+    admission: str = typer.Option("off", help="SLO-aware admission per variant: off | on | off,on (an A/B)"),
     sets: list[str] = typer.Option([], "--set", help="serve config key=value for every server (repeatable)"),
     as_json: bool = typer.Option(False, "--json", help="print the JSON only (progress otherwise on stderr)"),
     log: str = typer.Option(None, help="the servers' output goes here (default: discarded)"),
@@ -391,6 +392,10 @@ def serve_cmd(
         (min(num_prompts, input_len, output_len) < 1, "--num-prompts, --input-len, --output-len must be ≥ 1"),
         (ttft_ms <= 0 or tpot_ms <= 0, "--ttft-ms / --tpot-ms must be > 0"),
     ]
+    switches = {"off": False, "on": True}
+    admission_list = [a.strip() for a in admission.split(",") if a.strip()]
+    checks.append((not admission_list or not set(admission_list) <= set(switches),
+                   f"--admission {admission!r}: valid are off, on, off,on"))
     for failed, message in checks:
         if failed:
             refuse(message)
@@ -399,12 +404,12 @@ def serve_cmd(
         policies=tuple(p.strip() for p in policies.split(",") if p.strip()), budget=budget,
         pool_blocks=pool_blocks, max_num_seqs=max_num_seqs, rates=rate_list, num_prompts=num_prompts,
         input_len=input_len, output_len=output_len, dataset=dataset, prefix_len=prefix_len, ttft_ms=ttft_ms,
-        tpot_ms=tpot_ms, seed=seed, extra=tuple(sets))
+        tpot_ms=tpot_ms, seed=seed, admission=tuple(switches[a] for a in admission_list), extra=tuple(sets))
     if not setup.variants():
         refuse(f"--modes {modes!r} / --policies {policies!r}: nothing to run")
-    for mode, policy in setup.variants():  # every server's config is valid before the first one starts
+    for mode, policy, adm in setup.variants():  # every server's config is valid before the first one starts
         try:
-            variant_config(setup, mode, policy)
+            variant_config(setup, mode, policy, adm)
         except ValueError as exc:
             refuse(f"mode {mode!r}, policy {policy!r}: {exc}")
     echo = (lambda *_: None) if as_json else (lambda line: typer.echo(line, err=True))

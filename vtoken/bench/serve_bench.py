@@ -4,8 +4,9 @@ Per variant (a reclamation mode and, for evicting modes, a policy) one ``vtoken 
 one replica, the OpenAI routes, a fixed KV pool of ``pool_blocks``), then per request rate one
 ``vllm bench serve`` run (Poisson arrivals, ``--goodput`` at the stated SLOs, results saved as JSON)::
 
-    for variant in modes × policies:            none has no policy: one variant
-        vtoken serve --mode M --policy P --set engine.kv_cache_blocks=N …    (waits for /v1/models)
+    for variant in modes × policies × admission:   none has no policy; admission: off, on or both
+        vtoken serve --mode M --policy P --set engine.kv_cache_blocks=N --set slo.admission=A …
+                                                    (waits for /v1/models)
         for rate in rates:                          ascending
             vllm bench serve --request-rate rate --goodput ttft:… tpot:… --save-result
             (a thread polls the replica's /metrics: peak running batch, prefix-cache hits)
@@ -65,6 +66,7 @@ class ServeBenchSetup:
     ttft_ms: float = 15000.0
     tpot_ms: float = 300.0
     seed: int = 0
+    admission: tuple[bool, ...] = (False,)  # SLO-aware admission per variant: off, on, or both (an A/B)
     extra: tuple[str, ...] = field(default_factory=tuple)  # more ``--set key=value`` for every server
 
     def longest_request(self) -> int:
@@ -83,10 +85,12 @@ class ServeBenchSetup:
     def _widest(length: int) -> int:
         return math.ceil(length * (1 + CHAT_RANGE_RATIO))
 
-    def variants(self) -> list[tuple[str, str | None]]:
-        """``(mode, policy)`` pairs; ``none`` evicts nothing and runs once, without a policy (pure)."""
-        out: list[tuple[str, str | None]] = [("none", None)] if "none" in self.modes else []
-        return out + [(m, p) for m in self.modes if m != "none" for p in self.policies]
+    def variants(self) -> list[tuple[str, str | None, bool]]:
+        """``(mode, policy, admission)`` triples; ``none`` evicts nothing and runs without a policy; each
+        pair once per ``admission`` setting, off before on (pure)."""
+        pairs: list[tuple[str, str | None]] = [("none", None)] if "none" in self.modes else []
+        pairs += [(m, p) for m in self.modes if m != "none" for p in self.policies]
+        return [(m, p, a) for m, p in pairs for a in sorted(set(self.admission))]
 
 
 def server_command(config_path: str, port: int) -> list[str]:
@@ -111,10 +115,13 @@ def client_command(s: ServeBenchSetup, url: str, model_path: str, rate: float, r
     return cmd
 
 
-def variant_config(s: ServeBenchSetup, mode: str, policy: str | None, metrics_port: int = 9500):
-    """The ``ServeAppConfig`` of one variant's server: one replica, the fixed pool, the variant's mode and
-    policy, the benchmark's SLOs (what ``slo.admission`` targets and ``vtoken:slo_met`` counts), then ``s.extra`` (``key=value`` as ``vtoken serve --set``). Validates: raises ``ValueError``
-    (pydantic's ``ValidationError``) naming the bad setting, before any server starts."""
+def variant_config(s: ServeBenchSetup, mode: str, policy: str | None, admission: bool = False,
+                   metrics_port: int = 9500):
+    """The ``ServeAppConfig`` of one variant's server: one replica, the fixed pool, the variant's mode,
+    policy and ``slo.admission``, the benchmark's SLOs (what admission targets and ``vtoken:slo_met``
+    counts), then ``s.extra`` (``key=value`` as ``vtoken serve --set``; it may override any of these).
+    Validates: raises ``ValueError`` (pydantic's ``ValidationError``) naming the bad setting, before any
+    server starts."""
     from vtoken.serve.config import ServeAppConfig
     from vtoken.serve.launch.cli import parse_scalar
 
@@ -129,7 +136,7 @@ def variant_config(s: ServeBenchSetup, mode: str, policy: str | None, metrics_po
         "engine": {"kv_cache_blocks": s.pool_blocks, "max_num_seqs": s.max_num_seqs,
                    "max_model_len": max(s.longest_request(), pool_tokens)},
         "limits": {"max_tokens": s.longest_output()}, "metrics": {"port": metrics_port},
-        "slo": {"ttft_ms": s.ttft_ms, "tpot_ms": s.tpot_ms}})  # the server's SLO (metrics, admission) = the client's
+        "slo": {"ttft_ms": s.ttft_ms, "tpot_ms": s.tpot_ms, "admission": admission}})  # the server's SLO (metrics, admission) = the client's
     extra = {}
     for item in s.extra:
         key, sep, value = item.partition("=")
@@ -173,14 +180,15 @@ def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
             proc.wait(30)
 
 
-def run_variant(s: ServeBenchSetup, mode: str, policy: str | None, model_path: str, log, echo) -> dict:
+def run_variant(s: ServeBenchSetup, variant: tuple[str, str | None, bool], model_path: str, log, echo) -> dict:
     """Start one server, run every rate against it, stop it; returns the variant's report."""
     from vtoken.serve.launch.local import free_port
 
+    mode, policy, admission = variant
     port, metrics_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
-    config = variant_config(s, mode, policy, metrics_port)
+    config = variant_config(s, mode, policy, admission, metrics_port)
     runs = []
     with tempfile.TemporaryDirectory(prefix="vtoken-bench-serve-") as tmp:
         config_path = Path(tmp, "serve.json")
@@ -188,10 +196,10 @@ def run_variant(s: ServeBenchSetup, mode: str, policy: str | None, model_path: s
         proc = subprocess.Popen(server_command(str(config_path), port), stdout=log, stderr=log,
                                 start_new_session=True)
         try:
-            _drive(s, proc, url, metrics_port, model_path, (mode, policy), tmp, runs, echo, started)
+            _drive(s, proc, url, metrics_port, model_path, variant, tmp, runs, echo, started)
         finally:
             stop(proc)
-    return {"mode": mode, "policy": policy, "runs": runs, "max_rate_at_target": max_rate_meeting(runs),
+    return {"mode": mode, "policy": policy, "admission": config.slo.admission, "runs": runs, "max_rate_at_target": max_rate_meeting(runs),
             "rate_at_target_interpolated": rate_at_target(runs),
             "peak_running": max((r["peak_running"] for r in runs), default=0)}
 
@@ -199,12 +207,12 @@ def run_variant(s: ServeBenchSetup, mode: str, policy: str | None, model_path: s
 def _drive(s: ServeBenchSetup, proc, url: str, metrics_port: int, model_path: str, variant: tuple, tmp: str,
            runs: list, echo, started: float) -> None:
     """Wait for the server, then one ``vllm bench serve`` run per rate, ascending (appends to ``runs``)."""
-    mode, policy = variant
-    label = variant_label(mode, policy)
+    mode, policy, admission = variant
+    label = variant_label(mode, policy, admission)
     wait_ready(url, proc, 900)
     echo(f"{label}: serving after {time.monotonic() - started:.0f} s")
     for rate in sorted(s.rates):
-        name = f"{mode}-{policy}-{rate}.json".replace("+", "_")
+        name = f"{mode}-{policy}-{int(admission)}-{rate}.json".replace("+", "_")
         with ReplicaMetrics(f"http://127.0.0.1:{metrics_port}/metrics") as seen:
             out = subprocess.run(client_command(s, url, model_path, rate, tmp, name), capture_output=True,
                                  text=True, timeout=3600)
@@ -227,7 +235,7 @@ def run_serve_bench(s: ServeBenchSetup, echo=lambda line: None, log_path: str | 
     model_path = str(resolve_model(s.model))
     started = time.perf_counter()
     with open(log_path or os.devnull, "w") as log:
-        variants = [run_variant(s, mode, policy, model_path, log, echo) for mode, policy in s.variants()]
+        variants = [run_variant(s, variant, model_path, log, echo) for variant in s.variants()]
     return {
         "bench": "serve",
         "command": "vtoken " + shlex.join(sys.argv[1:]),

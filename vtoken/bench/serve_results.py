@@ -23,9 +23,10 @@ if TYPE_CHECKING:
 ATTAINMENT_TARGET = 0.9  # "SLA-constrained throughput": the highest rate meeting the SLOs for ≥ 90 %
 
 
-def variant_label(mode: str, policy: str | None) -> str:
-    """How progress lines and the plot name a variant: ``none``, or ``mode/policy`` (pure)."""
-    return mode if policy is None else f"{mode}/{policy}"
+def variant_label(mode: str, policy: str | None, admission: bool | None = False) -> str:
+    """How progress lines and the plot name a variant: ``none`` or ``mode/policy``, ``+admission`` when
+    SLO-aware admission was on (pure)."""
+    return (mode if policy is None else f"{mode}/{policy}") + (" +admission" if admission else "")
 
 
 class ReplicaMetrics:

@@ -2,8 +2,15 @@
 
 A pure model of step time against the running batch size, fitted online from measured steps::
 
-    step_s(n) ≈ a + b·n          (exponentially weighted least squares over (n, step_s) samples)
-    cap       = largest n in [1, max_n] with step_s(n) ≤ headroom · tpot_s
+    step_s(n) ≈ a + b·n          (exponentially weighted least squares over decode steps (n, step_s))
+    overhead  ≈ mean over all steps of the time beyond that fit (a step that also prefilled: its
+                excess; a decode-only step: 0) — what other requests' prefills add to every token
+    cap       = largest n in [1, max_n] with step_s(n) + overhead ≤ headroom · tpot_s
+
+A running request's TPOT is the mean of the steps it is in: decode steps of its batch plus the prefill
+steps of the requests admitted while it runs. The fit alone sees only the first; the overhead term
+charges the second (measured: without it the served TPOT p50 sat at the target with the cap never
+binding).
 
 The scheduler (vtoken/vllm/scheduler.py) sets vLLM's admission limit (``max_num_active_reqs``) to
 ``min(configured max, cap)`` before every step. The cap only stops *admission*: running requests are never
@@ -74,6 +81,7 @@ class StepTimeModel:
         self.cfg = cfg
         self._decay = 0.5 ** (1.0 / cfg.half_life)
         self._w = self._wn = self._wnn = self._wy = self._wny = self._wr = 0.0
+        self._ow = self._oy = 0.0  # overhead: decayed step count and decayed excess seconds
         self.samples = 0
 
     def observe(self, n: int, step_s: float) -> None:
@@ -89,6 +97,19 @@ class StepTimeModel:
         self._wr = self._wr * d + step_s / n
         self.samples += 1
 
+    def observe_overhead(self, excess_s: float) -> None:
+        """Every step once: its time beyond the decode fit (0 for a decode-only step; negatives count 0;
+        a non-finite value is ignored)."""
+        if not math.isfinite(excess_s):
+            return
+        self._ow = self._ow * self._decay + 1.0
+        self._oy = self._oy * self._decay + max(0.0, excess_s)
+
+    @property
+    def overhead(self) -> float:
+        """Mean seconds per step beyond the decode fit (0 before any step)."""
+        return self._oy / self._ow if self._ow else 0.0
+
     def fit(self) -> tuple[float, float] | None:
         """``(a, b)`` in seconds, or ``None`` before ``min_samples`` steps."""
         if self.samples < self.cfg.min_samples:
@@ -103,15 +124,17 @@ class StepTimeModel:
         return mean_y - b * mean_n, b
 
     def predict(self, n: int) -> float | None:
+        """Predicted decode step with ``n`` running (the fit only, without ``overhead``)."""
         ab = self.fit()
         return None if ab is None else ab[0] + ab[1] * n
 
     def cap(self, max_n: int) -> int | None:
-        """The largest batch size in ``[1, max_n]`` predicted to meet the target; ``None`` = no cap yet."""
+        """The largest batch size in ``[1, max_n]`` whose predicted step plus ``overhead`` meets the target;
+        ``None`` = no cap yet."""
         ab = self.fit()
         if ab is None:
             return None
-        return cap_for(ab[0], ab[1], self.cfg.tpot_s * self.cfg.headroom, max_n)
+        return cap_for(ab[0] + self.overhead, ab[1], self.cfg.tpot_s * self.cfg.headroom, max_n)
 
 
 def cap_for(a: float, b: float, limit_s: float, max_n: int) -> int:

@@ -46,15 +46,21 @@ class AdmissionMixin:
     def _vt_time_step(self, scheduler_output) -> None:
         """A step's duration: from when it was scheduled, or from the previous step's output if later (one
         step in flight under async scheduling; idle time before a schedule() is not counted), to its output.
-        Attributed to the step's batch size (requests scheduled in it) — decode steps only (one token per
-        scheduled request): a step that prefills is paid once per request and would read as a slow small
-        batch (in served runs the cap fell to 1 after each burst of arrivals when prefills were samples)."""
+        A decode step (one token per scheduled request) is a sample of the fit at its batch size and
+        adds 0 overhead; a step that prefills adds its time beyond the fit's prediction as overhead
+        (as a sample it would read as a slow small batch: in served runs the cap fell to 1 after each
+        burst of arrivals when prefills were samples)."""
         now = self._vt_clock()
         start = self._vt_started.pop(id(scheduler_output), None)
         n = len(scheduler_output.num_scheduled_tokens)
-        if start is not None and scheduler_output.total_num_scheduled_tokens == n:
-            begin = start if self._vt_last_update is None else max(start, self._vt_last_update)
-            self._vt_steptime.observe(n, now - begin)
+        if start is not None:
+            step_s = now - (start if self._vt_last_update is None else max(start, self._vt_last_update))
+            model = self._vt_steptime
+            if scheduler_output.total_num_scheduled_tokens == n:
+                model.observe(n, step_s)
+                model.observe_overhead(0.0)
+            elif (predicted := model.predict(n)) is not None:
+                model.observe_overhead(step_s - predicted)
         self._vt_last_update = now
 
     def _vt_admit(self) -> float:
