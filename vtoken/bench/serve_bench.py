@@ -189,6 +189,7 @@ def run_variant(s: ServeBenchSetup, variant: tuple[str, str | None, bool], model
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
     config = variant_config(s, mode, policy, admission, metrics_port)
+    variant = (mode, policy, config.slo.admission)  # a ``--set slo.admission=…`` wins: label and JSON say so
     runs = []
     with tempfile.TemporaryDirectory(prefix="vtoken-bench-serve-") as tmp:
         config_path = Path(tmp, "serve.json")
@@ -199,8 +200,8 @@ def run_variant(s: ServeBenchSetup, variant: tuple[str, str | None, bool], model
             _drive(s, proc, url, metrics_port, model_path, variant, tmp, runs, echo, started)
         finally:
             stop(proc)
-    return {"mode": mode, "policy": policy, "admission": config.slo.admission, "runs": runs, "max_rate_at_target": max_rate_meeting(runs),
-            "rate_at_target_interpolated": rate_at_target(runs),
+    return {"mode": mode, "policy": policy, "admission": config.slo.admission, "runs": runs,
+            "max_rate_at_target": max_rate_meeting(runs), "rate_at_target_interpolated": rate_at_target(runs),
             "peak_running": max((r["peak_running"] for r in runs), default=0)}
 
 
