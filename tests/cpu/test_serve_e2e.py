@@ -113,12 +113,17 @@ def replicas_by_rank(http: httpx.Client, tries: int = 30) -> dict[int, str]:
     return seen
 
 
+def replica_actor_name(app, replica_id: str = "") -> str:
+    """Ray's name of a replica actor of the app's deployment (with ``""``: the prefix of them all)."""
+    return f"SERVE_REPLICA::{app.cfg.app_name}#{app.cfg.deployment.name}#{replica_id}"
+
+
 def live_replicas(app) -> set[str]:
     """Replica ids of the deployment's live replica actors, from Ray's named-actor registry (not
     through the router, whose choice depends on load)."""
     import ray
 
-    prefix = f"SERVE_REPLICA::{app.cfg.app_name}#{app.cfg.deployment.name}#"
+    prefix = replica_actor_name(app)
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     return {n[len(prefix):] for n in names if n.startswith(prefix)}
 
@@ -471,9 +476,7 @@ def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(one, i) for i in range(48)]
         time.sleep(1.5)
-        handle = ray.get_actor(
-            f"SERVE_REPLICA::{app.cfg.app_name}#{app.cfg.deployment.name}#{victim}", namespace="serve"
-        )
+        handle = ray.get_actor(replica_actor_name(app, victim), namespace="serve")
         killed_at = time.monotonic()
         ray.kill(handle, no_restart=True)
         for f in futures:

@@ -160,7 +160,8 @@ def test_kv_autoscaling_adds_a_replica_on_another_node_and_both_answer_through_o
     both = wait_for(lambda: len(n := nodes_answering(c.http, 6)) == 2 and n, "a second replica", 400, 2.0,
                     diagnose=lambda: diagnosis(c))
     print(f"\n[multinode] KV load → Serve adds a replica after {decided:.0f} s, serving after "
-          f"{time.monotonic() - started:.0f} s; nodes {sorted(c.names[n] for n in both)}; load answers {dict(codes)}")
+          f"{time.monotonic() - started:.0f} s; nodes {sorted(c.names[n] for n in both)}; "
+          f"load answers {dict(codes)}")
     assert set(codes) == {200}, errors[:3]
     spread = nodes_answering(c.http, 30)
     assert len(spread) == 2 and all(c.names[n].startswith("worker-") for n in spread), spread

@@ -136,7 +136,8 @@ def variant_config(s: ServeBenchSetup, mode: str, policy: str | None, admission:
         "engine": {"kv_cache_blocks": s.pool_blocks, "max_num_seqs": s.max_num_seqs,
                    "max_model_len": max(s.longest_request(), pool_tokens)},
         "limits": {"max_tokens": s.longest_output()}, "metrics": {"port": metrics_port},
-        "slo": {"ttft_ms": s.ttft_ms, "tpot_ms": s.tpot_ms, "admission": admission}})  # the server's SLO (metrics, admission) = the client's
+        # the server's SLO (metrics, admission) = the client's
+        "slo": {"ttft_ms": s.ttft_ms, "tpot_ms": s.tpot_ms, "admission": admission}})
     extra = {}
     for item in s.extra:
         key, sep, value = item.partition("=")
@@ -180,16 +181,18 @@ def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
             proc.wait(30)
 
 
-def run_variant(s: ServeBenchSetup, variant: tuple[str, str | None, bool], model_path: str, log, echo) -> dict:
+def run_variant(s: ServeBenchSetup, variant: tuple[str, str | None, bool], model_path: str, log,
+                echo) -> dict:
     """Start one server, run every rate against it, stop it; returns the variant's report."""
     from vtoken.serve.launch.local import free_port
 
-    mode, policy, admission = variant
+    mode, policy, asked = variant
     port, metrics_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
-    config = variant_config(s, mode, policy, admission, metrics_port)
-    variant = (mode, policy, config.slo.admission)  # a ``--set slo.admission=…`` wins: label and JSON say so
+    config = variant_config(s, mode, policy, asked, metrics_port)
+    admission = config.slo.admission  # a ``--set slo.admission=…`` wins: label and JSON say what ran
+    variant = (mode, policy, admission)
     runs = []
     with tempfile.TemporaryDirectory(prefix="vtoken-bench-serve-") as tmp:
         config_path = Path(tmp, "serve.json")
@@ -200,7 +203,7 @@ def run_variant(s: ServeBenchSetup, variant: tuple[str, str | None, bool], model
             _drive(s, proc, url, metrics_port, model_path, variant, tmp, runs, echo, started)
         finally:
             stop(proc)
-    return {"mode": mode, "policy": policy, "admission": config.slo.admission, "runs": runs,
+    return {"mode": mode, "policy": policy, "admission": admission, "runs": runs,
             "max_rate_at_target": max_rate_meeting(runs), "rate_at_target_interpolated": rate_at_target(runs),
             "peak_running": max((r["peak_running"] for r in runs), default=0)}
 

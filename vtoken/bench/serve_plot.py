@@ -23,7 +23,8 @@ def plot_serve(report: dict, path: str | Path) -> None:
     target = report["slo"]["attainment_target"]
     for i, variant in enumerate(report["variants"]):
         runs = sorted(variant["runs"], key=lambda r: r["rate"])
-        colour, label = plt.cm.tab10(i % 10), variant_label(variant["mode"], variant["policy"], variant.get("admission"))
+        colour = plt.cm.tab10(i % 10)
+        label = variant_label(variant["mode"], variant["policy"], variant.get("admission"))
         rates = [r["rate"] for r in runs]
         att.plot(rates, [r["slo_attainment"] for r in runs], "o-", color=colour, label=label)
         good.plot(rates, [r["goodput_req_s"] for r in runs], "o-", color=colour, label=label)
