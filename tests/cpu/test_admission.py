@@ -42,7 +42,10 @@ def test_no_cap_before_warm_up_and_clamped_to_one_and_max():
         assert m.cap(16) is None
     m.observe(2, 1.0)
     assert m.cap(16) == 1  # far too slow even for one request: still one (never 0)
-    assert fitted(0.001, 0.0001, range(1, 9), tpot_s=1.0).cap(16) == 16  # loose: the configured max
+    assert fitted(0.001, 0.0001, range(1, 17), tpot_s=1.0).cap(16) == 16  # loose: the configured max
+    assert fitted(0.001, 0.0001, range(1, 9), tpot_s=1.0).cap(16) == 16  # the fit ×2 meets it: no slow start
+    assert fitted(0.020, 0.005, [1, 2, 3] * 4, tpot_s=0.05).cap(16) == 4  # the fit says 5, but near the limit:
+    # one above the largest batch measured (3), the fit ×2 (40 + 10·n ms) meets 45 ms nowhere
     assert cap_for(0.0, 0.0, 1.0, 0) == 1
 
 
@@ -65,6 +68,30 @@ def test_a_slope_that_is_not_positive_falls_back_to_proportional():
     c = m.cap(8)
     assert m.predict(c) <= 0.1 * HEADROOM < m.predict(c + 1) and c == 7
     assert fitted(0.080, 0.0, range(1, 9), tpot_s=0.05).cap(8) == 1  # flat 80 ms: ≈ 27 ms per request ⇒ 1
+
+
+def test_a_batch_that_meets_the_target_is_probed_not_locked_in():
+    """Served, requests arrive one at a time: the first samples all have one request running, and the
+    proportional model of a step that is mostly intercept (159 ms at 1, 294 ms at 16) would cap at 1 for
+    ever (159·n ≤ 270). The probe admits a second request, the samples at 2 fit the line, and the cap
+    climbs one batch size at a time to the true limit, 150 + 9·n ≤ 270 ⇒ 13."""
+    single = fitted(0.150, 0.009, [1] * 20, tpot_s=0.3)
+    assert single.fit() == (0.0, pytest.approx(0.159)) and single.cap(16) == 2
+    assert fitted(0.150, 0.009, [1] * 20, tpot_s=0.3).cap(1) == 1  # never above the configured max
+    single.observe_overhead(0.2)  # measured 159 ms + 200 ms overhead > 270 ms: no probe
+    assert single.cap(16) == 1
+    rng = np.random.default_rng(0)
+    m, caps = StepTimeModel(AdmissionConfig(tpot_s=0.3)), []
+    for step in range(400):
+        waiting = 1 if step < 30 else 16  # one request alone, then a queue
+        cap = m.cap(16)
+        n = min(waiting, 16 if cap is None else cap)
+        m.observe(n, 0.150 + 0.009 * n + 0.002 * rng.standard_normal())
+        caps.append(cap)
+    assert abs(m.cap(16) - 13) <= 1, caps[-20:]
+    ramp = [c for c in caps if c is not None]
+    assert ramp[0] == 2 and all(b <= a + 1 for a, b in zip(ramp, ramp[1:])), caps[:60]  # one at a time
+    assert max(ramp) <= 14, caps[:60]  # a line through 1 and 2 alone said 16 (module docstring)
 
 
 def test_prefill_overhead_is_charged_per_step_and_lowers_the_cap():

@@ -25,7 +25,17 @@ Invariants (tested in tests/cpu/test_admission.py):
 * the fitted slope is positive: when every sample has the same batch size (no slope can be fitted) or the
   fit's slope is ≤ 0 (noise, or one slow step at a small batch), the model is proportional,
   ``a = 0, b = mean(step_s / n)``, which is conservative: the cap then moves the batch size, and the next
-  samples fit a real line.
+  samples fit a real line;
+* the cap never locks a batch size in: a proportional model cannot see the intercept (on these CPUs one
+  request's decode step is ≈ 60 % of sixteen's), so from samples at one batch size n̄ alone it would cap at
+  n̄ forever (served: the limit sat at 1 for the first 20 requests, TTFT up to 28 s at 0.3 req/s). When
+  the measured steps there meet the target (mean step + overhead ≤ headroom · tpot), the cap is at least
+  ⌊n̄⌋ + 1 — a probe; the samples at the new size then fit a real line;
+* beyond the largest batch size measured, the fit is trusted only where twice its prediction still meets
+  the target; past that the cap rises one above the largest measured at a time (slow start). A line
+  through batch sizes close together can be far off (in a simulated ramp, one noisy sample at 2 beside
+  twenty at 1 put the cap at 16, and a cap admits requests that then run to the end); a loose target
+  (the fit ×2 meets it at ``max_n``) is not slowed.
 
 Nothing here reads a clock or knows vLLM: the caller measures and feeds ``observe``.
 """
@@ -83,6 +93,7 @@ class StepTimeModel:
         self._w = self._wn = self._wnn = self._wy = self._wny = self._wr = 0.0
         self._ow = self._oy = 0.0  # overhead: decayed step count and decayed excess seconds
         self.samples = 0
+        self.largest_batch = 0  # the largest n observed (slow start, module docstring)
 
     def observe(self, n: int, step_s: float) -> None:
         """One step that ran ``n ≥ 1`` requests in ``step_s`` seconds (others are ignored)."""
@@ -96,6 +107,7 @@ class StepTimeModel:
         self._wny = self._wny * d + n * step_s
         self._wr = self._wr * d + step_s / n
         self.samples += 1
+        self.largest_batch = max(self.largest_batch, n)
 
     def observe_overhead(self, excess_s: float) -> None:
         """Every step once: its time beyond the decode fit (0 for a decode-only step; negatives count 0;
@@ -112,16 +124,21 @@ class StepTimeModel:
 
     def fit(self) -> tuple[float, float] | None:
         """``(a, b)`` in seconds, or ``None`` before ``min_samples`` steps."""
+        line = self._line()
+        return None if line is None else line[:2]
+
+    def _line(self) -> tuple[float, float, bool] | None:
+        """``(a, b, proportional)``: the fit and whether it is the proportional fallback."""
         if self.samples < self.cfg.min_samples:
             return None
         mean_n, mean_y = self._wn / self._w, self._wy / self._w
         var = self._wnn / self._w - mean_n * mean_n
         if var <= 1e-9 * max(1.0, mean_n * mean_n):
-            return 0.0, self._wr / self._w  # one batch size only: proportional (module docstring)
+            return 0.0, self._wr / self._w, True  # one batch size only: proportional (module docstring)
         b = (self._wny / self._w - mean_n * mean_y) / var
         if b <= 0:
-            return 0.0, self._wr / self._w  # not explained by batch size: proportional (module docstring)
-        return mean_y - b * mean_n, b
+            return 0.0, self._wr / self._w, True  # not explained by batch size: proportional (docstring)
+        return mean_y - b * mean_n, b, False
 
     def predict(self, n: int) -> float | None:
         """Predicted decode step with ``n`` running (the fit only, without ``overhead``)."""
@@ -129,12 +146,19 @@ class StepTimeModel:
         return None if ab is None else ab[0] + ab[1] * n
 
     def cap(self, max_n: int) -> int | None:
-        """The largest batch size in ``[1, max_n]`` whose predicted step plus ``overhead`` meets the target;
-        ``None`` = no cap yet."""
-        ab = self.fit()
-        if ab is None:
+        """The largest batch size in ``[1, max_n]`` whose predicted step plus ``overhead`` meets the target,
+        or one above a proportional model's measured batch that meets it (the probe); past the largest batch
+        measured, only where twice the prediction meets it, else one above (slow start). ``None``: no cap yet."""
+        line = self._line()
+        if line is None:
             return None
-        return cap_for(ab[0] + self.overhead, ab[1], self.cfg.tpot_s * self.cfg.headroom, max_n)
+        a, b, proportional = line
+        limit_s = self.cfg.tpot_s * self.cfg.headroom
+        cap = cap_for(a + self.overhead, b, limit_s, max_n)
+        if proportional and self._wy / self._w + self.overhead <= limit_s:  # the probe (module docstring)
+            cap = max(cap, min(max(1, int(max_n)), math.floor(self._wn / self._w + 1e-9) + 1))
+        trusted = cap_for(2 * (a + self.overhead), 2 * b, limit_s, max_n)  # where the fit ×2 still meets it
+        return min(cap, max(trusted, self.largest_batch + 1))  # slow start (module docstring)
 
 
 def cap_for(a: float, b: float, limit_s: float, max_n: int) -> int:
