@@ -1,6 +1,6 @@
 """Helpers for the serving integration tests: malformed-request generator, Prometheus runner, load.
 
-Not a test module (no ``test_`` prefix); imported by test_serve_e2e.py and test_serve_autoscale.py.
+Not a test module (no ``test_`` prefix); imported by the serving, dashboard and engine tests.
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@ In order (one cluster for the module; ≈4–6 min on 2 busy cores): KV load mak
 replica on another node; both answer through the head's proxy with distinct ``x-vtoken-node``; the
 KV-aware router steers by the replicas' KV across nodes; a real Prometheus finds both through the
 registry's file_sd file (no target list); a worker node is SIGKILLed under load — every request gets 200
-or 503, none hangs, Serve brings the replica back on the spare node and Prometheus shows the dip. The
-cluster is always torn down and no process may be left. Numbers are printed (-s) and in docs/serving.md.
+or 503, none hangs, Serve brings the replica back on the spare node and Prometheus shows the dip; a
+shorter ``downscale_delay_s`` through ``serve deploy`` restarts nothing, and idle, Serve goes back to one
+replica (the project's only scale-down test with real replicas). The cluster is always torn down and no
+process may be left. Numbers are printed (-s) and in docs/serving.md.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def cluster(request):
         with (PrometheusServer([], port=free_port(), sd_files=[str(sd_file)]) as prom,
               httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=120) as http):
             yield SimpleNamespace(state=state, http=http, prom=prom, sd_file=sd_file, t0=time.time(),
-                                  names={n.node_id: n.name for n in state.nodes})
+                                  names={n.node_id: n.name for n in state.nodes}, config=config)
     finally:
         if request.session.testsfailed:  # keep Ray's and the nodes' logs for the diagnosis
             kept = Path(tempfile.mkdtemp(prefix="vtoken-multinode-logs-", dir="/tmp"))
@@ -281,6 +283,30 @@ def test_worker_node_killed_under_load_gets_200_or_503_and_serve_restores_it_els
     before, after = ",".join(map(str, counts[:15])), ",".join(map(str, counts[15:]))
     assert "2,2" in before and "1,1,1" in after, counts
     assert "2,2,2" in after[after.index("1,1,1"):], counts
+
+
+def test_an_autoscaling_update_through_serve_deploy_keeps_the_replicas_and_idle_scales_to_one(cluster):
+    """An operator shortens ``downscale_delay_s`` in the deployed YAML (as in KubeRay's serveConfigV2) and
+    runs ``serve deploy`` again: a lightweight update (Serve reconfigures, restarts nothing); with no load
+    the KV policy then asks for ``min_replicas`` and Serve stops one replica; the registry drops it."""
+    c = cluster
+    before = Counter(complete(c.http).headers["x-vtoken-replica"] for _ in range(16))
+    assert len(before) == 2, before  # the two replicas the node-kill test left running
+    doc = yaml.safe_load(c.config.read_text())
+    doc["applications"][0]["deployments"][0]["autoscaling_config"]["downscale_delay_s"] = 5.0
+    shorter = Path(c.state.state_dir) / "serve-short-downscale.yaml"
+    shorter.write_text(yaml.safe_dump(doc, sort_keys=False))
+    started = time.monotonic()
+    run("deploy", str(shorter), "--state", c.state.state_dir, "--timeout", "120")
+    wait_for(lambda: serve_replicas(c) == {"RUNNING": 1}, "Serve to stop the idle second replica", 120, 1.0,
+             diagnose=lambda: diagnosis(c))
+    down_s = time.monotonic() - started
+    after = Counter(complete(c.http).headers["x-vtoken-replica"] for _ in range(8))
+    assert len(after) == 1 and set(after) <= set(before), (before, after)  # kept, not restarted
+    left = wait_for(lambda: len(g := json.loads(c.sd_file.read_text())) == 1 and g, "the registry to drop "
+                    "the stopped replica", 30, 1.0)
+    print(f"\n[multinode] downscale_delay_s 3600 -> 5 by serve deploy: 2 -> 1 replica {down_s:.0f} s after "
+          f"the deploy; the registry lists {len(left)} endpoint")
 
 
 def compress(values: list[int]) -> str:

@@ -1,7 +1,7 @@
 """KV-aware router ranking and the autoscaling policy's decisions, on synthetic stats and contexts.
 
 Unit tests of the pure decision functions; the behaviour with real engines is in test_serve_e2e.py and
-test_serve_autoscale.py.
+test_serve_multinode.py.
 """
 
 from __future__ import annotations
