@@ -153,10 +153,10 @@ class StepTimeModel:
         if line is None:
             return None
         a, b, proportional = line
-        limit_s = self.cfg.tpot_s * self.cfg.headroom
+        max_n, limit_s = max(1, int(max_n)), self.cfg.tpot_s * self.cfg.headroom
         cap = cap_for(a + self.overhead, b, limit_s, max_n)
         if proportional and self._wy / self._w + self.overhead <= limit_s:  # the probe (module docstring)
-            cap = max(cap, min(max(1, int(max_n)), math.floor(self._wn / self._w + 1e-9) + 1))
+            cap = max(cap, min(max_n, math.floor(self._wn / self._w + 1e-9) + 1))
         trusted = cap_for(2 * (a + self.overhead), 2 * b, limit_s, max_n)  # where the fit ×2 still meets it
         return min(cap, max(trusted, self.largest_batch + 1))  # slow start (module docstring)
 
