@@ -17,7 +17,13 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from vtoken.bench.serve_bench import CHAT_RANGE_RATIO, ServeBenchSetup, client_command, variant_config
-from vtoken.bench.serve_results import ReplicaMetrics, max_rate_meeting, rate_at_target, run_summary
+from vtoken.bench.serve_results import (
+    ReplicaMetrics,
+    max_rate_meeting,
+    rate_at_target,
+    run_summary,
+    sweep_done,
+)
 
 VTOKEN = [sys.executable, "-m", "vtoken.cli"]
 
@@ -94,6 +100,14 @@ def test_interpolated_rate_crosses_the_target_between_the_last_pass_and_the_firs
     assert rate_at_target([{"rate": 1, "slo_attainment": 0.9}, {"rate": 2, "slo_attainment": 0.0}]) == 1
 
 
+def test_a_sweep_stops_only_after_the_stated_misses_in_a_row():
+    runs = [{"rate": r, "slo_attainment": a} for r, a in ((1, 1.0), (2, 0.5), (3, 0.95), (4, 0.8))]
+    assert not sweep_done(runs[:2], 2) and not sweep_done(runs[:3], 2)  # a pass in between resets the count
+    assert not sweep_done(runs, 2) and sweep_done(runs, 1) and sweep_done(runs[:2], 1)
+    assert sweep_done([*runs, {"rate": 5, "slo_attainment": 0.89}], 2)
+    assert not sweep_done([{"rate": 1, "slo_attainment": 0.0}] * 3, 0)  # 0: every rate runs
+
+
 def test_replica_metrics_read_the_peak_batch_and_the_prefix_cache_growth():
     scrapes = iter([(1, 100, 400), (4, 160, 500), (2, 356, 700)])
     last = (2, 356, 700)
@@ -137,6 +151,7 @@ def test_replica_metrics_read_the_peak_batch_and_the_prefix_cache_growth():
     (["--pool-blocks", "4"], "kv_cache_blocks"),
     (["--set", "engine.nope=1"], "engine.nope"),
     (["--admission", "maybe"], "--admission"),
+    (["--stop-after-misses", "-1"], "--stop-after-misses"),
 ])
 def test_bad_input_exits_2_naming_the_value_before_any_server_starts(args, named):
     out = subprocess.run([*VTOKEN, "bench", "serve", "--model", "tiny-llama", *args], capture_output=True,

@@ -372,6 +372,8 @@ def serve_cmd(
     tpot_ms: float = typer.Option(300, "--tpot-ms", help="TPOT SLO (ms), the same for every mode"),
     seed: int = typer.Option(0),
     admission: str = typer.Option("off", help="SLO-aware admission per variant: off | on | off,on (an A/B)"),
+    stop_after_misses: int = typer.Option(0, "--stop-after-misses", help="stop a variant's sweep once this "
+                                          "many rates in a row missed 90 % attainment (0: run every rate)"),
     sets: list[str] = typer.Option([], "--set", help="serve config key=value for every server (repeatable)"),
     as_json: bool = typer.Option(False, "--json", help="print the JSON only (progress otherwise on stderr)"),
     log: str = typer.Option(None, help="the servers' output goes here (default: discarded)"),
@@ -391,6 +393,7 @@ def serve_cmd(
         (dataset not in DATASETS, f"--dataset {dataset!r}: valid are {', '.join(DATASETS)}"),
         (min(num_prompts, input_len, output_len) < 1, "--num-prompts, --input-len, --output-len must be ≥ 1"),
         (ttft_ms <= 0 or tpot_ms <= 0, "--ttft-ms / --tpot-ms must be > 0"),
+        (stop_after_misses < 0, f"--stop-after-misses {stop_after_misses}: 0 (every rate) or a count ≥ 1"),
     ]
     switches = {"off": False, "on": True}
     admission_list = [a.strip() for a in admission.split(",") if a.strip()]
@@ -404,7 +407,8 @@ def serve_cmd(
         policies=tuple(p.strip() for p in policies.split(",") if p.strip()), budget=budget,
         pool_blocks=pool_blocks, max_num_seqs=max_num_seqs, rates=rate_list, num_prompts=num_prompts,
         input_len=input_len, output_len=output_len, dataset=dataset, prefix_len=prefix_len, ttft_ms=ttft_ms,
-        tpot_ms=tpot_ms, seed=seed, admission=tuple(switches[a] for a in admission_list), extra=tuple(sets))
+        tpot_ms=tpot_ms, seed=seed, admission=tuple(switches[a] for a in admission_list), extra=tuple(sets),
+        stop_after_misses=stop_after_misses)
     if not setup.variants():
         refuse(f"--modes {modes!r} / --policies {policies!r}: nothing to run")
     for mode, policy, adm in setup.variants():  # every server's config is valid before the first one starts

@@ -7,7 +7,7 @@ one replica, the OpenAI routes, a fixed KV pool of ``pool_blocks``), then per re
     for variant in modes × policies × admission:   none has no policy; admission: off, on or both
         vtoken serve --mode M --policy P --set engine.kv_cache_blocks=N --set slo.admission=A …
                                                     (waits for /v1/models)
-        for rate in rates:                          ascending
+        for rate in rates:                          ascending; --stop-after-misses K: stop once K in a row missed
             vllm bench serve --request-rate rate --goodput ttft:… tpot:… --save-result
             (a thread polls the replica's /metrics: peak running batch, prefix-cache hits)
         stop the server (SIGINT to its process group, as Ctrl-C)
@@ -41,6 +41,7 @@ from vtoken.bench.serve_results import (
     max_rate_meeting,
     rate_at_target,
     run_summary,
+    sweep_done,
     variant_label,
 )
 
@@ -67,6 +68,7 @@ class ServeBenchSetup:
     tpot_ms: float = 300.0
     seed: int = 0
     admission: tuple[bool, ...] = (False,)  # SLO-aware admission per variant: off, on, or both (an A/B)
+    stop_after_misses: int = 0  # a variant's sweep stops once this many rates in a row missed (0: every rate)
     extra: tuple[str, ...] = field(default_factory=tuple)  # more ``--set key=value`` for every server
 
     def longest_request(self) -> int:
@@ -210,7 +212,8 @@ def run_variant(s: ServeBenchSetup, variant: tuple[str, str | None, bool], model
 
 def _drive(s: ServeBenchSetup, proc, url: str, metrics_port: int, model_path: str, variant: tuple, tmp: str,
            runs: list, echo, started: float) -> None:
-    """Wait for the server, then one ``vllm bench serve`` run per rate, ascending (appends to ``runs``)."""
+    """Wait for the server, then one ``vllm bench serve`` run per rate, ascending (appends to ``runs``), until
+    ``sweep_done``."""
     mode, policy, admission = variant
     label = variant_label(mode, policy, admission)
     wait_ready(url, proc, 900)
@@ -228,6 +231,9 @@ def _drive(s: ServeBenchSetup, proc, url: str, metrics_port: int, model_path: st
              f"attainment {run['slo_attainment']}, peak running {run['peak_running']}, "
              f"admission limit ≥ {run['admission_limit_min']}, prefix-cache hits {run['prefix_cache_hit_rate']}")
         runs.append(run)
+        if sweep_done(runs, s.stop_after_misses):
+            echo(f"{label}: {s.stop_after_misses} rate(s) in a row under the target, higher rates not run")
+            return
 
 
 def run_serve_bench(s: ServeBenchSetup, echo=lambda line: None, log_path: str | None = None) -> dict:

@@ -135,6 +135,15 @@ def max_rate_meeting(runs: list[dict], target: float = ATTAINMENT_TARGET) -> flo
     return best
 
 
+def sweep_done(runs: list[dict], stop_after_misses: int, target: float = ATTAINMENT_TARGET) -> bool:
+    """Whether a variant's ascending sweep may stop (pure): its last ``stop_after_misses`` runs all missed
+    ``target``. ``0`` never stops. Only the first miss enters ``max_rate_meeting`` and ``rate_at_target``, so
+    stopping after it changes neither; the rates not run are absent from the JSON (not passed, not failed)."""
+    if stop_after_misses < 1 or len(runs) < stop_after_misses:
+        return False
+    return all(r["slo_attainment"] < target for r in runs[-stop_after_misses:])
+
+
 def rate_at_target(runs: list[dict], target: float = ATTAINMENT_TARGET) -> float | None:
     """Where attainment crosses ``target`` (pure): linear between ``max_rate_meeting`` and the next rate run
     (the first that missed); ``max_rate_meeting`` itself when no higher rate missed, ``None`` when the lowest
