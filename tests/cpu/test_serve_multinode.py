@@ -111,8 +111,9 @@ def complete(http: httpx.Client, max_tokens: int = 4, prompt: str = "hello", **e
                      json={"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens, **extra})
 
 
-def nodes_answering(http: httpx.Client, tries: int = 24) -> Counter:
-    return Counter(complete(http).headers["x-vtoken-node"] for _ in range(tries))
+def nodes_answering(http: httpx.Client, tries: int = 24, header: str = "x-vtoken-node") -> Counter:
+    """Answers per node (or per replica, with ``header="x-vtoken-replica"``) over ``tries`` requests."""
+    return Counter(complete(http).headers[header] for _ in range(tries))
 
 
 def serve_replicas(c) -> dict:
@@ -290,7 +291,7 @@ def test_an_autoscaling_update_through_serve_deploy_keeps_the_replicas_and_idle_
     runs ``serve deploy`` again: a lightweight update (Serve reconfigures, restarts nothing); with no load
     the KV policy then asks for ``min_replicas`` and Serve stops one replica; the registry drops it."""
     c = cluster
-    before = Counter(complete(c.http).headers["x-vtoken-replica"] for _ in range(16))
+    before = nodes_answering(c.http, 16, "x-vtoken-replica")
     assert len(before) == 2, before  # the two replicas the node-kill test left running
     doc = yaml.safe_load(c.config.read_text())
     doc["applications"][0]["deployments"][0]["autoscaling_config"]["downscale_delay_s"] = 5.0
@@ -301,7 +302,7 @@ def test_an_autoscaling_update_through_serve_deploy_keeps_the_replicas_and_idle_
     wait_for(lambda: serve_replicas(c) == {"RUNNING": 1}, "Serve to stop the idle second replica", 120, 1.0,
              diagnose=lambda: diagnosis(c))
     down_s = time.monotonic() - started
-    after = Counter(complete(c.http).headers["x-vtoken-replica"] for _ in range(8))
+    after = nodes_answering(c.http, 8, "x-vtoken-replica")
     assert len(after) == 1 and set(after) <= set(before), (before, after)  # kept, not restarted
     left = wait_for(lambda: len(g := json.loads(c.sd_file.read_text())) == 1 and g, "the registry to drop "
                     "the stopped replica", 30, 1.0)
