@@ -97,6 +97,21 @@ def test_engine_commands_refuse_a_block_size_the_cpu_backend_cannot_run(command)
     assert "Traceback" not in run.stderr
 
 
+def test_overhead_with_an_attention_policy_pairs_naive_and_repack_and_every_variant_scores(tmp_path):
+    """``--policy scissorhands``: the hooks engine scores, naive and repack take the same decisions, and no
+    score-collection rows (they compare against the query-free policy, not run here)."""
+    run = vtoken("bench", "overhead", "--model", "tiny-llama", "--policy", "scissorhands", "--batch", "2",
+                 "--prompt-len", "64", "--gen-len", "8", "--repeats", "1", "--out", str(tmp_path / "o.json"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout)
+    assert report == json.loads((tmp_path / "o.json").read_text()) and report["policy"] == "scissorhands"
+    assert set(report["decode_step_ms"]) == {"none", "naive", "repack", "reuse+repack"}
+    assert all(ms > 0 for ms in report["decode_step_ms"].values())
+    assert all(len(runs) == 1 for runs in report["decode_step_ms_run_means"].values())
+    assert "score_collection_pct" not in report and "scores_vs_repack_ratio" not in report
+    assert report["moves_per_run"]["repack"] > 0  # budget 0.5 of 64 + 8 tokens: evictions leave holes to pack
+
+
 def test_retained_grid_prints_json_with_the_command(tmp_path):
     run = vtoken("bench", "retained", "--policies", "h2o,random", "--budgets", "0.2", "--block-sizes", "16",
                  "--prompt-len", "96", "--gen-len", "32", "--requests", "4", "--sinks", "2", "--recent", "8",

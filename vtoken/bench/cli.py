@@ -67,6 +67,8 @@ def overhead_cmd(
                                            help="also measure repack+scores@N: only N attention layers score "
                                                 "(repeatable; repack+scores is the default score_layers, "
                                                 "repack+scores@all every layer, both always run)"),
+    policy: str = typer.Option("random", help="the evicting variants' policy; an attention policy makes every "
+                                              "variant score (naive and repack paired, no score-collection rows)"),
 ) -> None:
     """Decode-step overhead in vLLM: repack vs naive vs none (no memory pressure), score collection on/off."""
     from vtoken.bench.overhead import overhead
@@ -75,13 +77,17 @@ def overhead_cmd(
     from vtoken.vllm import engine_kwargs
 
     try:
-        engine_kwargs(VTokenConfig(policy="random", budget=budget, mode="repack", block_size=block_size))
+        cfg = VTokenConfig(policy=policy, budget=budget, mode="repack", block_size=block_size)
+        engine_kwargs(cfg)
         for n in score_layers or ():
             VTokenConfig(score_layers=n)
     except (ConfigError, ValueError) as err:
         refuse(err)
+    if score_layers and cfg.policy_class.needs_attention():
+        refuse(f"--score-layers with --policy {policy!r}: score collection is measured with a query-free policy "
+               f"(with {policy!r} every variant scores)")
     overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats, out, tensor_parallel_size,
-             tuple(score_layers or ()))
+             tuple(score_layers or ()), policy)
 
 
 @bench_app.command("capacity")
