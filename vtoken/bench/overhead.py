@@ -94,7 +94,7 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
     from rich.progress import Progress
 
     from vtoken.models.default import resolve_model
-    from vtoken.policies import REGISTRY
+    from vtoken.policies import get_policy_class
 
     path = str(resolve_model(model))
     rng = np.random.default_rng(0)
@@ -105,7 +105,7 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
     max_model_len = prompt_len + gen_len + 8
     # (engine label, engine mode, scores, [(variant, request mode, score_layers)]) — one engine per label
     default = DEFAULT_SCORE_LAYERS
-    attention = REGISTRY.get(policy).needs_attention()  # every evicting variant scores: no scores engine
+    attention = get_policy_class(policy).needs_attention()  # every evicting variant scores: no scores engine
     plan = [("none", "none", "never", [("none", None, default)]),
             ("hooks", "repack", "always" if attention else "never",
              [(m, m, default) for m in ("naive", "repack", "reuse+repack")])]
