@@ -150,7 +150,11 @@ PREFIX_CACHE_QUERIES = Metric("vllm:prefix_cache_queries", COUNTER,
 PREFIX_CACHE_HITS = Metric("vllm:prefix_cache_hits", COUNTER,
                            "Prefix cache hits, in terms of number of cached tokens.", "tokens",
                            ("model_name", "engine"))
-VLLM_METRICS = (NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS)
+NUM_PREEMPTIONS = Metric("vllm:num_preemptions", COUNTER,
+                          "Cumulative number of preemption from the engine.", "requests",
+                          ("model_name", "engine"))
+VLLM_METRICS = (NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS,
+                NUM_PREEMPTIONS)
 
 ALL_METRICS = VTOKEN_METRICS + VLLM_METRICS
 

@@ -108,7 +108,7 @@ def test_a_sweep_stops_only_after_the_stated_misses_in_a_row():
     assert not sweep_done([{"rate": 1, "slo_attainment": 0.0}] * 3, 0)  # 0: every rate runs
 
 
-def test_replica_metrics_read_the_peak_batch_and_the_prefix_cache_growth():
+def test_replica_metrics_read_the_peak_batch_the_prefix_cache_growth_and_the_preemptions():
     scrapes = iter([(1, 100, 400), (4, 160, 500), (2, 356, 700)])
     last = (2, 356, 700)
 
@@ -119,7 +119,9 @@ def test_replica_metrics_read_the_peak_batch_and_the_prefix_cache_growth():
                     f"{running}\nvllm:num_requests_waiting 7\n"
                     f'vtoken:admission_limit{{mode="repack"}} {9 - running}\n'
                     f'vllm:prefix_cache_hits_total{{engine="0"}} {hits}\n'
-                    f'vllm:prefix_cache_queries_total{{engine="0"}} {queries}\n').encode()
+                    f'vllm:prefix_cache_queries_total{{engine="0"}} {queries}\n'
+                    f'vllm:num_preemptions_total{{engine="0"}} {3 + hits // 100}\n'  # 4, 4, 6
+                    f'vllm:num_preemptions_created{{engine="0"}} 1.7e9\n').encode()
             self.send_response(200)
             self.end_headers()
             self.wfile.write(body)
@@ -137,10 +139,13 @@ def test_replica_metrics_read_the_peak_batch_and_the_prefix_cache_growth():
     assert seen.peak == 4  # the largest running value, never the waiting gauge's 7
     assert seen.limit_low == 5  # the lowest admission limit (9 - 4)
     assert (seen.prefix_hits, seen.prefix_queries) == (256, 300)  # growth since the first scrape
+    assert seen.preemptions == 2  # the counter's growth (4 → 6), not its value, nor its _created sample
     result = {"duration": 1.0, "completed": 1, "request_goodput": 1.0}
     counters = (seen.prefix_hits, seen.prefix_queries)
-    run = run_summary(result, ServeBenchSetup(num_prompts=1), 1.0, seen.peak, counters, seen.limit_low)
+    run = run_summary(result, ServeBenchSetup(num_prompts=1), 1.0, seen.peak, counters, seen.limit_low,
+                      seen.preemptions)
     assert run["prefix_cache_hit_rate"] == round(256 / 300, 4) and run["admission_limit_min"] == 5
+    assert run["preemptions"] == 2
 
 
 @pytest.mark.parametrize(("args", "named"), [
@@ -179,6 +184,7 @@ def test_command_serves_one_mode_through_vllm_bench_serve_and_reports_json(tmp_p
     for run in variant["runs"]:
         assert run["completed"] == 6 and run["failed"] == 0 and run["slo_attainment"] == 1.0, run
         assert run["ttft_p50_ms"] > 0 and run["tpot_p50_ms"] > 0  # at rate 2 a poll may see none running
+        assert isinstance(run["preemptions"], int) and run["preemptions"] >= 0  # vLLM's counter was scraped
     # 6 requests at once (rate 1000) overlap: the replica ran more than one at a time
     assert variant["runs"][1]["peak_running"] >= 2 and variant["max_rate_at_target"] == 1000.0
     assert variant["rate_at_target_interpolated"] == 1000.0  # nothing missed: the highest rate run

@@ -9,11 +9,12 @@ one replica, the OpenAI routes, a fixed KV pool of ``pool_blocks``), then per re
                                                     (waits for /v1/models)
         for rate in rates:                          ascending; --stop-after-misses K: stop once K in a row missed
             vllm bench serve --request-rate rate --goodput ttft:… tpot:… --save-result
-            (a thread polls the replica's /metrics: peak running batch, prefix-cache hits)
+            (a thread polls the replica's /metrics: peak running batch, prefix-cache hits, preemptions)
         stop the server (SIGINT to its process group, as Ctrl-C)
 
 Per run: request rate achieved, goodput, **SLO attainment** (requests meeting both SLOs / requests sent),
-TTFT and TPOT p50/p99, peak running batch, the lowest SLO-admission limit, prefix-cache hit rate (tokens).
+TTFT and TPOT p50/p99, peak running batch, the lowest SLO-admission limit, prefix-cache hit rate (tokens),
+preemptions (requests vLLM preempted for KV blocks: recomputed later).
 Per variant: the **maximum rate with ≥ 90 % attainment** among the rates run (a lower bound: the next rate
 failed or was not run) and where attainment crosses 90 % between the rates run (linear). The
 SLOs are arguments, the same for every variant. Side effects: starts and stops servers (ports from
@@ -226,10 +227,11 @@ def _drive(s: ServeBenchSetup, proc, url: str, metrics_port: int, model_path: st
         if out.returncode != 0:
             raise RuntimeError(f"vllm bench serve failed ({label}, rate {rate}):\n{out.stderr[-2000:]}")
         run = run_summary(json.loads(Path(tmp, name).read_text()), s, rate, seen.peak,
-                          (seen.prefix_hits, seen.prefix_queries), seen.limit_low)
+                          (seen.prefix_hits, seen.prefix_queries), seen.limit_low, seen.preemptions)
         echo(f"{label}: rate {rate} → {run['request_throughput']} req/s, goodput {run['goodput_req_s']}, "
              f"attainment {run['slo_attainment']}, peak running {run['peak_running']}, "
-             f"admission limit ≥ {run['admission_limit_min']}, prefix-cache hits {run['prefix_cache_hit_rate']}")
+             f"admission limit ≥ {run['admission_limit_min']}, prefix-cache hits {run['prefix_cache_hit_rate']}, "
+             f"preemptions {run['preemptions']}")
         runs.append(run)
         if sweep_done(runs, s.stop_after_misses):
             echo(f"{label}: {s.stop_after_misses} rate(s) in a row under the target, higher rates not run")

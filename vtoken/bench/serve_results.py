@@ -1,7 +1,7 @@
 """``vtoken bench serve``'s numbers: what one run measured and what a variant's runs add up to.
 
-``ReplicaMetrics`` polls the replica's ``/metrics`` during a run (peak running batch, prefix-cache growth, the
-lowest SLO-admission limit); ``run_summary`` reads vLLM's saved result; ``max_rate_meeting`` and
+``ReplicaMetrics`` polls the replica's ``/metrics`` during a run (peak running batch, prefix-cache growth,
+preemptions, the lowest SLO-admission limit); ``run_summary`` reads vLLM's saved result; ``max_rate_meeting`` and
 ``rate_at_target`` are the SLA-constrained throughput of a variant's runs. All pure but ``ReplicaMetrics``
 (a polling thread, HTTP GETs).
 """
@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from vtoken.metric_names import ADMISSION_LIMIT, NUM_REQUESTS_RUNNING, PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
+from vtoken.metric_names import (
+    ADMISSION_LIMIT,
+    NUM_PREEMPTIONS,
+    NUM_REQUESTS_RUNNING,
+    PREFIX_CACHE_HITS,
+    PREFIX_CACHE_QUERIES,
+)
 
 if TYPE_CHECKING:
     from vtoken.bench.serve_bench import ServeBenchSetup
@@ -32,8 +38,9 @@ def variant_label(mode: str, policy: str | None, admission: bool | None = False)
 class ReplicaMetrics:
     """Polls a replica's ``/metrics`` every ``period`` s in a thread (context manager; side effect: HTTP
     GETs): ``peak`` is the largest ``vllm:num_requests_running`` seen; ``prefix_hits`` / ``prefix_queries``
-    are the prefix-cache counters' growth (tokens) between the first and the last poll; ``limit_low`` is
-    the lowest ``vtoken:admission_limit`` seen (``None``: SLO-aware admission off)."""
+    are the prefix-cache counters' growth (tokens) between the first and the last poll, ``preemptions``
+    ``vllm:num_preemptions``' (requests vLLM preempted for KV blocks); ``limit_low`` is the lowest
+    ``vtoken:admission_limit`` seen (``None``: SLO-aware admission off)."""
 
     def __init__(self, url: str, period: float = 0.5) -> None:
         self.url, self.period, self.peak = url, period, 0
@@ -56,7 +63,7 @@ class ReplicaMetrics:
         limit = self.sample(text, ADMISSION_LIMIT.name)
         if limit is not None:
             self.limit_low = int(limit) if self.limit_low is None else min(self.limit_low, int(limit))
-        for metric in (PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES):
+        for metric in (PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, NUM_PREEMPTIONS):
             value = self.sample(text, metric.total)
             if value is not None:
                 self._first.setdefault(metric.name, value)
@@ -72,6 +79,11 @@ class ReplicaMetrics:
     @property
     def prefix_queries(self) -> float:
         return self.growth(PREFIX_CACHE_QUERIES)
+
+    @property
+    def preemptions(self) -> int | None:
+        """``None`` when no scrape carried the counter."""
+        return int(self.growth(NUM_PREEMPTIONS)) if NUM_PREEMPTIONS.name in self._last else None
 
     def _scrape(self, http: httpx.Client) -> None:
         try:
@@ -99,9 +111,10 @@ class ReplicaMetrics:
 
 
 def run_summary(result: dict, s: ServeBenchSetup, rate: float, peak: int, prefix: tuple[float, float] = (0, 0),
-                limit_low: int | None = None) -> dict:
+                limit_low: int | None = None, preemptions: int | None = None) -> dict:
     """One run's numbers from vLLM's saved result (pure). Attainment counts failed requests as misses.
-    ``limit_low``: the lowest running-batch limit SLO-aware admission set during the run (``None``: off)."""
+    ``limit_low``: the lowest running-batch limit SLO-aware admission set during the run (``None``: off);
+    ``preemptions``: requests vLLM preempted for KV blocks during the run (``None``: not measured)."""
     duration = float(result.get("duration") or 0.0)
     goodput = float(result.get("request_goodput") or 0.0)
     met, completed = round(goodput * duration), int(result.get("completed", 0))
@@ -112,7 +125,7 @@ def run_summary(result: dict, s: ServeBenchSetup, rate: float, peak: int, prefix
         "goodput_req_s": round(goodput, 4), "slo_attainment": round(met / s.num_prompts, 4),
         "output_tok_s": round(float(result.get("output_throughput", 0)), 2),
         **{f"{m}_{q}_ms": _ms(result, m, q) for m in ("ttft", "tpot") for q in ("p50", "p99")},
-        "peak_running": peak, "admission_limit_min": limit_low,
+        "peak_running": peak, "admission_limit_min": limit_low, "preemptions": preemptions,
         "prefix_cache_hit_rate": round(prefix[0] / prefix[1], 4) if prefix[1] else None,  # tokens hit / asked
         "errors": sorted({str(e)[:300] for e in result.get("errors") or () if e})[:3],  # why requests failed
     }
