@@ -50,7 +50,7 @@ def app_config(metrics_port: int) -> ServeAppConfig:
     return ServeAppConfig.model_validate({
         "model": "tiny-llama",
         "vtoken": {"mode": "repack", "policy": "h2o", "budget": 0.5, "sinks": 4, "recent": 16},
-        "engine": {"kv_cache_blocks": 48, "max_model_len": 1400, "max_num_seqs": 8},
+        "engine": {"kv_cache_blocks": 48, "max_model_len": 1504, "max_num_seqs": 8},  # (48 - 1) · 32
         "limits": {"max_tokens": 1000, "max_prompt_chars": 8000},
         "deployment": {"max_replicas_per_node": 1, "health_check_period_s": 2.0},
         "autoscaling": {"enabled": True, "min_replicas": 1, "max_replicas": 2, "upscale_kv_utilization": 0.3,
@@ -174,14 +174,19 @@ def test_kv_autoscaling_adds_a_replica_on_another_node_and_both_answer_through_o
 
 def test_router_ranks_replicas_across_nodes_by_free_kv(cluster):
     """One long generation on each node (queues equal, 1 and 1), one of them with a long prompt: short
-    requests go to the node with more free KV — Serve's power of two would split them."""
+    requests go to the node with more free KV — Serve's power of two would split them. The long prompt
+    (784 tokens: ≈390 held at budget 0.5) puts the gap more than ``tie_tokens`` above one queued request's
+    charge (``tokens_per_queued_request`` 256), so one short request still counted as queued cannot flip
+    the ranking; with 672 (≈340 held, 80 above the charge) 15/20 went to the free node once on a slow host.
+    Both generate 700 tokens (784 + 700 ≤ max_model_len): with 500, only 6 short requests were answered
+    before one of them ended."""
     c = cluster
     holders: dict[str, str] = {}
     started = {k: threading.Event() for k in ("big", "small")}
     done = threading.Event()  # set when either long generation ends: from then on queues differ
 
     def generate(key: str, prompt: str) -> None:
-        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 900, "ignore_eos": True,
+        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 700, "ignore_eos": True,
                 "stream": True}
         with c.http.stream("POST", "/v1/completions", json=body, timeout=600) as r:
             holders[key] = r.headers["x-vtoken-node"]
@@ -190,7 +195,7 @@ def test_router_ranks_replicas_across_nodes_by_free_kv(cluster):
                 pass
         done.set()
 
-    threads = [threading.Thread(target=generate, args=("big", PROMPT * 24), daemon=True)]
+    threads = [threading.Thread(target=generate, args=("big", PROMPT * 28), daemon=True)]
     threads[0].start()
     assert started["big"].wait(120)
     time.sleep(2.0)  # four stats polls: the router sees the big request's blocks
