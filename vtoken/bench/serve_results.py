@@ -1,8 +1,8 @@
 """``vtoken bench serve``'s numbers: what one run measured and what a variant's runs add up to.
 
 ``ReplicaMetrics`` polls the replica's ``/metrics`` during a run (peak running batch, prefix-cache growth,
-preemptions, the lowest SLO-admission limit); ``run_summary`` reads vLLM's saved result; ``max_rate_meeting`` and
-``rate_at_target`` are the SLA-constrained throughput of a variant's runs. All pure but ``ReplicaMetrics``
+preemptions, the lowest SLO-admission limit); ``run_summary`` reads vLLM's saved result;
+``max_rate_meeting`` and ``rate_at_target`` are the SLA-constrained throughput of a variant's runs. All pure but ``ReplicaMetrics``
 (a polling thread, HTTP GETs).
 """
 
