@@ -230,8 +230,8 @@ def _drive(s: ServeBenchSetup, proc, url: str, metrics_port: int, model_path: st
                           (seen.prefix_hits, seen.prefix_queries), seen.limit_low, seen.preemptions)
         echo(f"{label}: rate {rate} → {run['request_throughput']} req/s, goodput {run['goodput_req_s']}, "
              f"attainment {run['slo_attainment']}, peak running {run['peak_running']}, "
-             f"admission limit ≥ {run['admission_limit_min']}, prefix-cache hits {run['prefix_cache_hit_rate']}, "
-             f"preemptions {run['preemptions']}")
+             f"admission limit ≥ {run['admission_limit_min']}, "
+             f"prefix-cache hits {run['prefix_cache_hit_rate']}, preemptions {run['preemptions']}")
         runs.append(run)
         if sweep_done(runs, s.stop_after_misses):
             echo(f"{label}: {s.stop_after_misses} rate(s) in a row under the target, higher rates not run")

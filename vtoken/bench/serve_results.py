@@ -2,8 +2,8 @@
 
 ``ReplicaMetrics`` polls the replica's ``/metrics`` during a run (peak running batch, prefix-cache growth,
 preemptions, the lowest SLO-admission limit); ``run_summary`` reads vLLM's saved result;
-``max_rate_meeting`` and ``rate_at_target`` are the SLA-constrained throughput of a variant's runs. All pure but ``ReplicaMetrics``
-(a polling thread, HTTP GETs).
+``max_rate_meeting`` and ``rate_at_target`` are the SLA-constrained throughput of a variant's runs. All
+pure but ``ReplicaMetrics`` (a polling thread, HTTP GETs).
 """
 
 from __future__ import annotations
@@ -110,8 +110,9 @@ class ReplicaMetrics:
         self._http.close()
 
 
-def run_summary(result: dict, s: ServeBenchSetup, rate: float, peak: int, prefix: tuple[float, float] = (0, 0),
-                limit_low: int | None = None, preemptions: int | None = None) -> dict:
+def run_summary(result: dict, s: ServeBenchSetup, rate: float, peak: int,
+                prefix: tuple[float, float] = (0, 0), limit_low: int | None = None,
+                preemptions: int | None = None) -> dict:
     """One run's numbers from vLLM's saved result (pure). Attainment counts failed requests as misses.
     ``limit_low``: the lowest running-batch limit SLO-aware admission set during the run (``None``: off);
     ``preemptions``: requests vLLM preempted for KV blocks during the run (``None``: not measured)."""
