@@ -38,8 +38,8 @@ def variant_label(mode: str, policy: str | None, admission: bool | None = False)
 class ReplicaMetrics:
     """Polls a replica's ``/metrics`` every ``period`` s in a thread (context manager; side effect: HTTP
     GETs): ``peak`` is the largest ``vllm:num_requests_running`` seen; ``prefix_hits`` / ``prefix_queries``
-    are the prefix-cache counters' growth (tokens) between the first and the last poll, ``preemptions``
-    ``vllm:num_preemptions``' (requests vLLM preempted for KV blocks); ``limit_low`` is the lowest
+    are the prefix-cache counters' growth (tokens) between the first and the last poll, ``preemptions`` is
+    ``vllm:num_preemptions``' growth (requests vLLM preempted for KV blocks); ``limit_low`` is the lowest
     ``vtoken:admission_limit`` seen (``None``: SLO-aware admission off)."""
 
     def __init__(self, url: str, period: float = 0.5) -> None:
