@@ -67,8 +67,11 @@ def overhead_cmd(
                                            help="also measure repack+scores@N: only N attention layers score "
                                                 "(repeatable; repack+scores is the default score_layers, "
                                                 "repack+scores@all every layer, both always run)"),
-    policy: str = typer.Option("random", help="the evicting variants' policy; an attention policy makes every "
-                                              "variant score (naive and repack paired, no score-collection rows)"),
+    policy: list[str] = typer.Option(None, "--policy",
+                                     help="the evicting variants' policy (default random); an attention policy "
+                                          "makes every variant score (naive and repack paired, no "
+                                          "score-collection rows); repeatable with attention policies: each "
+                                          "runs every evicting variant in the same run"),
 ) -> None:
     """Decode-step overhead in vLLM: repack vs naive vs none (no memory pressure), score collection on/off."""
     from vtoken.bench.overhead import overhead
@@ -76,18 +79,22 @@ def overhead_cmd(
     from vtoken.errors import ConfigError
     from vtoken.vllm import engine_kwargs
 
+    policies = tuple(dict.fromkeys(policy or ["random"]))
     try:
-        cfg = VTokenConfig(policy=policy, budget=budget, mode="repack", block_size=block_size)
-        engine_kwargs(cfg)
+        cfgs = [VTokenConfig(policy=p, budget=budget, mode="repack", block_size=block_size) for p in policies]
+        engine_kwargs(cfgs[0])
         for n in score_layers or ():
             VTokenConfig(score_layers=n)
     except (ConfigError, ValueError) as err:
         refuse(err)
-    if score_layers and cfg.policy_class.needs_attention():
-        refuse(f"--score-layers with --policy {policy!r}: score collection is measured with a query-free policy "
-               f"(with {policy!r} every variant scores)")
+    if score_layers and cfgs[0].policy_class.needs_attention():
+        refuse(f"--score-layers with --policy {policies[0]!r}: score collection is measured with a query-free "
+               f"policy (with {policies[0]!r} every variant scores)")
+    if len(policies) > 1 and (plain := [c.policy for c in cfgs if not c.policy_class.needs_attention()]):
+        refuse(f"--policy {plain[0]!r} with other policies: several policies are compared only among attention "
+               f"policies (run a query-free policy on its own)")
     overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats, out, tensor_parallel_size,
-             tuple(score_layers or ()), policy)
+             tuple(score_layers or ()), policies)
 
 
 @bench_app.command("capacity")

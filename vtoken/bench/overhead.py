@@ -16,7 +16,10 @@ With ``--policy P`` for an attention policy (H2O, Scissorhands, TOVA, …) the h
 ``scores=always`` and every evicting variant collects scores (the default ``score_layers``): ``naive`` and
 ``repack`` take the same, paired decisions, so their difference is repacking's cost under that policy's
 victim pattern; the ``scores`` engine is not built (its variants measure score collection against the
-query-free policy) and the report has no score-collection fields.
+query-free policy) and the report has no score-collection fields. ``--policy`` repeated (attention
+policies only) runs every evicting variant once per policy on the same hooks engine, interleaved with the
+others run by run, so the policies' steps are compared in one run: variants are named ``mode/policy``
+(``repack/h2o``), the report has ``policies`` instead of ``policy`` and ``repack_vs_naive_pct`` per policy.
 
 A decode step is an ``LLMEngine.step()`` in which every request of the batch is past its prompt; its wall
 time includes the scheduler hook (policy, plan, block frees), the worker hook (moves, seq_len / slot
@@ -89,8 +92,9 @@ def _decode_steps(llm, prompts: list[list[int]], gen_len: int, mode: str | None,
 
 def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_len: int, budget: float,
                  repeats: int, tensor_parallel_size: int = 1, score_layers: tuple[int, ...] = (),
-                 policy: str = "random") -> dict:
-    """Measure every variant; returns the JSON-able report (see the module docstring)."""
+                 policies: tuple[str, ...] = ("random",)) -> dict:
+    """Measure every variant; returns the JSON-able report (see the module docstring). Several ``policies``
+    must all be attention policies (``ValueError`` otherwise: the caller refuses them first)."""
     from rich.progress import Progress
 
     from vtoken.models.default import resolve_model
@@ -103,18 +107,25 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
     vocab = AutoConfig.from_pretrained(path).vocab_size
     prompts = [rng.integers(10, min(vocab, 30000), prompt_len).tolist() for _ in range(batch)]
     max_model_len = prompt_len + gen_len + 8
-    # (engine label, engine mode, scores, [(variant, request mode, score_layers)]) — one engine per label
     default = DEFAULT_SCORE_LAYERS
+    policy = policies[0]
     attention = get_policy_class(policy).needs_attention()  # every evicting variant scores: no scores engine
-    plan = [("none", "none", "never", [("none", None, default)]),
+    if len(policies) > 1 and not all(get_policy_class(p).needs_attention() for p in policies):
+        raise ValueError(f"several policies are compared only among attention policies, got {list(policies)}")
+
+    def named(m: str, p: str) -> str:
+        return m if len(policies) == 1 else f"{m}/{p}"
+
+    # (engine label, engine mode, scores, [(variant, request mode, score_layers, policy)]) — one engine per label
+    plan = [("none", "none", "never", [("none", None, default, policy)]),
             ("hooks", "repack", "always" if attention else "never",
-             [(m, m, default) for m in ("naive", "repack", "reuse+repack")])]
+             [(named(m, p), m, default, p) for p in policies for m in ("naive", "repack", "reuse+repack")])]
     if not attention:
         plan.append(("scores", "repack", "always",
-                     [("repack+scores", "repack", default), ("repack+scores@all", "repack", None),
-                      *((f"repack+scores@{n}", "repack", n) for n in score_layers if n != default)]))
+                     [("repack+scores", "repack", default, policy), ("repack+scores@all", "repack", None, policy),
+                      *((f"repack+scores@{n}", "repack", n, policy) for n in score_layers if n != default)]))
     runs = [(label, *run) for label, _, _, label_runs in plan for run in label_runs]
-    variants = tuple(name for _, name, _, _ in runs)
+    variants = tuple(name for _, name, _, _, _ in runs)
     per_run: dict[str, list[float]] = {v: [] for v in variants}
     steps: dict[str, list[float]] = {v: [] for v in variants}
     moves: dict[str, int] = {}
@@ -127,13 +138,13 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
             _decode_steps(llm, prompts[:2], 4, None if label == "none" else "repack", f"warm-{label}", lambda: None,
                           policy=policy)
         for r in range(repeats):  # variants interleaved, so bursts of contention hit them evenly
-            for label, name, m, layers in runs:
+            for label, name, m, layers, p in runs:
                 llm = engines[label]
                 sched = llm.llm_engine.engine_core.engine_core.scheduler
                 before = sched.vtoken_stats().counters.repack_moves if m else 0
                 progress.update(task, description=f"{name} (run {r + 1}/{repeats})")
                 t = _decode_steps(llm, prompts, gen_len, m, f"{name}-{r}", lambda: progress.advance(task),
-                                  score_layers=layers, policy=policy)
+                                  score_layers=layers, policy=p)
                 per_run[name].append(statistics.fmean(t) * 1e3)
                 steps[name].extend(x * 1e3 for x in t)
                 if m:
@@ -152,7 +163,7 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
         "batch": batch,
         "prompt_len": prompt_len,
         "gen_len": gen_len,
-        "policy": policy,
+        **({"policy": policy} if len(policies) == 1 else {"policies": list(policies)}),
         "budget": budget,
         "repeats": repeats,
         "decode_step_ms": {v: round(ms[v], 3) for v in variants},
@@ -160,8 +171,9 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
         "decode_step_ms_run_means": {v: [round(x, 3) for x in per_run[v]] for v in variants},
         "moves_per_run": moves,
         "overhead_vs_none_pct": {v: round(100 * (ms[v] / base - 1), 1) for v in variants if v != "none"},
-        "repack_vs_naive_pct": round(100 * (ms["repack"] / ms["naive"] - 1), 1),
     }
+    by_policy = {p: round(100 * (ms[named("repack", p)] / ms[named("naive", p)] - 1), 1) for p in policies}
+    report["repack_vs_naive_pct"] = by_policy[policy] if len(policies) == 1 else by_policy
     report["score_layers_default"] = default
     if attention:
         return report
@@ -184,10 +196,10 @@ def overhead(
     out: Annotated[str | None, typer.Option(help="also write the JSON here")] = None,
     tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", min=1)] = 1,
     score_layers: tuple[int, ...] = (),
-    policy: str = "random",
+    policies: tuple[str, ...] = ("random",),
 ) -> None:
     """Decode-step overhead of repack vs naive vs none (no memory pressure), and of score collection."""
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the JSON
     report = run_overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats, tensor_parallel_size,
-                          score_layers, policy)
+                          score_layers, policies)
     emit(report, out)
