@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from vtoken.core.config import DEFAULT_SCORE_LAYERS
+
 VTOKEN = str(Path(sys.executable).with_name("vtoken"))
 
 
@@ -75,7 +77,7 @@ def test_quality_command_reports_full_cache_and_points(default_model, tmp_path):
     out, png = tmp_path / "q.json", tmp_path / "q.png"
     run = subprocess.run(
         [VTOKEN, "bench", "quality", "--quick", "--policies", "h2o", "--budgets", "0.2",
-         "--granularities", "token,block", "--score-layers", "all,1", "--json", "--out", str(out),
+         "--granularities", "token,block", "--json", "--out", str(out),
          "--plot", str(png)],
         capture_output=True, text=True, timeout=900,
     )
@@ -86,8 +88,10 @@ def test_quality_command_reports_full_cache_and_points(default_model, tmp_path):
     full = report["full_cache"]
     assert full["accuracy"] >= 0.9, "the pass-key task must be solvable with the full cache"
     assert 1.0 < full["perplexity"] < 100.0
+    # the default score_layers (keys "…@1": their traces found); every layer ("all", no suffix): unit-tested
+    # in test_score_layers.py — each point is a SmolLM2 evaluation, so the command runs the two the docs show
     assert {(p["policy"], p["granularity"], p["budget"], p["score_layers"]) for p in report["points"]} == {
-        ("h2o", g, 0.2, n) for g in ("token", "block") for n in (None, 1)}  # @1: its traces found too
+        ("h2o", g, 0.2, DEFAULT_SCORE_LAYERS) for g in ("token", "block")}
     for p in report["points"]:
         assert 0.0 <= p["accuracy"] <= 1.0 and p["perplexity"] > 0
         assert p["retained_blocks_mean"] < full["retained_blocks_mean"]  # eviction really freed blocks

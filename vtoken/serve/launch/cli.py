@@ -83,9 +83,12 @@ def serve(
     if ctx.invoked_subcommand is not None:
         return
     from vtoken.errors import ConfigError
-    from vtoken.serve.launch.local import DeployFailedError, PortInUseError, run_local
+    from vtoken.serve.launch.local import DeployFailedError, PortInUseError, port_is_free, run_local
     from vtoken.serve.replica.engine import preflight, resolve_model_path
 
+    if not port_is_free(host, port):  # at once, before the preflight's vLLM imports (LocalCluster checks again)
+        typer.echo(f"vtoken serve: {PortInUseError(host, port)}", err=True)
+        raise typer.Exit(2)
     try:  # an engine configuration vToken refuses stops here, before Ray or any replica starts
         preflight(cfg, resolve_model_path(cfg.model))
     except ConfigError as exc:
