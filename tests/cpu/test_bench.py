@@ -108,6 +108,7 @@ def test_overhead_with_attention_policies_pairs_naive_and_repack_per_policy_in_o
     report = json.loads(run.stdout)
     assert report == json.loads((tmp_path / "o.json").read_text())
     assert report["policies"] == ["scissorhands", "h2o"] and "policy" not in report
+    assert report["scores"] == {"none": "never", "hooks": "auto"}  # what a served engine collects, no more
     pairs = [f"{m}/{p}" for p in ("scissorhands", "h2o") for m in ("naive", "repack", "reuse+repack")]
     assert set(report["decode_step_ms"]) == {"none", *pairs}
     assert all(ms > 0 for ms in report["decode_step_ms"].values())

@@ -13,7 +13,8 @@ nothing is ever preempted or queued):
   docs/vllm-integration.md). The cost of score collection is each over ``repack``.
 
 With ``--policy P`` for an attention policy (H2O, Scissorhands, TOVA, …) the hooks engine runs with
-``scores=always`` and every evicting variant collects scores (the default ``score_layers``): ``naive`` and
+``scores=auto``, as a served engine does, so every evicting variant collects what the policy reads and no
+more (attention with the default ``score_layers``; key norms only for a policy that reads them): ``naive`` and
 ``repack`` take the same, paired decisions, so their difference is repacking's cost under that policy's
 victim pattern; the ``scores`` engine is not built (its variants measure score collection against the
 query-free policy) and the report has no score-collection fields. ``--policy`` repeated (attention
@@ -118,7 +119,7 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
 
     # (engine label, engine mode, scores, [(variant, request mode, score_layers, policy)]) — one engine per label
     plan = [("none", "none", "never", [("none", None, default, policy)]),
-            ("hooks", "repack", "always" if attention else "never",
+            ("hooks", "repack", "auto" if attention else "never",
              [(named(m, p), m, default, p) for p in policies for m in ("naive", "repack", "reuse+repack")])]
     if not attention:
         plan.append(("scores", "repack", "always",
@@ -166,6 +167,7 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
         **({"policy": policy} if len(policies) == 1 else {"policies": list(policies)}),
         "budget": budget,
         "repeats": repeats,
+        "scores": {label: scores for label, _, scores, _ in plan},  # each engine's scores setting
         "decode_step_ms": {v: round(ms[v], 3) for v in variants},
         "decode_step_ms_p90": {v: round(float(np.percentile(steps[v], 90)), 3) for v in variants},
         "decode_step_ms_run_means": {v: [round(x, 3) for x in per_run[v]] for v in variants},
