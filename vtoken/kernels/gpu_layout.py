@@ -158,9 +158,17 @@ def read_kv(
     return vals[..., : layout.head_dim], vals[..., layout.head_dim :]
 
 
-def read_k(view: torch.Tensor, layout: PagedLayout, slots: torch.Tensor) -> torch.Tensor:
-    """K only, ``[n, H, D]`` (pure)."""
-    offs = element_offsets(layout, slots.to(view.device))[..., : layout.head_dim]
+def key_offsets(layout: PagedLayout, slots: torch.Tensor) -> torch.Tensor:
+    """``[n, H, D]`` element offsets of the K channels of the tokens at ``slots``: the same for every layer
+    view of ``layout``, so a caller reading many layers computes them once (pure)."""
+    return element_offsets(layout, slots)[..., : layout.head_dim]
+
+
+def read_k(view: torch.Tensor, layout: PagedLayout, slots: torch.Tensor,
+           offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """K only, ``[n, H, D]`` (pure). ``offsets``: ``key_offsets(layout, slots)`` on ``view``'s device when the
+    caller has them already."""
+    offs = key_offsets(layout, slots.to(view.device)) if offsets is None else offsets
     return _storage(view)[offs]
 
 

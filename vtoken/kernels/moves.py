@@ -24,22 +24,33 @@ class SlotMover(Protocol):
         """Copy token ``src[i]`` onto ``dst[i]`` in every tensor of ``kv_caches`` (mutates them)."""
 
 
+def token_index(layout: TokenLayout, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(blocks [n, 1], elements [n, 2*head_dim])``: where the tokens at ``slots`` sit in a layer viewed as
+    ``[num_blocks, num_kv_heads, region]`` (pure)."""
+    blocks = torch.div(slots, layout.block_size, rounding_mode="floor")
+    return blocks.unsqueeze(1), layout.index[slots - blocks * layout.block_size]
+
+
+def flat_offsets(layout: TokenLayout, slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``[n * num_kv_heads * 2*head_dim]`` offsets of every element of the tokens at ``slots`` in a contiguous
+    layer tensor flattened to 1-D — the same for every layer with ``num_kv_heads``, so a mover computes them
+    once per step and each layer is one 1-D gather and one 1-D scatter (pure)."""
+    blocks, elements = token_index(layout, slots)
+    heads = torch.arange(num_kv_heads, device=slots.device) * layout.region
+    return (blocks[:, :, None] * (num_kv_heads * layout.region) + heads[None, :, None]
+            + elements[:, None, :]).reshape(-1)
+
+
 def gather_tokens(kv_cache: torch.Tensor, layout: TokenLayout, slots: torch.Tensor) -> torch.Tensor:
     """All elements of the tokens at ``slots``: ``[n, 2*head_dim, num_kv_heads]`` (K channels then V)."""
-    nb, nkv = kv_cache.shape[0], kv_cache.shape[1]
-    flat = kv_cache.view(nb, nkv, layout.region)
-    blocks = torch.div(slots, layout.block_size, rounding_mode="floor")
-    offsets = slots - blocks * layout.block_size
-    return flat[blocks.unsqueeze(1), :, layout.index[offsets]]
+    blocks, elements = token_index(layout, slots)
+    return kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], layout.region)[blocks, :, elements]
 
 
 def scatter_tokens(kv_cache: torch.Tensor, layout: TokenLayout, slots: torch.Tensor, values: torch.Tensor) -> None:
     """Inverse of ``gather_tokens`` (mutates ``kv_cache``)."""
-    nb, nkv = kv_cache.shape[0], kv_cache.shape[1]
-    flat = kv_cache.view(nb, nkv, layout.region)
-    blocks = torch.div(slots, layout.block_size, rounding_mode="floor")
-    offsets = slots - blocks * layout.block_size
-    flat[blocks.unsqueeze(1), :, layout.index[offsets]] = values
+    blocks, elements = token_index(layout, slots)
+    kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], layout.region)[blocks, :, elements] = values
 
 
 def read_kv(kv_cache: torch.Tensor, layout: TokenLayout, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,10 +80,16 @@ class TorchSlotMover:
         if src.shape != dst.shape:
             raise ValueError(f"move: {src.numel()} sources but {dst.numel()} destinations")
         seen: set[int] = set()
+        where: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, kv heads) -> source/dest offsets
         for kv in kv_caches:
             if kv.data_ptr() in seen:  # layers sharing one cache tensor are moved once
                 continue
             seen.add(kv.data_ptr())
-            layout = self.layout if self.layout.index.device == kv.device else self.layout.to(kv.device)
-            s, d = src.to(kv.device), dst.to(kv.device)
-            scatter_tokens(kv, layout, d, gather_tokens(kv, layout, s))
+            key = (kv.device, kv.shape[1])
+            if key not in where:
+                layout = self.layout if self.layout.index.device == kv.device else self.layout.to(kv.device)
+                where[key] = (flat_offsets(layout, src.to(kv.device), kv.shape[1]),
+                              flat_offsets(layout, dst.to(kv.device), kv.shape[1]))
+            s, d = where[key]
+            flat = kv.view(-1)  # a layer tensor is contiguous (vLLM allocates each; a view error says otherwise)
+            flat[d] = flat[s]  # the gather copies first: exact even if a destination is another pair's source

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from vllm.v1.outputs import AsyncModelRunnerOutput
 
-from vtoken.kernels.gpu_layout import PagedLayout, read_k, unique_caches
+from vtoken.kernels.gpu_layout import PagedLayout, key_offsets, read_k, unique_caches
 from vtoken.kernels.moves import SlotMover
 from vtoken.core.config import score_layer_indices
 from vtoken.kernels.scores import LayerGroups, RequestScores, ScoreAccumulator
@@ -294,9 +294,12 @@ class VTokenRunnerMixin:
         """Σ over layers of the new keys' L2 norms (mean over kv heads), read from the cache after the
         forward wrote them: ``_vt_norm_sum`` (device tensor, reduced to host when the result is finished)."""
         caches = unique_caches(self._vt_kv_tensors)
-        total = None
+        total, offsets = None, {}  # per device: the keys' element offsets, the same for every layer
         for kv in caches:
-            keys = read_k(kv, self._vt_paged, self._vt_norm_slots.to(kv.device)).float()
+            slots = self._vt_norm_slots.to(kv.device)
+            if kv.device not in offsets:
+                offsets[kv.device] = key_offsets(self._vt_paged, slots)
+            keys = read_k(kv, self._vt_paged, slots, offsets[kv.device]).float()
             n = keys.norm(dim=-1).mean(dim=-1)
             total = n if total is None else total + n
         self._vt_norm_sum, self._vt_norm_layers = total, len(caches)
