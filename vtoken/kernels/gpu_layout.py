@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from vtoken.kernels.layout import TokenLayout
+from vtoken.kernels.moves import unique_caches
 from vtoken.kernels.scores import ScoreAccumulator
 
 # vllm/v1/kv_cache_layout.py, KVCacheLayout: physical order of the logical axes [L, B, H, N, C]
@@ -178,17 +179,6 @@ def check_view(view: torch.Tensor, layout: PagedLayout) -> None:
     if (view.dim() != 4 or tuple(view.shape[1:]) != (layout.num_kv_heads, layout.block_size, layout.width)
         or (view.stride(0), view.stride(1)) != (layout.block_stride, layout.head_stride)):
         raise ValueError(f"cache {tuple(view.shape)} strides {view.stride()} is not layout {layout.name!r}")
-
-
-def unique_caches(kv_caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The layer tensors, each once (layers sharing one cache tensor are moved once)."""
-    seen: set[int] = set()
-    out = []
-    for kv in kv_caches:
-        if kv.data_ptr() not in seen:
-            seen.add(kv.data_ptr())
-            out.append(kv)
-    return out
 
 
 class PagedTorchMover:

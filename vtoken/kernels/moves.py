@@ -47,12 +47,6 @@ def gather_tokens(kv_cache: torch.Tensor, layout: TokenLayout, slots: torch.Tens
     return kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], layout.region)[blocks, :, elements]
 
 
-def scatter_tokens(kv_cache: torch.Tensor, layout: TokenLayout, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """Inverse of ``gather_tokens`` (mutates ``kv_cache``)."""
-    blocks, elements = token_index(layout, slots)
-    kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], layout.region)[blocks, :, elements] = values
-
-
 def read_kv(kv_cache: torch.Tensor, layout: TokenLayout, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the tokens at ``slots``, each ``[n, num_kv_heads, head_dim]`` (pure)."""
     vals = gather_tokens(kv_cache, layout, slots).permute(0, 2, 1)
@@ -61,11 +55,20 @@ def read_kv(kv_cache: torch.Tensor, layout: TokenLayout, slots: torch.Tensor) ->
 
 def read_k(kv_cache: torch.Tensor, layout: TokenLayout, slots: torch.Tensor) -> torch.Tensor:
     """K only of the tokens at ``slots``: ``[n, num_kv_heads, head_dim]`` (pure; half the gather of read_kv)."""
-    nb, nkv = kv_cache.shape[0], kv_cache.shape[1]
-    flat = kv_cache.view(nb, nkv, layout.region)
-    blocks = torch.div(slots, layout.block_size, rounding_mode="floor")
-    offsets = slots - blocks * layout.block_size
-    return flat[blocks.unsqueeze(1), :, layout.index[offsets, : layout.head_dim]].permute(0, 2, 1)
+    blocks, elements = token_index(layout, slots)
+    flat = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], layout.region)
+    return flat[blocks, :, elements[:, : layout.head_dim]].permute(0, 2, 1)
+
+
+def unique_caches(kv_caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The layer tensors, each once (layers sharing one cache tensor are moved once)."""
+    seen: set[int] = set()
+    out = []
+    for kv in kv_caches:
+        if kv.data_ptr() not in seen:
+            seen.add(kv.data_ptr())
+            out.append(kv)
+    return out
 
 
 class TorchSlotMover:
@@ -79,12 +82,8 @@ class TorchSlotMover:
             return
         if src.shape != dst.shape:
             raise ValueError(f"move: {src.numel()} sources but {dst.numel()} destinations")
-        seen: set[int] = set()
         where: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, kv heads) -> source/dest offsets
-        for kv in kv_caches:
-            if kv.data_ptr() in seen:  # layers sharing one cache tensor are moved once
-                continue
-            seen.add(kv.data_ptr())
+        for kv in unique_caches(kv_caches):
             key = (kv.device, kv.shape[1])
             if key not in where:
                 layout = self.layout if self.layout.index.device == kv.device else self.layout.to(kv.device)

@@ -37,7 +37,8 @@ from collections.abc import Sequence
 import torch
 import triton.language as tl
 
-from vtoken.kernels.gpu_layout import PagedLayout, check_view, unique_caches
+from vtoken.kernels.gpu_layout import PagedLayout, check_view
+from vtoken.kernels.moves import unique_caches
 from vtoken.kernels.triton_runtime import TritonKernel, next_pow2
 
 GATHER, SCATTER, DIRECT = 0, 1, 2

@@ -43,8 +43,8 @@ import numpy as np
 import torch
 from vllm.v1.outputs import AsyncModelRunnerOutput
 
-from vtoken.kernels.gpu_layout import PagedLayout, key_offsets, read_k, unique_caches
-from vtoken.kernels.moves import SlotMover
+from vtoken.kernels.gpu_layout import PagedLayout, key_offsets, read_k
+from vtoken.kernels.moves import SlotMover, unique_caches
 from vtoken.core.config import score_layer_indices
 from vtoken.kernels.scores import LayerGroups, RequestScores, ScoreAccumulator
 from vtoken.vllm.results import DeferredResultOutput, attach_step_result
