@@ -140,11 +140,16 @@ def test_replica_metrics_read_the_peak_batch_the_prefix_cache_growth_and_the_pre
     assert seen.limit_low == 5  # the lowest admission limit (9 - 4)
     assert (seen.prefix_hits, seen.prefix_queries) == (256, 300)  # growth since the first scrape
     assert seen.preemptions == 2  # the counter's growth (4 → 6), not its value, nor its _created sample
+    # the gauges as they changed: (running, waiting, limit) 1/7/8, 4/7/5, then 2/7/7 for every later scrape
+    assert [entry[1:] for entry in seen.timeline] == [[1, 7, 8], [4, 7, 5], [2, 7, 7]], seen.timeline
+    times = [entry[0] for entry in seen.timeline]
+    assert times == sorted(times) and 0 <= times[0] < 0.6
     result = {"duration": 1.0, "completed": 1, "request_goodput": 1.0}
     counters = (seen.prefix_hits, seen.prefix_queries)
     run = run_summary(result, ServeBenchSetup(num_prompts=1), 1.0, seen.peak, counters, seen.limit_low,
-                      seen.preemptions)
+                      seen.preemptions, seen.timeline)
     assert run["prefix_cache_hit_rate"] == round(256 / 300, 4) and run["admission_limit_min"] == 5
+    assert run["timeline"] == seen.timeline
     assert run["preemptions"] == 2
 
 
@@ -185,6 +190,9 @@ def test_command_serves_one_mode_through_vllm_bench_serve_and_reports_json(tmp_p
         assert run["completed"] == 6 and run["failed"] == 0 and run["slo_attainment"] == 1.0, run
         assert run["ttft_p50_ms"] > 0 and run["tpot_p50_ms"] > 0  # at rate 2 a poll may see none running
         assert isinstance(run["preemptions"], int) and run["preemptions"] >= 0  # vLLM's counter was scraped
+        # the replica's gauges as they changed: its running batch peaked where the peak says, under the limit
+        assert max(e[1] for e in run["timeline"]) == run["peak_running"], run["timeline"]
+        assert all(e[2] >= 0 and e[3] in (None, 16) for e in run["timeline"]), run["timeline"]
     # 6 requests at once (rate 1000) overlap: the replica ran more than one at a time
     assert variant["runs"][1]["peak_running"] >= 2 and variant["max_rate_at_target"] == 1000.0
     assert variant["rate_at_target_interpolated"] == 1000.0  # nothing missed: the highest rate run

@@ -227,7 +227,8 @@ def _drive(s: ServeBenchSetup, proc, url: str, metrics_port: int, model_path: st
         if out.returncode != 0:
             raise RuntimeError(f"vllm bench serve failed ({label}, rate {rate}):\n{out.stderr[-2000:]}")
         run = run_summary(json.loads(Path(tmp, name).read_text()), s, rate, seen.peak,
-                          (seen.prefix_hits, seen.prefix_queries), seen.limit_low, seen.preemptions)
+                          (seen.prefix_hits, seen.prefix_queries), seen.limit_low, seen.preemptions,
+                          seen.timeline)
         echo(f"{label}: rate {rate} → {run['request_throughput']} req/s, goodput {run['goodput_req_s']}, "
              f"attainment {run['slo_attainment']}, peak running {run['peak_running']}, "
              f"admission limit ≥ {run['admission_limit_min']}, "

@@ -19,6 +19,7 @@ from vtoken.metric_names import (
     ADMISSION_LIMIT,
     NUM_PREEMPTIONS,
     NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING,
     PREFIX_CACHE_HITS,
     PREFIX_CACHE_QUERIES,
 )
@@ -40,11 +41,15 @@ class ReplicaMetrics:
     GETs): ``peak`` is the largest ``vllm:num_requests_running`` seen; ``prefix_hits`` / ``prefix_queries``
     are the prefix-cache counters' growth (tokens) between the first and the last poll, ``preemptions`` is
     ``vllm:num_preemptions``' growth (requests vLLM preempted for KV blocks); ``limit_low`` is the lowest
-    ``vtoken:admission_limit`` seen (``None``: SLO-aware admission off)."""
+    ``vtoken:admission_limit`` seen (``None``: SLO-aware admission off); ``timeline`` is
+    ``[seconds since start, running, waiting, admission limit]`` at each scrape whose three gauges differ from
+    the previous entry's (lossless at the poll period, compact: a steady batch is one entry)."""
 
     def __init__(self, url: str, period: float = 0.5) -> None:
         self.url, self.period, self.peak = url, period, 0
         self.limit_low: int | None = None
+        self.timeline: list[list[float | int | None]] = []
+        self._t0 = time.monotonic()
         self._first: dict[str, float] = {}
         self._last: dict[str, float] = {}
         self._stop = threading.Event()
@@ -63,6 +68,10 @@ class ReplicaMetrics:
         limit = self.sample(text, ADMISSION_LIMIT.name)
         if limit is not None:
             self.limit_low = int(limit) if self.limit_low is None else min(self.limit_low, int(limit))
+        waiting = self.sample(text, NUM_REQUESTS_WAITING.name)
+        state = [None if v is None else int(v) for v in (running, waiting, limit)]
+        if state != (self.timeline[-1][1:] if self.timeline else None):
+            self.timeline.append([round(time.monotonic() - self._t0, 1), *state])
         for metric in (PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, NUM_PREEMPTIONS):
             value = self.sample(text, metric.total)
             if value is not None:
@@ -93,6 +102,7 @@ class ReplicaMetrics:
 
     def __enter__(self) -> ReplicaMetrics:
         self._http = httpx.Client(timeout=5)
+        self._t0 = time.monotonic()
         self._scrape(self._http)  # the counters' start, before the first request
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
@@ -112,10 +122,11 @@ class ReplicaMetrics:
 
 def run_summary(result: dict, s: ServeBenchSetup, rate: float, peak: int,
                 prefix: tuple[float, float] = (0, 0), limit_low: int | None = None,
-                preemptions: int | None = None) -> dict:
+                preemptions: int | None = None, timeline: list | None = None) -> dict:
     """One run's numbers from vLLM's saved result (pure). Attainment counts failed requests as misses.
     ``limit_low``: the lowest running-batch limit SLO-aware admission set during the run (``None``: off);
-    ``preemptions``: requests vLLM preempted for KV blocks during the run (``None``: not measured)."""
+    ``preemptions``: requests vLLM preempted for KV blocks during the run (``None``: not measured);
+    ``timeline``: ``ReplicaMetrics.timeline`` (running, waiting, admission limit as they changed)."""
     duration = float(result.get("duration") or 0.0)
     goodput = float(result.get("request_goodput") or 0.0)
     met, completed = round(goodput * duration), int(result.get("completed", 0))
@@ -129,6 +140,7 @@ def run_summary(result: dict, s: ServeBenchSetup, rate: float, peak: int,
         "peak_running": peak, "admission_limit_min": limit_low, "preemptions": preemptions,
         "prefix_cache_hit_rate": round(prefix[0] / prefix[1], 4) if prefix[1] else None,  # tokens hit / asked
         "errors": sorted({str(e)[:300] for e in result.get("errors") or () if e})[:3],  # why requests failed
+        "timeline": timeline or [],
     }
 
 
