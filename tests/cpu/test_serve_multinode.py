@@ -181,6 +181,9 @@ def test_router_ranks_replicas_across_nodes_by_free_kv(cluster):
     Both generate 700 tokens (784 + 700 ≤ max_model_len): with 500, only 6 short requests were answered
     before one of them ended."""
     c = cluster
+    serving = nodes_answering(c.http, 8)
+    assert len(serving) == 2, (f"needs the two replicas the autoscaling test above adds (the module is one "
+                               f"scenario, in order); answers per node: {dict(serving)}")
     holders: dict[str, str] = {}
     started = {k: threading.Event() for k in ("big", "small")}
     done = threading.Event()  # set when either long generation ends: from then on queues differ
