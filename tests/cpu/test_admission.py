@@ -78,7 +78,7 @@ def test_a_batch_that_meets_the_target_is_probed_not_locked_in():
     single = fitted(0.150, 0.009, [1] * 20, tpot_s=0.3)
     assert single.fit() == (0.0, pytest.approx(0.159)) and single.cap(16) == 2
     assert fitted(0.150, 0.009, [1] * 20, tpot_s=0.3).cap(1) == 1  # never above the configured max
-    single.observe_overhead(0.2)  # measured 159 ms + 200 ms overhead > 270 ms: no probe
+    single.observe_overhead(0.2, 1)  # measured 159 ms + 200 ms overhead > 270 ms: no probe
     assert single.cap(16) == 1
     rng = np.random.default_rng(0)
     m, caps = StepTimeModel(AdmissionConfig(tpot_s=0.3)), []
@@ -94,20 +94,34 @@ def test_a_batch_that_meets_the_target_is_probed_not_locked_in():
     assert max(ramp) <= 14, caps[:60]  # a line through 1 and 2 alone said 16 (module docstring)
 
 
-def test_prefill_overhead_is_charged_per_step_and_lowers_the_cap():
+def test_prefill_overhead_is_charged_per_running_request_and_lowers_the_cap():
     m = fitted(0.020, 0.005, list(range(1, 17)) * 4, tpot_s=0.05)  # decode only: 20 + 5·n ≤ 45 ⇒ 5
     assert m.overhead == 0.0 and m.cap(16) == 5
-    for i in range(40):  # one step in 4 prefills, 40 ms beyond the fit: 10 ms per step on average
-        m.observe_overhead(0.040 if i % 4 == 0 else 0.0)
+    for i in range(40):  # batch 2; one step in 4 prefills, 40 ms beyond the fit: 10 ms per step, 5 per request
+        m.observe_overhead(0.040 if i % 4 == 0 else 0.0, 2)
     assert m.overhead == pytest.approx(0.010, rel=0.1)
-    assert m.cap(16) == 3  # 20 + 10 + 5·n ≤ 45 ⇒ n ≤ 3
-    assert m.predict(3) == pytest.approx(0.035)  # the decode fit itself is unchanged
+    assert m.overhead_per_request == pytest.approx(0.005, rel=0.1)
+    assert m.cap(16) == 2  # 20 + (5 + 5)·n ≤ 45 ⇒ n ≤ 2
+    assert m.predict(2) == pytest.approx(0.030)  # the decode fit itself is unchanged
     before = m.overhead
-    m.observe_overhead(float("nan"))
-    assert m.overhead == before  # ignored
-    m.observe_overhead(-1.0)  # a prefill step faster than the fit: counts as 0, not as a credit
+    m.observe_overhead(float("nan"), 2)
+    m.observe_overhead(0.5, 0)
+    assert m.overhead == before  # both ignored
+    m.observe_overhead(-1.0, 2)  # a prefill step faster than the fit: counts as 0, not as a credit
     assert 0 < m.overhead < before
 
+
+def test_a_burst_of_prefills_lowers_the_cap_to_a_batch_that_meets_the_target_not_to_one():
+    """In-process, SmolLM2 at 0.9 req/s (the fit and overhead read from the scheduler): decode 102.5 ms +
+    4.9 ms per request, and the first arrivals' prefills 160 ms per step at batches of ≈ 4. Charged per
+    step as a constant, 102.5 + 160 + 4.9 > 270 ms already at one request: the cap fell to 1 with 5 running.
+    Per running request (40 ms each), 102.5 + 44.9·n ≤ 270 ⇒ 3."""
+    m = fitted(0.1025, 0.0049, list(range(1, 9)) * 2, tpot_s=0.3)
+    for i in range(8):  # every other step prefilled, 320 ms beyond the fit, at a batch of 4
+        m.observe_overhead(0.320 if i % 2 == 0 else 0.0, 4)
+    assert m.overhead == pytest.approx(0.160, rel=0.05)
+    assert m.cap(16) == 3
+    assert cap_for(m.fit()[0] + m.overhead, m.fit()[1], 0.3 * HEADROOM, 16) == 1  # the constant charge
 
 @settings(max_examples=60, deadline=None)
 @given(a=st.floats(0.001, 0.1), b=st.floats(0.0, 0.02), t1=st.floats(0.001, 0.5), t2=st.floats(0.001, 0.5),
@@ -121,7 +135,7 @@ def test_cap_monotone_in_target_and_overhead_and_within_bounds(a, b, t1, t2, max
     caps = []
     for overhead in (less, more):
         m = fitted(a, b, ns, tpot_s=hi)
-        m.observe_overhead(overhead)
+        m.observe_overhead(overhead, 4)
         caps.append(m.cap(max_n))
     assert 1 <= caps[1] <= caps[0] <= c_hi  # more overhead never admits more
 

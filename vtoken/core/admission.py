@@ -2,15 +2,20 @@
 
 A pure model of step time against the running batch size, fitted online from measured steps::
 
-    step_s(n) ≈ a + b·n          (exponentially weighted least squares over decode steps (n, step_s))
-    overhead  ≈ mean over all steps of the time beyond that fit (a step that also prefilled: its
-                excess; a decode-only step: 0) — what other requests' prefills add to every token
-    cap       = largest n in [1, max_n] with step_s(n) + overhead ≤ headroom · tpot_s
+    step_s(n)   ≈ a + b·n        (exponentially weighted least squares over decode steps (n, step_s))
+    overhead(n) ≈ c·n            c = Σ excess / Σ batch over all steps (a step that also prefilled: its
+                                 time beyond that fit; a decode-only step: 0) — what other requests'
+                                 prefills add to every token, per running request
+    cap         = largest n in [1, max_n] with a + (b + c)·n ≤ headroom · tpot_s
 
 A running request's TPOT is the mean of the steps it is in: decode steps of its batch plus the prefill
 steps of the requests admitted while it runs. The fit alone sees only the first; the overhead term
 charges the second (measured: without it the served TPOT p50 sat at the target with the cap never
-binding).
+binding). The prefills come from the requests admitted as others finish, so at a batch of ``n`` there are
+∝ ``n`` of them per step (Little's law): the overhead grows with the batch. Charged as a constant (the mean
+per step, measured at the batch that ran), a burst of arrivals read as a cost that no batch size could
+meet, and a nearly flat decode fit then put the cap at 1 with 5–7 running (in-process, SmolLM2 at 0.9
+req/s: cap 1 between caps of 4–8 within a second; served, the limit was seen at 1 in six overload runs).
 
 The scheduler (vtoken/vllm/scheduler.py) sets vLLM's admission limit (``max_num_active_reqs``) to
 ``min(configured max, cap)`` before every step. The cap only stops *admission*: running requests are never
@@ -91,7 +96,7 @@ class StepTimeModel:
         self.cfg = cfg
         self._decay = 0.5 ** (1.0 / cfg.half_life)
         self._w = self._wn = self._wnn = self._wy = self._wny = self._wr = 0.0
-        self._ow = self._oy = 0.0  # overhead: decayed step count and decayed excess seconds
+        self._ow = self._oy = self._on = 0.0  # overhead: decayed steps, excess seconds and batch sizes
         self.samples = 0
         self.largest_batch = 0  # the largest n observed (slow start, module docstring)
 
@@ -109,18 +114,25 @@ class StepTimeModel:
         self.samples += 1
         self.largest_batch = max(self.largest_batch, n)
 
-    def observe_overhead(self, excess_s: float) -> None:
-        """Every step once: its time beyond the decode fit (0 for a decode-only step; negatives count 0;
-        a non-finite value is ignored)."""
-        if not math.isfinite(excess_s):
+    def observe_overhead(self, excess_s: float, n: int) -> None:
+        """Every step once, with the ``n ≥ 1`` requests it ran: its time beyond the decode fit (0 for a
+        decode-only step; negatives count 0; a non-finite value or ``n < 1`` is ignored)."""
+        if n < 1 or not math.isfinite(excess_s):
             return
-        self._ow = self._ow * self._decay + 1.0
-        self._oy = self._oy * self._decay + max(0.0, excess_s)
+        d = self._decay
+        self._ow = self._ow * d + 1.0
+        self._oy = self._oy * d + max(0.0, excess_s)
+        self._on = self._on * d + n
 
     @property
     def overhead(self) -> float:
-        """Mean seconds per step beyond the decode fit (0 before any step)."""
+        """Mean seconds per step beyond the decode fit, at the batches that ran (0 before any step)."""
         return self._oy / self._ow if self._ow else 0.0
+
+    @property
+    def overhead_per_request(self) -> float:
+        """``c``: seconds beyond the decode fit per step and running request (0 before any step)."""
+        return self._oy / self._on if self._on else 0.0
 
     def fit(self) -> tuple[float, float] | None:
         """``(a, b)`` in seconds, or ``None`` before ``min_samples`` steps."""
@@ -146,7 +158,7 @@ class StepTimeModel:
         return None if ab is None else ab[0] + ab[1] * n
 
     def cap(self, max_n: int) -> int | None:
-        """The largest batch size in ``[1, max_n]`` whose predicted step plus ``overhead`` meets the target,
+        """The largest batch size in ``[1, max_n]`` whose predicted step plus ``overhead(n)`` meets the target,
         or one above a proportional model's measured batch that meets it (the probe); past the largest batch
         measured, only where twice the prediction meets it, else one above (slow start). ``None``: no cap yet."""
         line = self._line()
@@ -154,10 +166,11 @@ class StepTimeModel:
             return None
         a, b, proportional = line
         max_n, limit_s = max(1, int(max_n)), self.cfg.tpot_s * self.cfg.headroom
-        cap = cap_for(a + self.overhead, b, limit_s, max_n)
+        per_request = b + self.overhead_per_request
+        cap = cap_for(a, per_request, limit_s, max_n)
         if proportional and self._wy / self._w + self.overhead <= limit_s:  # the probe (module docstring)
             cap = max(cap, min(max_n, math.floor(self._wn / self._w + 1e-9) + 1))
-        trusted = cap_for(2 * (a + self.overhead), 2 * b, limit_s, max_n)  # where the fit ×2 still meets it
+        trusted = cap_for(2 * a, 2 * per_request, limit_s, max_n)  # where the fit ×2 still meets it
         return min(cap, max(trusted, self.largest_batch + 1))  # slow start (module docstring)
 
 

@@ -58,9 +58,9 @@ class AdmissionMixin:
             model = self._vt_steptime
             if scheduler_output.total_num_scheduled_tokens == n:
                 model.observe(n, step_s)
-                model.observe_overhead(0.0)
+                model.observe_overhead(0.0, n)
             elif (predicted := model.predict(n)) is not None:
-                model.observe_overhead(step_s - predicted)
+                model.observe_overhead(step_s - predicted, n)
         self._vt_last_update = now
 
     def _vt_admit(self) -> float:
