@@ -170,6 +170,54 @@ def test_bad_input_exits_2_naming_the_value_before_any_server_starts(args, named
     assert out.stdout == ""
 
 
+STAND_IN_SERVER = """
+import os, sys, time
+open(sys.argv[1], "w").write(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+def test_sigterm_stops_the_server_it_started(tmp_path):
+    """``kill``/``timeout`` on a running benchmark: its server goes down with it. The server is a stand-in
+    (a sleeping process, never ready: the benchmark waits in ``wait_ready``); everything else is the real
+    ``run_serve_bench``. Without ``sigterm_as_interrupt`` the benchmark died and the server lived on."""
+    import os
+    import signal
+    import time
+
+    pid_file = tmp_path / "server.pid"
+    script = f"""
+import sys
+from vtoken.bench import serve_bench
+serve_bench.server_command = lambda config, port: [sys.executable, "-c", {STAND_IN_SERVER!r}, {str(pid_file)!r}]
+serve_bench.run_serve_bench(serve_bench.ServeBenchSetup(model="tiny-llama", modes=("none",)))
+"""
+    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    deadline = time.monotonic() + 120
+    while not pid_file.exists() or not pid_file.read_text():
+        assert bench.poll() is None and time.monotonic() < deadline, bench.communicate()[1][-2000:]
+        time.sleep(0.2)
+    server = int(pid_file.read_text())
+    bench.send_signal(signal.SIGTERM)
+    _, err = bench.communicate(timeout=90)
+    assert bench.returncode != 0, err[-2000:]
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    gone = time.monotonic() + 10
+    while alive(server) and time.monotonic() < gone:
+        time.sleep(0.2)
+    if alive(server):
+        os.kill(server, signal.SIGKILL)
+        pytest.fail("the benchmark exited on SIGTERM and left its server running")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_command_serves_one_mode_through_vllm_bench_serve_and_reports_json(tmp_path):

@@ -30,7 +30,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -239,15 +241,36 @@ def _drive(s: ServeBenchSetup, proc, url: str, metrics_port: int, model_path: st
             return
 
 
+@contextmanager
+def sigterm_as_interrupt():
+    """While inside (main thread only; elsewhere a no-op): SIGTERM raises ``KeyboardInterrupt``, so the
+    ``finally`` blocks run as on Ctrl-C — the server's process group is stopped, ``subprocess.run`` kills the
+    client. Without it a ``kill`` or ``timeout`` of the benchmark left its server running. Restores the
+    previous handler on exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_serve_bench(s: ServeBenchSetup, echo=lambda line: None, log_path: str | None = None) -> dict:
-    """Every variant, one after another (one server at a time on this machine); returns the report."""
+    """Every variant, one after another (one server at a time on this machine); returns the report.
+    SIGTERM stops the running server before the process exits (``sigterm_as_interrupt``)."""
     import shlex
 
     from vtoken.models.default import resolve_model
 
     model_path = str(resolve_model(s.model))
     started = time.perf_counter()
-    with open(log_path or os.devnull, "w") as log:
+    with open(log_path or os.devnull, "w") as log, sigterm_as_interrupt():
         variants = [run_variant(s, variant, model_path, log, echo) for variant in s.variants()]
     return {
         "bench": "serve",
