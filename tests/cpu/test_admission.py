@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vtoken.core.admission import HEADROOM, AdmissionConfig, StepTimeModel, cap_for
+from vtoken.core.admission import HEADROOM, AdmissionConfig, StepTimeModel, cap_for, cap_with_overhead
 from vtoken.errors import ConfigError
 
 
@@ -94,15 +94,14 @@ def test_a_batch_that_meets_the_target_is_probed_not_locked_in():
     assert max(ramp) <= 14, caps[:60]  # a line through 1 and 2 alone said 16 (module docstring)
 
 
-def test_prefill_overhead_is_charged_per_running_request_and_lowers_the_cap():
+def test_prefill_overhead_is_charged_per_step_and_lowers_the_cap():
     m = fitted(0.020, 0.005, list(range(1, 17)) * 4, tpot_s=0.05)  # decode only: 20 + 5·n ≤ 45 ⇒ 5
     assert m.overhead == 0.0 and m.cap(16) == 5
-    for i in range(40):  # batch 2; one step in 4 prefills, 40 ms beyond the fit: 10 ms per step, 5 per request
+    for i in range(40):  # batch 2; one step in 4 prefills, 40 ms beyond the fit: 10 ms per step on average
         m.observe_overhead(0.040 if i % 4 == 0 else 0.0, 2)
-    assert m.overhead == pytest.approx(0.010, rel=0.1)
-    assert m.overhead_per_request == pytest.approx(0.005, rel=0.1)
-    assert m.cap(16) == 2  # 20 + (5 + 5)·n ≤ 45 ⇒ n ≤ 2
-    assert m.predict(2) == pytest.approx(0.030)  # the decode fit itself is unchanged
+    assert m.overhead == pytest.approx(0.010, rel=0.1) and m.overhead_batch == pytest.approx(2.0)
+    assert m.cap(16) == 3  # above the measured batch as measured: 20 + 10 + 5·n ≤ 45 ⇒ n ≤ 3
+    assert m.predict(3) == pytest.approx(0.035)  # the decode fit itself is unchanged
     before = m.overhead
     m.observe_overhead(float("nan"), 2)
     m.observe_overhead(0.5, 0)
@@ -111,11 +110,38 @@ def test_prefill_overhead_is_charged_per_running_request_and_lowers_the_cap():
     assert 0 < m.overhead < before
 
 
+def test_overhead_shrinks_below_the_measured_batch_and_is_not_scaled_up_above_it():
+    limit = 0.27
+    # measured at 6 running: 100 + 5·6 + 170 = 300 ms > 270. Constant: nothing fits ⇒ 1; per request below 6
+    # (28.3 ms each): 100 + 33.3·n ≤ 270 ⇒ 5
+    assert cap_for(0.100 + 0.170, 0.005, limit, 16) == 1
+    assert cap_with_overhead(0.100, 0.005, 0.170, 6.0, limit, 16) == 5
+    # a fresh server, measured at 1.5 running: 80 + 15 + 50 = 145 ms meets it; above 1.5 as measured:
+    # 130 + 10·n ≤ 270 ⇒ 14 (slow start then raises the cap one batch at a time); scaled up it would be 4
+    assert cap_with_overhead(0.080, 0.010, 0.050, 1.5, limit, 16) == 14
+    assert cap_for(0.080, 0.010 + 0.050 / 1.5, limit, 16) == 4
+    assert cap_with_overhead(0.080, 0.010, 0.0, 1.5, limit, 16) == cap_for(0.080, 0.010, limit, 16)
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.floats(0.0, 0.2), b=st.floats(0.0, 0.05), o=st.floats(0.0, 0.3), batch=st.floats(1.0, 32.0),
+       limit=st.floats(0.01, 0.5), max_n=st.integers(1, 64))
+def test_overhead_cap_lies_between_the_constant_and_the_per_request_charge(a, b, o, batch, limit, max_n):
+    cap = cap_with_overhead(a, b, o, batch, limit, max_n)
+    assert 1 <= cap <= max_n
+    assert cap_for(a + o, b, limit, max_n) <= cap <= cap_for(a, b, limit, max_n)
+    if cap > 1:  # what it admits meets the limit
+        assert a + b * cap + o * min(1.0, cap / batch) <= limit * (1 + 1e-9)
+    if cap < max_n:  # and one more would not
+        n = cap + 1
+        assert a + b * n + o * min(1.0, n / batch) > limit * (1 - 1e-9)
+
+
 def test_a_burst_of_prefills_lowers_the_cap_to_a_batch_that_meets_the_target_not_to_one():
     """In-process, SmolLM2 at 0.9 req/s (the fit and overhead read from the scheduler): decode 102.5 ms +
     4.9 ms per request, and the first arrivals' prefills 160 ms per step at batches of ≈ 4. Charged per
     step as a constant, 102.5 + 160 + 4.9 > 270 ms already at one request: the cap fell to 1 with 5 running.
-    Per running request (40 ms each), 102.5 + 44.9·n ≤ 270 ⇒ 3."""
+    Below the batch it was measured at, per running request (40 ms each): 102.5 + 44.9·n ≤ 270 ⇒ 3."""
     m = fitted(0.1025, 0.0049, list(range(1, 9)) * 2, tpot_s=0.3)
     for i in range(8):  # every other step prefilled, 320 ms beyond the fit, at a batch of 4
         m.observe_overhead(0.320 if i % 2 == 0 else 0.0, 4)

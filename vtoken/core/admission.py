@@ -3,19 +3,22 @@
 A pure model of step time against the running batch size, fitted online from measured steps::
 
     step_s(n)   ≈ a + b·n        (exponentially weighted least squares over decode steps (n, step_s))
-    overhead(n) ≈ c·n            c = Σ excess / Σ batch over all steps (a step that also prefilled: its
-                                 time beyond that fit; a decode-only step: 0) — what other requests'
-                                 prefills add to every token, per running request
-    cap         = largest n in [1, max_n] with a + (b + c)·n ≤ headroom · tpot_s
+    O, n̄                        the mean over all steps of the time beyond that fit (a step that also
+                                 prefilled: its excess; a decode-only step: 0) and of their batch sizes
+    overhead(n) ≈ O·min(1, n/n̄)  what other requests' prefills add to every token
+    cap         = largest n in [1, max_n] with step_s(n) + overhead(n) ≤ headroom · tpot_s
 
 A running request's TPOT is the mean of the steps it is in: decode steps of its batch plus the prefill
 steps of the requests admitted while it runs. The fit alone sees only the first; the overhead term
 charges the second (measured: without it the served TPOT p50 sat at the target with the cap never
-binding). The prefills come from the requests admitted as others finish, so at a batch of ``n`` there are
-∝ ``n`` of them per step (Little's law): the overhead grows with the batch. Charged as a constant (the mean
-per step, measured at the batch that ran), a burst of arrivals read as a cost that no batch size could
-meet, and a nearly flat decode fit then put the cap at 1 with 5–7 running (in-process, SmolLM2 at 0.9
-req/s: cap 1 between caps of 4–8 within a second; served, the limit was seen at 1 in six overload runs).
+binding). Below the batch it was measured at, the overhead shrinks with the batch: while requests queue,
+the prefills come from those admitted as others finish, ∝ ``n`` per step (Little's law). Charged there as a
+constant, a burst of arrivals read as a cost no batch size could meet and, with a nearly flat decode fit,
+put the cap at 1 with 5–7 running (in-process, SmolLM2 at 0.9 req/s: cap 1 between caps of 4–8 within a
+second; served at 0.45 req/s on 24 blocks: the limit at 1–3 for 40 s with 12 waiting, 0 % attainment).
+Above it the overhead is not scaled up: arrivals, not the cap, set how many prefills come while the queue
+is short, and slow start guards the rest (charged ∝ ``n`` above too, a fresh server's cap stayed at 2 for
+20 s while requests queued: 52 % attainment at 0.35 req/s where the constant charge had 90 %).
 
 The scheduler (vtoken/vllm/scheduler.py) sets vLLM's admission limit (``max_num_active_reqs``) to
 ``min(configured max, cap)`` before every step. The cap only stops *admission*: running requests are never
@@ -130,9 +133,9 @@ class StepTimeModel:
         return self._oy / self._ow if self._ow else 0.0
 
     @property
-    def overhead_per_request(self) -> float:
-        """``c``: seconds beyond the decode fit per step and running request (0 before any step)."""
-        return self._oy / self._on if self._on else 0.0
+    def overhead_batch(self) -> float:
+        """``n̄``: the mean batch size of the steps ``overhead`` was measured over (0 before any step)."""
+        return self._on / self._ow if self._ow else 0.0
 
     def fit(self) -> tuple[float, float] | None:
         """``(a, b)`` in seconds, or ``None`` before ``min_samples`` steps."""
@@ -166,12 +169,22 @@ class StepTimeModel:
             return None
         a, b, proportional = line
         max_n, limit_s = max(1, int(max_n)), self.cfg.tpot_s * self.cfg.headroom
-        per_request = b + self.overhead_per_request
-        cap = cap_for(a, per_request, limit_s, max_n)
-        if proportional and self._wy / self._w + self.overhead <= limit_s:  # the probe (module docstring)
+        overhead, batch = self.overhead, self.overhead_batch
+        cap = cap_with_overhead(a, b, overhead, batch, limit_s, max_n)
+        if proportional and self._wy / self._w + overhead <= limit_s:  # the probe (module docstring)
             cap = max(cap, min(max_n, math.floor(self._wn / self._w + 1e-9) + 1))
-        trusted = cap_for(2 * a, 2 * per_request, limit_s, max_n)  # where the fit ×2 still meets it
+        trusted = cap_with_overhead(2 * a, 2 * b, 2 * overhead, batch, limit_s, max_n)  # the fit ×2 meets it
         return min(cap, max(trusted, self.largest_batch + 1))  # slow start (module docstring)
+
+
+def cap_with_overhead(a: float, b: float, overhead: float, batch: float, limit_s: float, max_n: int) -> int:
+    """Largest ``n`` in ``[1, max_n]`` with ``a + b·n + overhead·min(1, n/batch) ≤ limit_s`` (1 when none
+    does): below ``batch`` the overhead is charged per request, at and above it as measured."""
+    if overhead <= 0 or batch <= 0:
+        return cap_for(a, b, limit_s, max_n)
+    if a + b * batch + overhead > limit_s:  # the crossing is below the measured batch
+        return min(cap_for(a, b + overhead / batch, limit_s, max_n), max(1, math.floor(batch)))
+    return max(min(max_n, math.floor(batch)), cap_for(a + overhead, b, limit_s, max_n))  # ≥ the batch met
 
 
 def cap_for(a: float, b: float, limit_s: float, max_n: int) -> int:
@@ -179,5 +192,7 @@ def cap_for(a: float, b: float, limit_s: float, max_n: int) -> int:
     max_n = max(1, int(max_n))
     if b <= 0:
         return max_n if a <= limit_s else 1
-    n = math.floor((limit_s - a) / b + 1e-9)
-    return min(max_n, max(1, n))
+    n = (limit_s - a) / b + 1e-9  # ±inf for a slope so small that the quotient overflows
+    if n >= max_n:
+        return max_n
+    return 1 if n < 1 else math.floor(n)
