@@ -30,6 +30,8 @@ Invariants (tested in tests/cpu/test_admission.py):
 * otherwise ``1 ≤ cap(max_n) ≤ max_n``: at least one request always runs (no starvation, no deadlock:
   with nothing running, vLLM's check ``num_running >= cap`` is false, so a waiting request is admitted);
 * ``cap`` is non-decreasing in ``tpot_s`` (a looser target never admits fewer);
+* with overhead, the cap lies between the constant charge's ``cap_for(a + O, b)`` and the decode fit's
+  alone, meets the target where it admits more than one, and one more would not (``cap_with_overhead``);
 * the fitted slope is positive: when every sample has the same batch size (no slope can be fitted) or the
   fit's slope is ≤ 0 (noise, or one slow step at a small batch), the model is proportional,
   ``a = 0, b = mean(step_s / n)``, which is conservative: the cap then moves the batch size, and the next
