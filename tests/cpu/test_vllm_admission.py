@@ -121,3 +121,30 @@ def test_admission_off_runs_max_num_seqs_and_a_loose_target_costs_nothing(async_
     log_loose, _ = drive(loose, workload(), in_flight)
     assert loose.admission_cap() == MAX_SEQS
     assert [run for run, *_ in log_loose] == [run for run, *_ in log_off]  # the same schedule, step for step
+
+
+def test_admission_trace_script_records_every_step_of_a_real_engine(tmp_path):
+    """``scripts/admission_trace.py`` (the in-process diagnostic in docs/serving.md) on the tiny model: one
+    entry per engine step with the limit in force and the model behind it, every request's TTFT/TPOT, the
+    command; a bad rate exits 2 naming it."""
+    import json
+    import subprocess
+    import sys
+
+    from ops_support import ROOT
+
+    script, out = str(ROOT / "scripts" / "admission_trace.py"), tmp_path / "trace.json"
+    args = ["--model", "tiny-llama", "--pool-blocks", "12", "--rate", "50", "--num-prompts", "6",
+            "--input-len", "40", "--output-len", "24", "--tpot-ms", "10000", "--out", str(out)]
+    proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["command"].startswith("python ") and "--rate 50" in report["command"]
+    assert len(report["requests"]) == 6 and report["summary"]["slo_attainment"] == 1.0  # a 10 s TPOT target
+    steps = report["steps"]
+    assert len(steps) >= 24 and all(1 <= s[4] <= 16 for s in steps)  # ≥ one step per generated token
+    assert max(s[2] for s in steps) >= 2 and steps[-1][8] >= 8 and steps[-1][5] is not None  # fitted
+    assert [s[0] for s in steps] == sorted(s[0] for s in steps)
+    bad = subprocess.run([sys.executable, script, "--rate", "0", "--out", str(out)], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--rate" in bad.stderr and "Traceback" not in bad.stderr
