@@ -15,7 +15,7 @@ binding). Below the batch it was measured at, the overhead shrinks with the batc
 the prefills come from those admitted as others finish, ∝ ``n`` per step (Little's law). Charged there as a
 constant, a burst of arrivals read as a cost no batch size could meet and, with a nearly flat decode fit,
 put the cap at 1 with 5–7 running (in-process, SmolLM2 at 0.9 req/s: cap 1 between caps of 4–8 within a
-second; served at 0.45 req/s on 24 blocks: the limit at 1–3 for 40 s with 12 waiting, 0 % attainment).
+second; served at 0.45 req/s on 24 blocks: the limit at 1–4 for ≈ 45 s, up to 12 waiting, 0 % attainment).
 Above it the overhead is not scaled up: arrivals, not the cap, set how many prefills come while the queue
 is short, and slow start guards the rest (charged ∝ ``n`` above too, a fresh server's cap stayed at 2 for
 20 s while requests queued: 52 % attainment at 0.35 req/s where the constant charge had 90 %).
