@@ -1,7 +1,7 @@
 """Trace SLO-aware admission step by step, in-process: the served engine's settings without the serving stack.
 
-A diagnostic, not a benchmark: it builds the engine a ``vtoken serve`` replica would (``engine_args`` of the
-same ``ServeAppConfig``, admission on) in this process, feeds it Poisson arrivals of random prompts
+A diagnostic, not a benchmark: it builds the engine a ``vtoken bench serve`` replica would (``engine_args``
+of that variant's ``ServeAppConfig``, from ``variant_config``, admission on) in this process, feeds it Poisson arrivals of random prompts
 itself (no HTTP, no Ray), and records after every step what the scheduler saw — so the admission limit's
 course can be read next to the step-time fit and the prefill overhead it was computed from, which the
 served ``timeline`` of ``vtoken bench serve`` does not carry.
@@ -52,18 +52,21 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> dict:
     args = parse(argv)
+    from vtoken.bench.serve_bench import ServeBenchSetup, variant_config
+
+    try:  # a bad mode, policy, budget or a pool too small for the requests, before vLLM is imported
+        setup = ServeBenchSetup(model=args.model, budget=args.budget, pool_blocks=args.pool_blocks,
+                                input_len=args.input_len, output_len=args.output_len, ttft_ms=args.ttft_ms,
+                                tpot_ms=args.tpot_ms)
+        cfg = variant_config(setup, args.mode, None if args.mode == "none" else args.policy, admission=True)
+    except ValueError as err:  # pydantic's ValidationError is one; exit 2 as argparse does
+        print(f"admission_trace.py: error: {err}", file=sys.stderr)
+        sys.exit(2)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
-    from vtoken.serve.config import ServeAppConfig
     from vtoken.serve.replica.engine import engine_args, resolve_model_path
 
-    vt = {"mode": args.mode} | ({"policy": args.policy, "budget": args.budget} if args.mode != "none" else {})
-    cfg = ServeAppConfig.model_validate({
-        "model": args.model, "vtoken": vt, "limits": {"max_tokens": args.output_len},
-        "engine": {"kv_cache_blocks": args.pool_blocks, "max_num_seqs": 16,
-                   "max_model_len": max(args.input_len + args.output_len + 1, (args.pool_blocks - 1) * 32)},
-        "slo": {"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "admission": True}})
     llm = LLM(**engine_args(cfg, resolve_model_path(args.model)))
     engine = llm.llm_engine
     sched = engine.engine_core.engine_core.scheduler
@@ -82,7 +85,7 @@ def main(argv: list[str]) -> dict:
         while added < len(arrivals) and arrivals[added] <= now:
             engine.add_request(str(added), {"prompt_token_ids": prompts[added]}, params)
             added += 1
-        if not engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests():  # idle until the next arrival (no busy loop)
             time.sleep(min(0.05, max(0.0, arrivals[added] - now)))
             continue
         began = time.monotonic()

@@ -173,7 +173,7 @@ def test_bad_input_exits_2_naming_the_value_before_any_server_starts(args, named
 STAND_IN_SERVER = """
 import os, sys, time
 open(sys.argv[1], "w").write(str(os.getpid()))
-time.sleep(600)
+time.sleep(600)  # until the benchmark stops it (the test kills it if not)
 """
 
 

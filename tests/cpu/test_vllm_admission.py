@@ -126,7 +126,7 @@ def test_admission_off_runs_max_num_seqs_and_a_loose_target_costs_nothing(async_
 def test_admission_trace_script_records_every_step_of_a_real_engine(tmp_path):
     """``scripts/admission_trace.py`` (the in-process diagnostic in docs/serving.md) on the tiny model: one
     entry per engine step with the limit in force and the model behind it, every request's TTFT/TPOT, the
-    command; a bad rate exits 2 naming it."""
+    command; a bad rate or policy exits 2 naming it."""
     import json
     import subprocess
     import sys
@@ -148,3 +148,6 @@ def test_admission_trace_script_records_every_step_of_a_real_engine(tmp_path):
     bad = subprocess.run([sys.executable, script, "--rate", "0", "--out", str(out)], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "--rate" in bad.stderr and "Traceback" not in bad.stderr
+    bad = subprocess.run([sys.executable, script, "--policy", "lru", "--out", str(out)], capture_output=True,
+                         text=True, timeout=120)  # the variant's config is validated before vLLM loads
+    assert bad.returncode == 2 and "unknown policy 'lru'" in bad.stderr and "Traceback" not in bad.stderr
