@@ -126,13 +126,39 @@ def serve_replicas(c) -> dict:
 
 
 def diagnosis(c) -> str:
-    """``serve status`` and the end of the Serve controller's log, for a failure message."""
+    """``serve status``, every replica's KV numbers as it exports them, the router's "ranked last" lines
+    (proxy logs) and the end of the Serve controller's log, for a failure message."""
     serve_cli = str(Path(sys.executable).with_name("serve"))
     status = subprocess.run([serve_cli, "status", "--address", c.state.dashboard], capture_output=True,
                             text=True, timeout=60).stdout
+    serve_logs = Path(c.state.state_dir, "ray").glob("session_*/logs/serve/*.log")
+    router = [line for log in sorted(serve_logs) if "proxy_" in log.name
+              for line in log.read_text(errors="replace").splitlines() if "vtoken router" in line]
     logs = sorted(Path(c.state.state_dir, "ray").glob("session_*/logs/serve/controller_*.log"))
     tail = logs[-1].read_text()[-4000:] if logs else "(no controller log)"
-    return f"serve status:\n{status}\ncontroller log (end):\n{tail}"
+    return (f"serve status:\n{status}\nreplicas (exported):\n{replica_view(c)}\nrouter, ranked last "
+            f"({len(router)} lines):\n" + "\n".join(router[-10:]) + f"\ncontroller log (end):\n{tail}")
+
+
+def replica_view(c) -> str:
+    """Each registered replica's node and the KV/queue numbers its metrics endpoint exports right now."""
+    wanted = ("vtoken:free_kv_tokens", "vtoken:held_blocks", "vllm:num_requests_running",
+              "vllm:num_requests_waiting", "vtoken:routing_stats_polls_total")
+    rows = []
+    try:
+        groups = json.loads(c.sd_file.read_text())
+    except (OSError, ValueError) as exc:
+        return f"  (no registry file: {exc!r})"
+    for group in groups:
+        node = c.names.get(group["labels"].get("__meta_vtoken_node", ""), "?")
+        try:
+            text = httpx.get(f"http://{group['targets'][0]}/metrics", timeout=10).text
+            values = {line.split("{")[0].split(" ")[0]: line.rsplit(" ", 1)[-1] for line in text.splitlines()
+                      if line.startswith(wanted)}
+        except httpx.HTTPError as exc:
+            values = {"error": repr(exc)}
+        rows.append(f"  {node}: {values}")
+    return "\n".join(rows) or "  (registry empty)"
 
 
 def test_kv_autoscaling_adds_a_replica_on_another_node_and_both_answer_through_one_proxy(cluster):
@@ -204,7 +230,10 @@ def test_router_ranks_replicas_across_nodes_by_free_kv(cluster):
     time.sleep(2.0)  # four stats polls: the router sees the big request's blocks
     threads.append(threading.Thread(target=generate, args=("small", "hi"), daemon=True))
     threads[1].start()
-    assert started["small"].wait(120) and holders["big"] != holders["small"]
+    assert started["small"].wait(120)
+    assert holders["big"] != holders["small"], (
+        f"the short-prompt generation went to the long prompt's node ({c.names[holders['big']]})\n"
+        f"{diagnosis(c)}")
     time.sleep(2.0)
     targets: Counter = Counter()
     for _ in range(20):  # only answers routed while both long generations still run count
@@ -268,7 +297,8 @@ def test_worker_node_killed_under_load_gets_200_or_503_and_serve_restores_it_els
         back = wait_for(lambda: next((r for r in results if r[3] == spare_id and r[0] > killed_at), None),
                         f"a replica on {spare}", 700, 1.0, lambda: diagnosis(c))
         recovered_s = back[1] - killed_at
-        wait_for(lambda: serve_replicas(c).get("RUNNING") == 2, "Serve: 2 replicas RUNNING", 60, 1.0)
+        wait_for(lambda: serve_replicas(c).get("RUNNING") == 2, "Serve: 2 replicas RUNNING", 60, 1.0,
+                 lambda: diagnosis(c))
         time.sleep(4.0)
     finally:
         stop.set()
@@ -301,7 +331,7 @@ def test_an_autoscaling_update_through_serve_deploy_keeps_the_replicas_and_idle_
     the KV policy then asks for ``min_replicas`` and Serve stops one replica; the registry drops it."""
     c = cluster
     before = nodes_answering(c.http, 16, "x-vtoken-replica")
-    assert len(before) == 2, before  # the two replicas the node-kill test left running
+    assert len(before) == 2, f"{before}\n{diagnosis(c)}"  # the two replicas the node-kill test left
     doc = yaml.safe_load(c.config.read_text())
     doc["applications"][0]["deployments"][0]["autoscaling_config"]["downscale_delay_s"] = 5.0
     shorter = Path(c.state.state_dir) / "serve-short-downscale.yaml"

@@ -16,7 +16,7 @@ import pytest
 from vtoken.core.kvstats import KVSnapshot
 from vtoken.serve.control.autoscaling import KVAutoscalingPolicy, ScalingParams, decide
 from vtoken.serve.control.ranking import RouterParams, effective_free_tokens, rank_by_kv
-from vtoken.serve.control.router import KVAwareRouter
+from vtoken.serve.control.router import UNSCORED_LOG_EVERY_S, KVAwareRouter
 from vtoken.serve.telemetry.stats import routing_stats
 
 NOW = 1_000_000.0
@@ -116,6 +116,25 @@ def test_choose_replicas_kv_first_then_power_of_two_fallback(monkeypatch):
     unknown = [FakeReplica(replica_id=i, routing_stats={}) for i in "CDE"]
     ranks = asyncio.run(router.choose_replicas(unknown))
     assert len(ranks) == 1 and len(ranks[0]) == 2 and router.fallbacks == 1
+
+
+def test_replicas_ranked_last_are_logged_once_per_period(monkeypatch, caplog):
+    """A replica without fresh stats is an operational fault: one line per replica and period says why."""
+    clock = [NOW]
+    monkeypatch.setattr("vtoken.serve.control.router.time.time", lambda: clock[0])
+    fresh = FakeReplica(replica_id="A", routing_stats=stats(held=1))
+    stale = FakeReplica(replica_id="B", routing_stats=stats(held=0, polled=NOW - 60))
+    silent = FakeReplica(replica_id="C", routing_stats={})
+    router = make_router({})
+    caplog.set_level("WARNING", logger="ray.serve")
+    for _ in range(3):
+        asyncio.run(router.choose_replicas([fresh, stale, silent]))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["vtoken router: replica B ranked last: stats polled 60.0 s ago (stale after 5.0 s)",
+                     "vtoken router: replica C ranked last: no routing stats"]
+    clock[0] += UNSCORED_LOG_EVERY_S  # a period later all three polls are stale: each is logged (again)
+    asyncio.run(router.choose_replicas([fresh, stale, silent]))
+    assert sorted(r.getMessage().split(" ranked")[0][-1] for r in caplog.records[2:]) == ["A", "B", "C"]
 
 
 def test_concurrent_choices_are_spread_by_reservations(monkeypatch):

@@ -20,8 +20,11 @@ these reservations a burst all reads the same numbers and lands on one replica (
 
 Replicas are sorted by ``effective_free``; those within ``tie_tokens`` of a rank's best share the
 rank, and Serve picks the one with the shortest queue inside it (the queue-length tie-break). Replicas
-with missing or stale stats go into a last rank. When no replica has fresh stats the router degrades
-to power-of-two-choices (two random replicas in one rank → the shorter queue wins).
+with missing or stale stats go into a last rank, and the router logs it (``ray.serve`` logger, so the
+line lands in the proxy's or handle's Serve log; once per ``UNSCORED_LOG_EVERY_S`` per replica): a
+replica that stops reporting is an operational fault, and a request that seems to ignore the ranking is
+explained there. When no replica has fresh stats the router degrades to power-of-two-choices (two random
+replicas in one rank → the shorter queue wins).
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from vtoken.serve.control.ranking import RouterParams, effective_free_tokens, rank_by_kv
+from vtoken.serve.telemetry.stats import POLLED_AT
 
 logger = logging.getLogger("ray.serve")
+UNSCORED_LOG_EVERY_S = 30.0  # at most one "ranked last" line per replica per this many seconds
 
 
 class KVAwareRouter(RequestRouter):
@@ -49,6 +54,7 @@ class KVAwareRouter(RequestRouter):
         self._reservations: dict[str, tuple[Any, float]] = {}  # request id -> (replica id, expiry)
         self.fallbacks = 0
         self.kv_routed = 0
+        self._unscored_logged: dict[Any, float] = {}  # replica id -> when its last "ranked last" was logged
 
     def _reserved_counts(self, now: float) -> Counter:
         reservations = getattr(self, "_reservations", {})
@@ -68,6 +74,17 @@ class KVAwareRouter(RequestRouter):
             target.replica_id,
             now + self.params.reservation_ttl_s,
         )
+
+    def _log_unscored(self, replica: RunningReplica, params: RouterParams, now: float) -> None:
+        """Log (rate-limited per replica) that ``replica`` has missing or stale stats and ranks last."""
+        logged = getattr(self, "_unscored_logged", None)
+        if logged is None or now - logged.get(replica.replica_id, float("-inf")) < UNSCORED_LOG_EVERY_S:
+            return
+        logged[replica.replica_id] = now
+        polled = (replica.routing_stats or {}).get(POLLED_AT)
+        why = (f"stats polled {now - float(polled):.1f} s ago (stale after {params.stale_after_s} s)"
+               if isinstance(polled, (int, float)) else "no routing stats")
+        logger.warning("vtoken router: replica %s ranked last: %s", replica.replica_id, why)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         # From here on Serve's queue-length cache counts the request: release the reservation.
@@ -93,6 +110,9 @@ class KVAwareRouter(RequestRouter):
             )
             for r in candidate_replicas
         ]
+        for replica, score in scores:
+            if score is None:
+                self._log_unscored(replica, params, now)
         ranks = rank_by_kv(scores, params.tie_tokens)
         if ranks is not None:
             self.kv_routed += 1
