@@ -209,7 +209,7 @@ def test_router_ranks_replicas_across_nodes_by_free_kv(cluster):
     c = cluster
     serving = nodes_answering(c.http, 8)
     assert len(serving) == 2, (f"needs the two replicas the autoscaling test above adds (the module is one "
-                               f"scenario, in order); answers per node: {dict(serving)}")
+                               f"scenario, in order); answers per node: {dict(serving)}\n{diagnosis(c)}")
     holders: dict[str, str] = {}
     started = {k: threading.Event() for k in ("big", "small")}
     done = threading.Event()  # set when either long generation ends: from then on queues differ
@@ -247,7 +247,7 @@ def test_router_ranks_replicas_across_nodes_by_free_kv(cluster):
     print(f"\n[multinode] router across nodes: {targets[holders['small']]}/{n} short requests to the node "
           f"with more free KV ({c.names[holders['small']]}; long prompt on {c.names[holders['big']]})")
     assert n >= 6, "the long generations finished too early to measure"
-    assert targets[holders["small"]] / n >= 0.8
+    assert targets[holders["small"]] / n >= 0.8, diagnosis(c)
 
 
 def test_prometheus_finds_every_replica_on_every_node_through_the_registry(cluster):
