@@ -42,6 +42,7 @@ from vtoken.serve.telemetry.discovery import SD_FILENAME
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune "
+LONG_TOKENS = 2200  # the router test's long generations: 784 + 2200 ≤ max_model_len 3040 (≈ 10 s here)
 CLUSTER = [sys.executable, "-m", "vtoken.serve.launch.cluster"]
 build = load_module(ROOT / "dashboards" / "build.py")
 
@@ -50,8 +51,8 @@ def app_config(metrics_port: int) -> ServeAppConfig:
     return ServeAppConfig.model_validate({
         "model": "tiny-llama",
         "vtoken": {"mode": "repack", "policy": "h2o", "budget": 0.5, "sinks": 4, "recent": 16},
-        "engine": {"kv_cache_blocks": 48, "max_model_len": 1504, "max_num_seqs": 8},  # (48 - 1) · 32
-        "limits": {"max_tokens": 1000, "max_prompt_chars": 8000},
+        "engine": {"kv_cache_blocks": 96, "max_model_len": 3040, "max_num_seqs": 8},  # (96 - 1) · 32
+        "limits": {"max_tokens": LONG_TOKENS, "max_prompt_chars": 8000},
         "deployment": {"max_replicas_per_node": 1, "health_check_period_s": 2.0},
         "autoscaling": {"enabled": True, "min_replicas": 1, "max_replicas": 2, "upscale_kv_utilization": 0.3,
                         "downscale_kv_utilization": 0.01, "target_kv_utilization": 0.3,
@@ -167,9 +168,9 @@ def test_kv_autoscaling_adds_a_replica_on_another_node_and_both_answer_through_o
     assert c.names[first].startswith("worker-")
     stop, codes, errors = threading.Event(), Counter(), []
 
-    def pressure():  # long generations on a 48-block pool: mean kv_utilization over the 0.3 threshold
-        while not stop.is_set():
-            r = complete(c.http, max_tokens=500, prompt=PROMPT * 30, ignore_eos=True)
+    def pressure():  # long generations on a 96-block pool: mean kv_utilization over the 0.3 threshold
+        while not stop.is_set():  # two of them hold 2 · 0.5 · (840 + t) tokens: 0.27 → 0.61 of the pool
+            r = complete(c.http, max_tokens=1000, prompt=PROMPT * 30, ignore_eos=True)
             codes[r.status_code] += 1
             if r.status_code != 200:
                 errors.append(f"{r.status_code} {dict(r.headers)} {r.text[:500]}")
@@ -204,21 +205,23 @@ def test_router_ranks_replicas_across_nodes_by_free_kv(cluster):
     (784 tokens: ≈390 held at budget 0.5) puts the gap more than ``tie_tokens`` above one queued request's
     charge (``tokens_per_queued_request`` 256), so one short request still counted as queued cannot flip
     the ranking; with 672 (≈340 held, 80 above the charge) 15/20 went to the free node once on a slow host.
-    Both generate 700 tokens (784 + 700 ≤ max_model_len): with 500, only 6 short requests were answered
-    before one of them ended."""
+    Both generate ``LONG_TOKENS``: the measurement needs both running, and the tiny model is fast — with 700
+    on a 48-block pool the long-prompt generation lasted 3.1 s, and ended 0.3 s after the second one was
+    routed (a host a little faster ends it before: the two then land anywhere, as in CI once)."""
     c = cluster
     serving = nodes_answering(c.http, 8)
     assert len(serving) == 2, (f"needs the two replicas the autoscaling test above adds (the module is one "
                                f"scenario, in order); answers per node: {dict(serving)}\n{diagnosis(c)}")
     holders: dict[str, str] = {}
+    codes: dict[str, int] = {}
     started = {k: threading.Event() for k in ("big", "small")}
     done = threading.Event()  # set when either long generation ends: from then on queues differ
 
     def generate(key: str, prompt: str) -> None:
-        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 700, "ignore_eos": True,
+        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": LONG_TOKENS, "ignore_eos": True,
                 "stream": True}
         with c.http.stream("POST", "/v1/completions", json=body, timeout=600) as r:
-            holders[key] = r.headers["x-vtoken-node"]
+            holders[key], codes[key] = r.headers["x-vtoken-node"], r.status_code
             started[key].set()
             for _ in r.iter_lines():
                 pass
@@ -226,11 +229,12 @@ def test_router_ranks_replicas_across_nodes_by_free_kv(cluster):
 
     threads = [threading.Thread(target=generate, args=("big", PROMPT * 28), daemon=True)]
     threads[0].start()
-    assert started["big"].wait(120)
+    assert started["big"].wait(120) and codes["big"] == 200, codes
     time.sleep(2.0)  # four stats polls: the router sees the big request's blocks
     threads.append(threading.Thread(target=generate, args=("small", "hi"), daemon=True))
     threads[1].start()
-    assert started["small"].wait(120)
+    assert started["small"].wait(120) and codes["small"] == 200, codes
+    assert not done.is_set(), "the long-prompt generation ended before the second one was routed"
     assert holders["big"] != holders["small"], (
         f"the short-prompt generation went to the long prompt's node ({c.names[holders['big']]})\n"
         f"{diagnosis(c)}")
