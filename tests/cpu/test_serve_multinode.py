@@ -42,7 +42,7 @@ from vtoken.serve.telemetry.discovery import SD_FILENAME
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune "
-LONG_TOKENS = 2200  # the router test's long generations: 784 + 2200 ≤ max_model_len 3040 (≈ 10 s here)
+LONG_TOKENS = 2400  # the router test's long generations: ≈1570 + 2400 ≤ max_model_len 4064 (≈ 10 s here)
 CLUSTER = [sys.executable, "-m", "vtoken.serve.launch.cluster"]
 build = load_module(ROOT / "dashboards" / "build.py")
 
@@ -51,7 +51,7 @@ def app_config(metrics_port: int) -> ServeAppConfig:
     return ServeAppConfig.model_validate({
         "model": "tiny-llama",
         "vtoken": {"mode": "repack", "policy": "h2o", "budget": 0.5, "sinks": 4, "recent": 16},
-        "engine": {"kv_cache_blocks": 96, "max_model_len": 3040, "max_num_seqs": 8},  # (96 - 1) · 32
+        "engine": {"kv_cache_blocks": 128, "max_model_len": 4064, "max_num_seqs": 8},  # (128 - 1) · 32
         "limits": {"max_tokens": LONG_TOKENS, "max_prompt_chars": 8000},
         "deployment": {"max_replicas_per_node": 1, "health_check_period_s": 2.0},
         "autoscaling": {"enabled": True, "min_replicas": 1, "max_replicas": 2, "upscale_kv_utilization": 0.3,
@@ -168,9 +168,9 @@ def test_kv_autoscaling_adds_a_replica_on_another_node_and_both_answer_through_o
     assert c.names[first].startswith("worker-")
     stop, codes, errors = threading.Event(), Counter(), []
 
-    def pressure():  # long generations on a 96-block pool: mean kv_utilization over the 0.3 threshold
-        while not stop.is_set():  # two of them hold 2 · 0.5 · (840 + t) tokens: 0.27 → 0.61 of the pool
-            r = complete(c.http, max_tokens=1000, prompt=PROMPT * 30, ignore_eos=True)
+    def pressure():  # long generations on a 128-block pool: mean kv_utilization over the 0.3 threshold
+        while not stop.is_set():  # two of them hold 2 · 0.5 · (1120 + t) tokens: 0.28 → 0.64 of the pool
+            r = complete(c.http, max_tokens=1500, prompt=PROMPT * 40, ignore_eos=True)
             codes[r.status_code] += 1
             if r.status_code != 200:
                 errors.append(f"{r.status_code} {dict(r.headers)} {r.text[:500]}")
@@ -202,16 +202,37 @@ def test_kv_autoscaling_adds_a_replica_on_another_node_and_both_answer_through_o
 def test_router_ranks_replicas_across_nodes_by_free_kv(cluster):
     """One long generation on each node (queues equal, 1 and 1), one of them with a long prompt: short
     requests go to the node with more free KV — Serve's power of two would split them. The long prompt
-    (784 tokens: ≈390 held at budget 0.5) puts the gap more than ``tie_tokens`` above one queued request's
-    charge (``tokens_per_queued_request`` 256), so one short request still counted as queued cannot flip
-    the ranking; with 672 (≈340 held, 80 above the charge) 15/20 went to the free node once on a slow host.
-    Both generate ``LONG_TOKENS``: the measurement needs both running, and the tiny model is fast — with 700
-    on a 48-block pool the long-prompt generation lasted 3.1 s, and ended 0.3 s after the second one was
-    routed (a host a little faster ends it before: the two then land anywhere, as in CI once)."""
+    (≈1570 tokens: ≈785 held at budget 0.5) puts the gap three queued requests' charges
+    (``tokens_per_queued_request`` 256) above ``tie_tokens``: Serve's queue-length cache may still count a
+    short request that has finished. With a gap one charge above (784 tokens, 700 generated on 48 blocks)
+    a host under load sent 2/4 to the wrong node, and once in CI the first generation (3.1 s here) ended
+    before the second was routed. Rounds of the pair run until ``SHORTS`` short requests were answered
+    while both generations ran (a slow host gets fewer per round), at most ``ROUNDS``."""
     c = cluster
     serving = nodes_answering(c.http, 8)
     assert len(serving) == 2, (f"needs the two replicas the autoscaling test above adds (the module is one "
                                f"scenario, in order); answers per node: {dict(serving)}\n{diagnosis(c)}")
+    targets: Counter = Counter()  # per round: short requests to the free node / to the long prompt's node
+    rounds = 0
+    while sum(targets.values()) < SHORTS and rounds < ROUNDS:
+        rounds += 1
+        free_node, long_node, shorts = router_round(c)
+        targets.update({"free": shorts[free_node], "long": shorts[long_node]})
+        print(f"\n[multinode] router across nodes, round {rounds}: {shorts[free_node]}/{shorts.total()} short "
+              f"requests to the node with more free KV ({c.names[free_node]}; long prompt on "
+              f"{c.names[long_node]})")
+    n = targets.total()
+    assert n >= 6, f"only {n} short requests answered while both long generations ran\n{diagnosis(c)}"
+    assert targets["free"] / n >= 0.8, f"{dict(targets)}\n{diagnosis(c)}"
+
+
+SHORTS, ROUNDS = 20, 3
+
+
+def router_round(c) -> tuple[str, str, Counter]:
+    """Start the long-prompt generation, let four stats polls pass, start the short-prompt one (it must go
+    to the other node), then send up to ``SHORTS`` short requests one by one while both run. Returns
+    (the short-prompt generation's node, the long prompt's node, answers per node)."""
     holders: dict[str, str] = {}
     codes: dict[str, int] = {}
     started = {k: threading.Event() for k in ("big", "small")}
@@ -220,38 +241,38 @@ def test_router_ranks_replicas_across_nodes_by_free_kv(cluster):
     def generate(key: str, prompt: str) -> None:
         body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": LONG_TOKENS, "ignore_eos": True,
                 "stream": True}
-        with c.http.stream("POST", "/v1/completions", json=body, timeout=600) as r:
-            holders[key], codes[key] = r.headers["x-vtoken-node"], r.status_code
-            started[key].set()
-            for _ in r.iter_lines():
-                pass
-        done.set()
+        try:
+            with c.http.stream("POST", "/v1/completions", json=body, timeout=600) as r:
+                holders[key], codes[key] = r.headers["x-vtoken-node"], r.status_code
+                started[key].set()
+                for _ in r.iter_lines():
+                    pass
+        finally:
+            done.set()
 
-    threads = [threading.Thread(target=generate, args=("big", PROMPT * 28), daemon=True)]
+    threads = [threading.Thread(target=generate, args=("big", PROMPT * 56), daemon=True)]
     threads[0].start()
-    assert started["big"].wait(120) and codes["big"] == 200, codes
-    time.sleep(2.0)  # four stats polls: the router sees the big request's blocks
-    threads.append(threading.Thread(target=generate, args=("small", "hi"), daemon=True))
-    threads[1].start()
-    assert started["small"].wait(120) and codes["small"] == 200, codes
-    assert not done.is_set(), "the long-prompt generation ended before the second one was routed"
-    assert holders["big"] != holders["small"], (
-        f"the short-prompt generation went to the long prompt's node ({c.names[holders['big']]})\n"
-        f"{diagnosis(c)}")
-    time.sleep(2.0)
-    targets: Counter = Counter()
-    for _ in range(20):  # only answers routed while both long generations still run count
-        node = complete(c.http, max_tokens=2).headers["x-vtoken-node"]
-        if done.is_set():
-            break
-        targets[node] += 1
-    for t in threads:
-        t.join(600)
-    n = sum(targets.values())
-    print(f"\n[multinode] router across nodes: {targets[holders['small']]}/{n} short requests to the node "
-          f"with more free KV ({c.names[holders['small']]}; long prompt on {c.names[holders['big']]})")
-    assert n >= 6, "the long generations finished too early to measure"
-    assert targets[holders["small"]] / n >= 0.8, diagnosis(c)
+    try:
+        assert started["big"].wait(120) and codes["big"] == 200, codes
+        time.sleep(2.0)  # four stats polls: the router sees the big request's blocks
+        threads.append(threading.Thread(target=generate, args=("small", "hi"), daemon=True))
+        threads[1].start()
+        assert started["small"].wait(120) and codes["small"] == 200, codes
+        assert not done.is_set(), "the long-prompt generation ended before the second one was routed"
+        assert holders["big"] != holders["small"], (
+            f"the short-prompt generation went to the long prompt's node ({c.names[holders['big']]})\n"
+            f"{diagnosis(c)}")
+        time.sleep(2.0)
+        shorts: Counter = Counter()
+        for _ in range(SHORTS):  # only answers routed while both long generations still run count
+            node = complete(c.http, max_tokens=2).headers["x-vtoken-node"]
+            if done.is_set():
+                break
+            shorts[node] += 1
+    finally:
+        for t in threads:
+            t.join(600)
+    return holders["small"], holders["big"], shorts
 
 
 def test_prometheus_finds_every_replica_on_every_node_through_the_registry(cluster):
