@@ -212,9 +212,9 @@ def test_router_ranks_replicas_across_nodes_by_free_kv(cluster):
     serving = nodes_answering(c.http, 8)
     assert len(serving) == 2, (f"needs the two replicas the autoscaling test above adds (the module is one "
                                f"scenario, in order); answers per node: {dict(serving)}\n{diagnosis(c)}")
-    targets: Counter = Counter()  # per round: short requests to the free node / to the long prompt's node
+    targets: Counter = Counter()  # over the rounds: shorts to the free node ("free") or the long one's
     rounds = 0
-    while sum(targets.values()) < SHORTS and rounds < ROUNDS:
+    while targets.total() < SHORTS and rounds < ROUNDS:
         rounds += 1
         free_node, long_node, shorts = router_round(c)
         targets.update({"free": shorts[free_node], "long": shorts[long_node]})
