@@ -117,6 +117,28 @@ def nodes_answering(http: httpx.Client, tries: int = 24, header: str = "x-vtoken
     return Counter(complete(http).headers[header] for _ in range(tries))
 
 
+def all_answering(c, count: int, header: str = "x-vtoken-node", timeout: float = 60.0) -> Counter:
+    """``nodes_answering`` until ``count`` distinct nodes (replicas) have answered, or fail. One sample is
+    not proof that only one serves: the KV router sends every request to one replica while the other's
+    stats are stale (its ``record_routing_stats`` answered Serve's poll > 2 s late while it streamed a
+    long generation: seen), so a test that read the serving nodes off one sample once killed the wrong
+    node."""
+    seen: Counter = Counter()
+
+    def grown():
+        seen.update(nodes_answering(c.http, 6, header))
+        return len(seen) >= count and seen
+
+    return wait_for(grown, f"{count} distinct {header} answering", timeout, 1.0,
+                    lambda: f"answers so far: {dict(seen)}\n{diagnosis(c)}")
+
+
+def registered(c) -> dict[str, str]:
+    """``{replica id: node id}`` as the metrics registry lists them (the cluster's record of placement)."""
+    return {g["labels"]["__meta_vtoken_replica"]: g["labels"]["__meta_vtoken_node"]
+            for g in json.loads(c.sd_file.read_text())}
+
+
 def serve_replicas(c) -> dict:
     """Serve's replica states of the app (``serve status`` on the head, the CLI KubeRay also reads)."""
     serve_cli = str(Path(sys.executable).with_name("serve"))
@@ -132,10 +154,10 @@ def diagnosis(c) -> str:
     serve_cli = str(Path(sys.executable).with_name("serve"))
     status = subprocess.run([serve_cli, "status", "--address", c.state.dashboard], capture_output=True,
                             text=True, timeout=60).stdout
-    serve_logs = Path(c.state.state_dir, "ray").glob("session_*/logs/serve/*.log")
+    serve_logs = Path(c.state.state_dir, "ray").glob("session_2*/logs/serve/*.log")  # not session_latest
     router = [line for log in sorted(serve_logs) if "proxy_" in log.name
               for line in log.read_text(errors="replace").splitlines() if "vtoken router" in line]
-    logs = sorted(Path(c.state.state_dir, "ray").glob("session_*/logs/serve/controller_*.log"))
+    logs = sorted(Path(c.state.state_dir, "ray").glob("session_2*/logs/serve/controller_*.log"))
     tail = logs[-1].read_text()[-4000:] if logs else "(no controller log)"
     return (f"serve status:\n{status}\nreplicas (exported):\n{replica_view(c)}\nrouter, ranked last "
             f"({len(router)} lines):\n" + "\n".join(router[-10:]) + f"\ncontroller log (end):\n{tail}")
@@ -209,9 +231,7 @@ def test_router_ranks_replicas_across_nodes_by_free_kv(cluster):
     before the second was routed. Rounds of the pair run until ``SHORTS`` short requests were answered
     while both generations ran (a slow host gets fewer per round), at most ``ROUNDS``."""
     c = cluster
-    serving = nodes_answering(c.http, 8)
-    assert len(serving) == 2, (f"needs the two replicas the autoscaling test above adds (the module is one "
-                               f"scenario, in order); answers per node: {dict(serving)}\n{diagnosis(c)}")
+    all_answering(c, 2)  # the two replicas the autoscaling test above adds (the module is one scenario)
     targets: Counter = Counter()  # over the rounds: shorts to the free node ("free") or the long one's
     rounds = 0
     while targets.total() < SHORTS and rounds < ROUNDS:
@@ -292,8 +312,9 @@ def test_prometheus_finds_every_replica_on_every_node_through_the_registry(clust
 
 def test_worker_node_killed_under_load_gets_200_or_503_and_serve_restores_it_elsewhere(cluster):
     c = cluster
-    serving = set(nodes_answering(c.http, 12))
-    victim = c.names[sorted(serving)[0]]
+    serving = set(registered(c).values())
+    assert len(serving) == 2 and set(all_answering(c, 2)) == serving, registered(c)
+    victim = c.names[min(serving)]
     spare = next(n.name for n in c.state.nodes[1:] if n.node_id not in serving)
     spare_id = c.state.node(spare).node_id
     results: list[tuple[float, float, object, str | None]] = []
@@ -340,7 +361,7 @@ def test_worker_node_killed_under_load_gets_200_or_503_and_serve_restores_it_els
           f"after {both_s:.1f} s")
     assert set(outcomes) <= {200, 503}, (outcomes, errors[:3])  # no connection error, timeout (= hang)
     assert slowest < 90
-    assert set(nodes_answering(c.http, 12)) == serving - {c.state.node(victim).node_id} | {spare_id}
+    assert set(all_answering(c, 2)) == serving - {c.state.node(victim).node_id} | {spare_id}
     # the dashboard's "Replicas per node" query (all nodes) over the run: 2, fewer while the node is gone, 2
     (expr,) = [build.concrete(e) for t, e in build.panel_queries(build.kv_dashboard())
                if t == "Replicas per node" and "by (node)" not in e]
@@ -359,8 +380,7 @@ def test_an_autoscaling_update_through_serve_deploy_keeps_the_replicas_and_idle_
     runs ``serve deploy`` again: a lightweight update (Serve reconfigures, restarts nothing); with no load
     the KV policy then asks for ``min_replicas`` and Serve stops one replica; the registry drops it."""
     c = cluster
-    before = nodes_answering(c.http, 16, "x-vtoken-replica")
-    assert len(before) == 2, f"{before}\n{diagnosis(c)}"  # the two replicas the node-kill test left
+    before = all_answering(c, 2, "x-vtoken-replica")  # the two replicas the node-kill test left
     doc = yaml.safe_load(c.config.read_text())
     doc["applications"][0]["deployments"][0]["autoscaling_config"]["downscale_delay_s"] = 5.0
     shorter = Path(c.state.state_dir) / "serve-short-downscale.yaml"
