@@ -42,7 +42,7 @@ from vtoken.serve.telemetry.discovery import SD_FILENAME
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune "
-LONG_TOKENS = 2400  # the router test's long generations: ≈1570 + 2400 ≤ max_model_len 4064 (≈ 10 s here)
+LONG_TOKENS = 6400  # the router test's long generations: ≈1570 + 6400 ≤ max_model_len 8160
 CLUSTER = [sys.executable, "-m", "vtoken.serve.launch.cluster"]
 build = load_module(ROOT / "dashboards" / "build.py")
 
@@ -51,7 +51,7 @@ def app_config(metrics_port: int) -> ServeAppConfig:
     return ServeAppConfig.model_validate({
         "model": "tiny-llama",
         "vtoken": {"mode": "repack", "policy": "h2o", "budget": 0.5, "sinks": 4, "recent": 16},
-        "engine": {"kv_cache_blocks": 128, "max_model_len": 4064, "max_num_seqs": 8},  # (128 - 1) · 32
+        "engine": {"kv_cache_blocks": 256, "max_model_len": 8160, "max_num_seqs": 8},  # (256 - 1) · 32
         "limits": {"max_tokens": LONG_TOKENS, "max_prompt_chars": 8000},
         "deployment": {"max_replicas_per_node": 1, "health_check_period_s": 2.0},
         "autoscaling": {"enabled": True, "min_replicas": 1, "max_replicas": 2, "upscale_kv_utilization": 0.3,
@@ -163,25 +163,31 @@ def diagnosis(c) -> str:
             f"({len(router)} lines):\n" + "\n".join(router[-10:]) + f"\ncontroller log (end):\n{tail}")
 
 
-def replica_view(c) -> str:
-    """Each registered replica's node and the KV/queue numbers its metrics endpoint exports right now."""
-    wanted = ("vtoken:free_kv_tokens", "vtoken:held_blocks", "vllm:num_requests_running",
-              "vllm:num_requests_waiting", "vtoken:routing_stats_polls_total")
-    rows = []
-    try:
-        groups = json.loads(c.sd_file.read_text())
-    except (OSError, ValueError) as exc:
-        return f"  (no registry file: {exc!r})"
-    for group in groups:
+EXPORTED = ("vtoken:free_kv_tokens", "vtoken:held_blocks", "vllm:num_requests_running",
+            "vllm:num_requests_waiting", "vtoken:routing_stats_polls_total")
+
+
+def exported(c) -> dict[str, dict[str, float | str]]:
+    """``{node name: {metric: value}}`` for ``EXPORTED``, read now from each registered replica's metrics
+    endpoint (``{"error": ...}`` for one that does not answer)."""
+    out: dict[str, dict[str, float | str]] = {}
+    for group in json.loads(c.sd_file.read_text()):
         node = c.names.get(group["labels"].get("__meta_vtoken_node", ""), "?")
         try:
             text = httpx.get(f"http://{group['targets'][0]}/metrics", timeout=10).text
-            values = {line.split("{")[0].split(" ")[0]: line.rsplit(" ", 1)[-1] for line in text.splitlines()
-                      if line.startswith(wanted)}
+            out[node] = {line.split("{")[0].split(" ")[0]: float(line.rsplit(" ", 1)[-1])
+                         for line in text.splitlines() if line.startswith(EXPORTED)}
         except httpx.HTTPError as exc:
-            values = {"error": repr(exc)}
-        rows.append(f"  {node}: {values}")
-    return "\n".join(rows) or "  (registry empty)"
+            out[node] = {"error": repr(exc)}
+    return out
+
+
+def replica_view(c) -> str:
+    """Each registered replica's node and the KV/queue numbers its metrics endpoint exports right now."""
+    try:
+        return "\n".join(f"  {node}: {values}" for node, values in exported(c).items()) or "  (registry empty)"
+    except (OSError, ValueError) as exc:
+        return f"  (no registry file: {exc!r})"
 
 
 def test_kv_autoscaling_adds_a_replica_on_another_node_and_both_answer_through_one_proxy(cluster):
@@ -190,9 +196,9 @@ def test_kv_autoscaling_adds_a_replica_on_another_node_and_both_answer_through_o
     assert c.names[first].startswith("worker-")
     stop, codes, errors = threading.Event(), Counter(), []
 
-    def pressure():  # long generations on a 128-block pool: mean kv_utilization over the 0.3 threshold
-        while not stop.is_set():  # two of them hold 2 · 0.5 · (1120 + t) tokens: 0.28 → 0.64 of the pool
-            r = complete(c.http, max_tokens=1500, prompt=PROMPT * 40, ignore_eos=True)
+    def pressure():  # long generations on a 256-block pool: mean kv_utilization over the 0.3 threshold
+        while not stop.is_set():  # two of them hold 2 · 0.5 · (2240 + t) tokens: 0.27 → 0.64 of the pool
+            r = complete(c.http, max_tokens=3000, prompt=PROMPT * 80, ignore_eos=True)
             codes[r.status_code] += 1
             if r.status_code != 200:
                 errors.append(f"{r.status_code} {dict(r.headers)} {r.text[:500]}")
@@ -228,19 +234,21 @@ def test_router_ranks_replicas_across_nodes_by_free_kv(cluster):
     (``tokens_per_queued_request`` 256) above ``tie_tokens``: Serve's queue-length cache may still count a
     short request that has finished. With a gap one charge above (784 tokens, 700 generated on 48 blocks)
     a host under load sent 2/4 to the wrong node, and once in CI the first generation (3.1 s here) ended
-    before the second was routed. Rounds of the pair run until ``SHORTS`` short requests were answered
-    while both generations ran (a slow host gets fewer per round), at most ``ROUNDS``."""
+    before the second was routed. The tiny model's speed varies with the load (2400 tokens: from < 4 s
+    on a quiet host to > 20 s beside busy loops), so both generate up to ``LONG_TOKENS`` and the client
+    closes them once the short requests are done (Serve aborts them in vLLM); rounds of the pair run until
+    ``SHORTS`` short requests were answered while both generations ran, at most ``ROUNDS``."""
     c = cluster
     all_answering(c, 2)  # the two replicas the autoscaling test above adds (the module is one scenario)
     targets: Counter = Counter()  # over the rounds: shorts to the free node ("free") or the long one's
     rounds = 0
     while targets.total() < SHORTS and rounds < ROUNDS:
         rounds += 1
-        free_node, long_node, shorts = router_round(c)
+        free_node, long_node, shorts, idle_s = router_round(c)
         targets.update({"free": shorts[free_node], "long": shorts[long_node]})
         print(f"\n[multinode] router across nodes, round {rounds}: {shorts[free_node]}/{shorts.total()} short "
               f"requests to the node with more free KV ({c.names[free_node]}; long prompt on "
-              f"{c.names[long_node]})")
+              f"{c.names[long_node]}); both idle {idle_s:.1f} s after the client closed the streams")
     n = targets.total()
     assert n >= 6, f"only {n} short requests answered while both long generations ran\n{diagnosis(c)}"
     assert targets["free"] / n >= 0.8, f"{dict(targets)}\n{diagnosis(c)}"
@@ -249,14 +257,16 @@ def test_router_ranks_replicas_across_nodes_by_free_kv(cluster):
 SHORTS, ROUNDS = 20, 3
 
 
-def router_round(c) -> tuple[str, str, Counter]:
+def router_round(c) -> tuple[str, str, Counter, float]:
     """Start the long-prompt generation, let four stats polls pass, start the short-prompt one (it must go
-    to the other node), then send up to ``SHORTS`` short requests one by one while both run. Returns
-    (the short-prompt generation's node, the long prompt's node, answers per node)."""
+    to the other node), then send up to ``SHORTS`` short requests one by one while both run; close both
+    streams and wait until neither replica runs a request. Returns (the short-prompt generation's node, the
+    long prompt's node, answers per node, seconds from closing the streams to both replicas idle)."""
     holders: dict[str, str] = {}
     codes: dict[str, int] = {}
     started = {k: threading.Event() for k in ("big", "small")}
     done = threading.Event()  # set when either long generation ends: from then on queues differ
+    finish = threading.Event()  # the client closes both streams
 
     def generate(key: str, prompt: str) -> None:
         body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": LONG_TOKENS, "ignore_eos": True,
@@ -266,7 +276,8 @@ def router_round(c) -> tuple[str, str, Counter]:
                 holders[key], codes[key] = r.headers["x-vtoken-node"], r.status_code
                 started[key].set()
                 for _ in r.iter_lines():
-                    pass
+                    if finish.is_set():
+                        break
         finally:
             done.set()
 
@@ -290,9 +301,13 @@ def router_round(c) -> tuple[str, str, Counter]:
                 break
             shorts[node] += 1
     finally:
+        finish.set()
+        closed = time.monotonic()
         for t in threads:
-            t.join(600)
-    return holders["small"], holders["big"], shorts
+            t.join(120)
+    wait_for(lambda: all(v.get("vllm:num_requests_running") == 0 for v in exported(c).values()),
+             "both replicas idle after the client closed its streams", 300, 0.5, lambda: diagnosis(c))
+    return holders["small"], holders["big"], shorts, time.monotonic() - closed
 
 
 def test_prometheus_finds_every_replica_on_every_node_through_the_registry(cluster):
