@@ -15,7 +15,7 @@ import pytest
 
 from vtoken.core.kvstats import KVSnapshot
 from vtoken.serve.control.autoscaling import KVAutoscalingPolicy, ScalingParams, decide
-from vtoken.serve.control.ranking import RouterParams, effective_free_tokens, rank_by_kv
+from vtoken.serve.control.ranking import RouterParams, effective_free_tokens, rank_by_kv, stats_as_of
 from vtoken.serve.control.router import UNSCORED_LOG_EVERY_S, KVAwareRouter
 from vtoken.serve.telemetry.stats import routing_stats
 
@@ -130,11 +130,32 @@ def test_replicas_ranked_last_are_logged_once_per_period(monkeypatch, caplog):
     for _ in range(3):
         asyncio.run(router.choose_replicas([fresh, stale, silent]))
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["vtoken router: replica B ranked last: stats polled 60.0 s ago (stale after 5.0 s)",
+    assert lines == [("vtoken router: replica B ranked last: stats polled 60.0 s before the freshest "
+                      "replica's, 60.0 s ago (stale after 5.0 s)"),
                      "vtoken router: replica C ranked last: no routing stats"]
-    clock[0] += UNSCORED_LOG_EVERY_S  # a period later all three polls are stale: each is logged (again)
+    clock[0] += UNSCORED_LOG_EVERY_S  # a period later, no new poll: B and C again; A aged with them, fresh
     asyncio.run(router.choose_replicas([fresh, stale, silent]))
-    assert sorted(r.getMessage().split(" ranked")[0][-1] for r in caplog.records[2:]) == ["A", "B", "C"]
+    assert sorted(r.getMessage().split(" ranked")[0][-1] for r in caplog.records[2:]) == ["B", "C"]
+
+
+def test_staleness_is_judged_against_the_freshest_poll(monkeypatch):
+    """Serve's controller polls every replica in one loop: when a loaded head falls behind, all polls
+    age together and still rank by KV; a replica whose poll lags the others' (it stopped answering) is
+    stale. A poll stamped ahead of the router's clock counts as now."""
+    monkeypatch.setattr("vtoken.serve.control.router.time.time", lambda: NOW)
+    assert stats_as_of([stats(held=0, polled=NOW - 8), stats(held=0, polled=NOW - 9), None, {}], NOW) == NOW - 8
+    assert stats_as_of([None, {}], NOW) == NOW and stats_as_of([stats(held=0, polled=NOW + 5)], NOW) == NOW
+    lagging = [FakeReplica(replica_id="A", routing_stats=stats(held=50, running=1, polled=NOW - 8)),
+               FakeReplica(replica_id="B", routing_stats=stats(held=2, running=1, polled=NOW - 9))]
+    router = make_router({"A": 1, "B": 1})
+    for _ in range(5):
+        ranks = asyncio.run(router.choose_replicas(lagging))
+        assert [[r.replica_id for r in rank] for rank in ranks] == [["B"], ["A"]]
+    assert (router.kv_routed, router.fallbacks) == (5, 0)
+    # one stopped answering 8 s before the other's last poll: stale; the other still ranks by KV
+    behind = FakeReplica(replica_id="C", routing_stats=stats(held=0, polled=NOW - 16))
+    ranks = asyncio.run(router.choose_replicas([lagging[0], behind]))
+    assert [[r.replica_id for r in rank] for rank in ranks] == [["A"], ["C"]]
 
 
 def test_concurrent_choices_are_spread_by_reservations(monkeypatch):

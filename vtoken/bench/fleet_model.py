@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vtoken.serve.control.ranking import RouterParams, effective_free_tokens, rank_by_kv
+from vtoken.serve.control.ranking import RouterParams, effective_free_tokens, rank_by_kv, stats_as_of
 from vtoken.serve.telemetry.stats import POLLED_AT
 
 MODES = ("naive", "repack")
@@ -118,8 +118,8 @@ class KVAware(Router):
     """The project's KV-aware ranking (see the module docstring).
 
     ``memo``: a replica's score is recomputed (with ``effective_free_tokens``) only when its stats dict
-    (a new poll) or its queue length changed, or its poll could have gone stale — same function, same
-    inputs, same score; ``rank_by_kv`` still runs over every replica for every request. The runs'
+    (a new poll), its queue length or its staleness (as of ``stats_as_of`` over the candidates) changed —
+    same function, same inputs, same score; ``rank_by_kv`` still runs over every replica for every request. The runs'
     ``decision_us`` is this memoized cost; ``decision_cost`` measures the router's full per-request work.
     """
 
@@ -130,22 +130,23 @@ class KVAware(Router):
         self.params = params or RouterParams()
         self.fallback = PowerOfTwo(seed + 1)
         self.fallbacks = 0
-        self.memo: dict[int, tuple[object, int, float | None]] | None = {} if memo else None
+        self.memo: dict[int, tuple[object, int, bool, float | None]] | None = {} if memo else None
 
-    def score(self, r: int, stats: dict | None, queue: int, now: float) -> float | None:
+    def score(self, r: int, stats: dict | None, queue: int, as_of: float) -> float | None:
+        fresh = stats is not None and as_of - stats[POLLED_AT] <= self.params.stale_after_s
         if self.memo is not None:
             hit = self.memo.get(r)
-            if hit is not None and hit[0] is stats and hit[1] == queue and (
-                    stats is None or now - stats[POLLED_AT] <= self.params.stale_after_s):
-                return hit[2]
-        value = effective_free_tokens(stats or {}, queue, self.params, now)
+            if hit is not None and hit[0] is stats and hit[1] == queue and hit[2] == fresh:
+                return hit[3]
+        value = effective_free_tokens(stats or {}, queue, self.params, as_of)
         if self.memo is not None:
-            self.memo[r] = (stats, queue, value)
+            self.memo[r] = (stats, queue, fresh, value)
         return value
 
     def ranks(self, stats: list, queue: list[int], replicas: list[int], now: float):
         """``rank_by_kv`` of ``replicas`` scored by ``effective_free_tokens`` (None: no fresh stats)."""
-        scores = [(r, self.score(r, s, q, now)) for r, s, q in zip(replicas, stats, queue, strict=True)]
+        as_of = stats_as_of(stats, now)
+        scores = [(r, self.score(r, s, q, as_of)) for r, s, q in zip(replicas, stats, queue, strict=True)]
         return rank_by_kv(scores, self.params.tie_tokens, self.rng)
 
     def choose(self, fleet, candidates, now):

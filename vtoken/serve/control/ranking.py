@@ -8,7 +8,7 @@ formula.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -28,9 +28,13 @@ class RouterParams:
     """The KV-aware router's hyperparameters: their one declaration (``router.*`` in the serving config,
     ``request_router_kwargs`` for Serve, ``KVAwareRouter.initialize_state``). Validated on construction.
 
-    - ``stale_after_s``: stats whose poll is older than this (the replica stopped answering
-      ``record_routing_stats``) are ignored; set it to a few ``stats_period_s``. The age of the engine
-      step behind the numbers is *not* a reason to ignore them: a replica inside a long prefill step
+    - ``stale_after_s``: stats polled more than this before the freshest candidate's poll (the replica
+      stopped answering ``record_routing_stats`` while the others did; ``stats_as_of``) are ignored; set
+      it to a few ``stats_period_s``. Stats that all aged together are used: Serve's controller polls
+      every replica in one loop, and on a loaded head it falls behind for all of them (seen: 7–9 s with
+      0.5 s polls at load average 20) — their numbers still compare, and ignoring them all would hand
+      routing to power of two exactly under load. The age of the engine step behind the numbers is
+      *not* a reason to ignore them either: a replica inside a long prefill step
       still holds (at least) the KV it reported, and requests sent to it since are charged through
       Serve's live queue-length cache. Dropping such a replica to the last rank herds a burst onto the
       other replicas (measured: 22/2 split of 24 requests).
@@ -65,12 +69,27 @@ class RouterParams:
         return {f.name: getattr(self, f.name) for f in fields(RouterParams)}
 
 
+def stats_as_of(stats: Iterable[Mapping[str, Any] | None], now: float) -> float:
+    """The instant staleness is judged at (pure): the newest ``polled_at`` among ``stats`` (``None`` and
+    dicts without one are skipped), at most ``now``; ``now`` when none has one. With it a replica is stale
+    when its poll lags the others', not when every poll lags (see ``RouterParams.stale_after_s``)."""
+    polls = []
+    for one in stats:
+        try:
+            polls.append(float(one[POLLED_AT]))  # type: ignore[index]
+        except (KeyError, TypeError, ValueError):
+            continue
+    return min(now, max(polls)) if polls else now
+
+
 def effective_free_tokens(
-    stats: Mapping[str, Any], queue_len: int | None, params: RouterParams, now: float, reserved: int = 0
+    stats: Mapping[str, Any], queue_len: int | None, params: RouterParams, as_of: float, reserved: int = 0
 ) -> float | None:
     """The ranking score of one replica, or None if its stats are missing or stale (pure).
 
-    ``reserved``: requests this router has just ranked first on the replica but not sent yet."""
+    ``as_of``: the instant staleness is judged at (``stats_as_of`` over the candidates; the wall clock
+    for a lone replica). ``reserved``: requests this router has just ranked first on the replica but not
+    sent yet."""
     try:
         polled_at = float(stats[POLLED_AT])
         free = float(stats[FREE_KV_TOKENS])
@@ -80,7 +99,7 @@ def effective_free_tokens(
         running = float(stats[NUM_RUNNING])
     except (KeyError, TypeError, ValueError):
         return None
-    if now - polled_at > params.stale_after_s:
+    if as_of - polled_at > params.stale_after_s:
         return None
     pending = max(waiting, float(queue_len or 0) - running) + reserved
     wasted = min(1.0, max(0.0, frag)) * held_slots

@@ -20,7 +20,8 @@ these reservations a burst all reads the same numbers and lands on one replica (
 
 Replicas are sorted by ``effective_free``; those within ``tie_tokens`` of a rank's best share the
 rank, and Serve picks the one with the shortest queue inside it (the queue-length tie-break). Replicas
-with missing or stale stats go into a last rank, and the router logs it (``ray.serve`` logger, so the
+with missing or stale stats (polled ``stale_after_s`` before the freshest candidate: ``stats_as_of``)
+go into a last rank, and the router logs it (``ray.serve`` logger, so the
 line lands in the proxy's or handle's Serve log; once per ``UNSCORED_LOG_EVERY_S`` per replica): a
 replica that stops reporting is an operational fault, and a request that seems to ignore the ranking is
 explained there. When no replica has fresh stats the router degrades to power-of-two-choices (two random
@@ -37,7 +38,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from vtoken.serve.control.ranking import RouterParams, effective_free_tokens, rank_by_kv
+from vtoken.serve.control.ranking import RouterParams, effective_free_tokens, rank_by_kv, stats_as_of
 from vtoken.serve.telemetry.stats import POLLED_AT
 
 logger = logging.getLogger("ray.serve")
@@ -75,14 +76,15 @@ class KVAwareRouter(RequestRouter):
             now + self.params.reservation_ttl_s,
         )
 
-    def _log_unscored(self, replica: RunningReplica, params: RouterParams, now: float) -> None:
+    def _log_unscored(self, replica: RunningReplica, params: RouterParams, now: float, as_of: float) -> None:
         """Log (rate-limited per replica) that ``replica`` has missing or stale stats and ranks last."""
         logged = getattr(self, "_unscored_logged", None)
         if logged is None or now - logged.get(replica.replica_id, float("-inf")) < UNSCORED_LOG_EVERY_S:
             return
         logged[replica.replica_id] = now
         polled = (replica.routing_stats or {}).get(POLLED_AT)
-        why = (f"stats polled {now - float(polled):.1f} s ago (stale after {params.stale_after_s} s)"
+        why = (f"stats polled {as_of - float(polled):.1f} s before the freshest replica's, "
+               f"{now - float(polled):.1f} s ago (stale after {params.stale_after_s} s)"
                if isinstance(polled, (int, float)) else "no routing stats")
         logger.warning("vtoken router: replica %s ranked last: %s", replica.replica_id, why)
 
@@ -101,18 +103,19 @@ class KVAwareRouter(RequestRouter):
         if pending_request is not None:  # a retry re-ranks: do not count this request twice
             getattr(self, "_reservations", {}).pop(pending_request.metadata.internal_request_id, None)
         reserved = self._reserved_counts(now)
+        as_of = stats_as_of((r.routing_stats for r in candidate_replicas), now)
         scores = [
             (
                 r,
                 effective_free_tokens(
-                    r.routing_stats or {}, cache.get(r.replica_id), params, now, reserved[r.replica_id]
+                    r.routing_stats or {}, cache.get(r.replica_id), params, as_of, reserved[r.replica_id]
                 ),
             )
             for r in candidate_replicas
         ]
         for replica, score in scores:
             if score is None:
-                self._log_unscored(replica, params, now)
+                self._log_unscored(replica, params, now, as_of)
         ranks = rank_by_kv(scores, params.tie_tokens)
         if ranks is not None:
             self.kv_routed += 1
