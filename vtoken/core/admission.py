@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from vtoken.errors import ConfigError
 
 HEADROOM = 0.9  # predicted step ≤ 90 % of the TPOT target: steps vary, and TPOT also carries prefill steps
+CAP_SLACK = 1e-9  # requests: a batch that meets the target to rounding still counts as meeting it
 
 
 def _positive_number(value: object) -> bool:
@@ -184,9 +185,18 @@ def cap_with_overhead(a: float, b: float, overhead: float, batch: float, limit_s
     does): below ``batch`` the overhead is charged per request, at and above it as measured."""
     if overhead <= 0 or batch <= 0:
         return cap_for(a, b, limit_s, max_n)
-    if a + b * batch + overhead > limit_s:  # the crossing is below the measured batch
+    if not fits(a + overhead, b, batch, limit_s):  # the crossing is below the measured batch
         return min(cap_for(a, b + overhead / batch, limit_s, max_n), max(1, math.floor(batch)))
     return max(min(max_n, math.floor(batch)), cap_for(a + overhead, b, limit_s, max_n))  # ≥ the batch met
+
+
+def fits(a: float, b: float, n: float, limit_s: float) -> bool:
+    """``a + b·n ≤ limit_s`` computed as ``cap_for`` computes it (the quotient, the same slack): the sum
+    would round a tiny ``b·n`` away where the quotient does not, and the two caps would disagree
+    (hypothesis found ``a = limit_s``, ``b ≈ 1e-238``)."""
+    if b <= 0:
+        return a <= limit_s
+    return (limit_s - a) / b + CAP_SLACK >= n
 
 
 def cap_for(a: float, b: float, limit_s: float, max_n: int) -> int:
@@ -194,7 +204,7 @@ def cap_for(a: float, b: float, limit_s: float, max_n: int) -> int:
     max_n = max(1, int(max_n))
     if b <= 0:
         return max_n if a <= limit_s else 1
-    n = (limit_s - a) / b + 1e-9  # ±inf for a slope so small that the quotient overflows
+    n = (limit_s - a) / b + CAP_SLACK  # ±inf for a slope so small that the quotient overflows
     if n >= max_n:
         return max_n
     return 1 if n < 1 else math.floor(n)
