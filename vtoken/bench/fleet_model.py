@@ -119,8 +119,9 @@ class KVAware(Router):
 
     ``memo``: a replica's score is recomputed (with ``effective_free_tokens``) only when its stats dict
     (a new poll), its queue length or its staleness (as of ``stats_as_of`` over the candidates) changed —
-    same function, same inputs, same score; ``rank_by_kv`` still runs over every replica for every request. The runs'
-    ``decision_us`` is this memoized cost; ``decision_cost`` measures the router's full per-request work.
+    same function, same inputs, same score; ``rank_by_kv`` still runs over every replica for every
+    request. The runs' ``decision_us`` is this memoized cost; ``decision_cost`` measures the router's full
+    per-request work.
     """
 
     name = "kv"
