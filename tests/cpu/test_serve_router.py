@@ -17,7 +17,7 @@ from vtoken.core.kvstats import KVSnapshot
 from vtoken.serve.control.autoscaling import KVAutoscalingPolicy, ScalingParams, decide
 from vtoken.serve.control.ranking import RouterParams, effective_free_tokens, rank_by_kv, stats_as_of
 from vtoken.serve.control.router import UNSCORED_LOG_EVERY_S, KVAwareRouter
-from vtoken.serve.telemetry.stats import routing_stats
+from vtoken.serve.telemetry.stats import POLLED_AT, routing_stats
 
 NOW = 1_000_000.0
 P = RouterParams(stale_after_s=5.0, fragmentation_weight=0.5, tokens_per_queued_request=256, tie_tokens=64)
@@ -125,17 +125,19 @@ def test_replicas_ranked_last_are_logged_once_per_period(monkeypatch, caplog):
     fresh = FakeReplica(replica_id="A", routing_stats=stats(held=1))
     stale = FakeReplica(replica_id="B", routing_stats=stats(held=0, polled=NOW - 60))
     silent = FakeReplica(replica_id="C", routing_stats={})
+    partial = FakeReplica(replica_id="D", routing_stats={POLLED_AT: NOW})
     router = make_router({})
     caplog.set_level("WARNING", logger="ray.serve")
     for _ in range(3):
-        asyncio.run(router.choose_replicas([fresh, stale, silent]))
+        asyncio.run(router.choose_replicas([fresh, stale, silent, partial]))
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [("vtoken router: replica B ranked last: stats polled 60.0 s before the freshest "
                       "replica's, 60.0 s ago (stale after 5.0 s)"),
-                     "vtoken router: replica C ranked last: no routing stats"]
+                     "vtoken router: replica C ranked last: no routing stats",
+                     "vtoken router: replica D ranked last: its routing stats lack a number the ranking needs"]
     clock[0] += UNSCORED_LOG_EVERY_S  # a period later, no new poll: B and C again; A aged with them, fresh
-    asyncio.run(router.choose_replicas([fresh, stale, silent]))
-    assert sorted(r.getMessage().split(" ranked")[0][-1] for r in caplog.records[2:]) == ["B", "C"]
+    asyncio.run(router.choose_replicas([fresh, stale, silent, partial]))
+    assert sorted(r.getMessage().split(" ranked")[0][-1] for r in caplog.records[3:]) == ["B", "C", "D"]
 
 
 def test_staleness_is_judged_against_the_freshest_poll(monkeypatch):

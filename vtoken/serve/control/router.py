@@ -83,9 +83,13 @@ class KVAwareRouter(RequestRouter):
             return
         logged[replica.replica_id] = now
         polled = (replica.routing_stats or {}).get(POLLED_AT)
-        why = (f"stats polled {as_of - float(polled):.1f} s before the freshest replica's, "
-               f"{now - float(polled):.1f} s ago (stale after {params.stale_after_s} s)"
-               if isinstance(polled, (int, float)) else "no routing stats")
+        if not isinstance(polled, (int, float)):
+            why = "no routing stats"
+        elif as_of - polled <= params.stale_after_s:
+            why = "its routing stats lack a number the ranking needs"
+        else:
+            why = (f"stats polled {as_of - polled:.1f} s before the freshest replica's, {now - polled:.1f} s "
+                   f"ago (stale after {params.stale_after_s} s)")
         logger.warning("vtoken router: replica %s ranked last: %s", replica.replica_id, why)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
