@@ -32,6 +32,7 @@ import yaml
 from ops_support import ROOT, load_module
 from serve_support import PrometheusServer, wait_for
 
+from vtoken.bench.serve_results import ReplicaMetrics
 from vtoken.serve.config import ServeAppConfig
 from vtoken.serve.launch import procs
 from vtoken.serve.launch.cluster import ClusterState
@@ -43,6 +44,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune "
 LONG_TOKENS = 6400  # the router test's long generations: ≈1570 + 6400 ≤ max_model_len 8160
+STATS_PERIOD_S = 0.5  # router.stats_period_s: how often Serve polls each replica's routing stats
 CLUSTER = [sys.executable, "-m", "vtoken.serve.launch.cluster"]
 build = load_module(ROOT / "dashboards" / "build.py")
 
@@ -58,7 +60,7 @@ def app_config(metrics_port: int) -> ServeAppConfig:
                         "downscale_kv_utilization": 0.01, "target_kv_utilization": 0.3,
                         "metrics_interval_s": 0.5, "look_back_period_s": 2.0, "upscale_delay_s": 1.0,
                         "downscale_delay_s": 3600.0},
-        "router": {"stats_period_s": 0.5, "stale_after_s": 3.0},
+        "router": {"stats_period_s": STATS_PERIOD_S, "stale_after_s": 3.0},
         "metrics": {"port": metrics_port, "port_span": 3, "port_wait_s": 1.0},
     })
 
@@ -154,11 +156,11 @@ def diagnosis(c) -> str:
     serve_cli = str(Path(sys.executable).with_name("serve"))
     status = subprocess.run([serve_cli, "status", "--address", c.state.dashboard], capture_output=True,
                             text=True, timeout=60).stdout
-    serve_logs = Path(c.state.state_dir, "ray").glob("session_2*/logs/serve/*.log")  # not session_latest
-    router = [line for log in sorted(serve_logs) if "proxy_" in log.name
+    serve_logs = sorted(Path(c.state.state_dir, "ray").glob("session_2*/logs/serve/*.log"))  # not _latest
+    router = [line for log in serve_logs if log.name.startswith("proxy_")
               for line in log.read_text(errors="replace").splitlines() if "vtoken router" in line]
-    logs = sorted(Path(c.state.state_dir, "ray").glob("session_2*/logs/serve/controller_*.log"))
-    tail = logs[-1].read_text()[-4000:] if logs else "(no controller log)"
+    controller = [log for log in serve_logs if log.name.startswith("controller_")]
+    tail = controller[-1].read_text()[-4000:] if controller else "(no controller log)"
     return (f"serve status:\n{status}\nreplicas (exported):\n{replica_view(c)}\nrouter, ranked last "
             f"({len(router)} lines):\n" + "\n".join(router[-10:]) + f"\ncontroller log (end):\n{tail}")
 
@@ -167,16 +169,15 @@ EXPORTED = ("vtoken:free_kv_tokens", "vtoken:held_blocks", "vllm:num_requests_ru
             "vllm:num_requests_waiting", "vtoken:routing_stats_polls_total")
 
 
-def exported(c) -> dict[str, dict[str, float | str]]:
+def exported(c) -> dict[str, dict[str, float | str | None]]:
     """``{node name: {metric: value}}`` for ``EXPORTED``, read now from each registered replica's metrics
-    endpoint (``{"error": ...}`` for one that does not answer)."""
-    out: dict[str, dict[str, float | str]] = {}
+    endpoint (``None``: not exported; ``{"error": ...}`` for a replica that does not answer)."""
+    out: dict[str, dict[str, float | str | None]] = {}
     for group in json.loads(c.sd_file.read_text()):
         node = c.names.get(group["labels"].get("__meta_vtoken_node", ""), "?")
         try:
             text = httpx.get(f"http://{group['targets'][0]}/metrics", timeout=10).text
-            out[node] = {line.split("{")[0].split(" ")[0]: float(line.rsplit(" ", 1)[-1])
-                         for line in text.splitlines() if line.startswith(EXPORTED)}
+            out[node] = {name: ReplicaMetrics.sample(text, name) for name in EXPORTED}
         except httpx.HTTPError as exc:
             out[node] = {"error": repr(exc)}
     return out
@@ -285,7 +286,7 @@ def router_round(c) -> tuple[str, str, Counter, float]:
     threads[0].start()
     try:
         assert started["big"].wait(120) and codes["big"] == 200, codes
-        time.sleep(2.0)  # four stats polls: the router sees the big request's blocks
+        time.sleep(4 * STATS_PERIOD_S)  # four stats polls: the router sees the big request's blocks
         threads.append(threading.Thread(target=generate, args=("small", "hi"), daemon=True))
         threads[1].start()
         assert started["small"].wait(120) and codes["small"] == 200, codes
@@ -293,7 +294,10 @@ def router_round(c) -> tuple[str, str, Counter, float]:
         assert holders["big"] != holders["small"], (
             f"the short-prompt generation went to the long prompt's node ({c.names[holders['big']]})\n"
             f"{diagnosis(c)}")
-        time.sleep(2.0)
+        # four more: the router sees the second generation running (until then Serve's queue counts it
+        # as queued, charged ``tokens_per_queued_request``); the router's copy of the stats cannot be read
+        # from here, so the wait is in poll periods
+        time.sleep(4 * STATS_PERIOD_S)
         shorts: Counter = Counter()
         for _ in range(SHORTS):  # only answers routed while both long generations still run count
             node = complete(c.http, max_tokens=2).headers["x-vtoken-node"]
