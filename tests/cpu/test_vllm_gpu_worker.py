@@ -31,7 +31,8 @@ def test_one_worker_name_builds_the_platforms_worker():
     from vtoken.vllm.gpu_worker import VTokenGPUModelRunner, VTokenGPUWorker
     from vtoken.vllm.internals import is_vtoken_worker
     from vtoken.vllm.runner import VTokenRunnerMixin
-    from vtoken.vllm.worker import VTokenCPUWorker, VTokenWorker, platform_worker_class
+    from vtoken.vllm.cpu_worker import VTokenCPUWorker
+    from vtoken.vllm.worker import VTokenWorker, platform_worker_class
 
     assert WORKER_CLS == "vtoken.vllm.worker.VTokenWorker" and engine_kwargs()["worker_cls"] == WORKER_CLS
     assert platform_worker_class(_platform("cpu")) is VTokenCPUWorker
@@ -42,7 +43,7 @@ def test_one_worker_name_builds_the_platforms_worker():
     assert issubclass(VTokenGPUWorker, VTokenWorker) and issubclass(VTokenCPUWorker, VTokenWorker)
     assert issubclass(VTokenGPUModelRunner, VTokenRunnerMixin)
     assert issubclass(VTokenGPUModelRunner, GPUModelRunner)
-    for name in (WORKER_CLS, "vtoken.vllm.worker.VTokenCPUWorker", "vtoken.vllm.gpu_worker.VTokenGPUWorker"):
+    for name in (WORKER_CLS, "vtoken.vllm.cpu_worker.VTokenCPUWorker", "vtoken.vllm.gpu_worker.VTokenGPUWorker"):
         assert is_vtoken_worker(name)
 
 

@@ -60,14 +60,20 @@ Engine construction (worker and scheduler) — ``vtoken/vllm/engine_setup.py``
     ``vllm.config.compilation``), ``max_cudagraph_capture_size``, ``cudagraph_capture_sizes`` — read; set to
     PIECEWISE (or NONE) for attention policies: FULL graphs do not replay the ``impl.forward`` wrapper.
 
-Worker side (worker process) — ``vtoken/vllm/runner.py``, ``results.py``, ``worker.py``, ``gpu_worker.py``
+Worker side (worker process) — ``vtoken/vllm/runner.py``, ``results.py``, ``worker.py``, ``cpu_worker.py``,
+``gpu_worker.py``
   * ``vllm.v1.worker.gpu_worker.Worker`` — subclassed by ``VTokenWorker`` (``worker_cls``), whose ``__new__``
     picks the platform's subclass from ``vllm.platforms.current_platform`` (``is_cpu`` / ``is_cuda`` /
     ``device_name``). CUDA: ``VTokenGPUWorker`` overrides ``Worker._make_model_runner`` (vLLM's hook for
     subclasses) to build ``VTokenGPUModelRunner`` (``GPUModelRunner(vllm_config, device)``); reads
     ``use_v2_model_runner``, ``vllm_config.is_mm_encoder_only``.
   * ``vllm.v1.worker.cpu_worker.CPUWorker`` — ``VTokenCPUWorker``'s second base; ``init_device`` switches the
-    ``CPUModelRunner`` instance's class (``use_v2_model_runner`` checked: only V1 is hooked).
+    ``CPUModelRunner`` instance's class (``use_v2_model_runner`` checked: only V1 is hooked). Importing
+    that module imports ``vllm.v1.worker.cpu.shm``, which replaces ``torch.cuda.Event``/``Stream``/
+    ``current_stream``/``stream``, ``torch.Event``, ``Tensor.pin_memory``, ``torch.accelerator``'s
+    ``synchronize``/``get_memory_info`` and ``vllm.utils.torch_utils.async_tensor_h2d`` process-wide, so
+    ``vtoken/vllm/cpu_worker.py`` is imported only on the CPU platform (``platform_worker_class``) and no
+    module vLLM imports by name (``engine_kwargs``' scheduler, worker; the plugin) imports it.
   * ``vllm.model_executor.models.utils.extract_layer_index`` — each attention layer's index from its name
     (``model.layers.12.self_attn.attn`` → 12): the forward order ``score_layers`` is spread over
     (``runner._forward_order``; the listed order when a name carries none).
@@ -111,8 +117,8 @@ from importlib import metadata
 
 PINNED_VLLM_VERSION = "0.32.0"
 PINNED_SERIES = "0.32."
-_WORKERS = ("vtoken.vllm.worker.VTokenWorker", "vtoken.vllm.worker.VTokenCPUWorker",
-            "vtoken.vllm.gpu_worker.VTokenGPUWorker")
+_WORKERS = ("vtoken.vllm.worker.VTokenWorker", "vtoken.vllm.cpu_worker.VTokenCPUWorker",
+            "vtoken.vllm.gpu_worker.VTokenGPUWorker")  # by name: checking them must not import a platform
 
 
 class VLLMVersionError(RuntimeError):

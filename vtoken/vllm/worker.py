@@ -5,7 +5,8 @@ vToken ships a worker class. ``VTokenWorker`` is the one name to use: constructi
 implementation for vLLM's current platform (``platform_worker_class``)::
 
     CPU    VTokenCPUWorker = VTokenWorker + vLLM's CPUWorker; init_device switches the fresh V1
-           CPUModelRunner instance to VTokenCPUModelRunner (probed CPU layout, torch mover and scores)
+           CPUModelRunner instance to VTokenCPUModelRunner (probed CPU layout, torch mover and scores;
+           vtoken/vllm/cpu_worker.py, imported only there)
     CUDA   VTokenGPUWorker = VTokenWorker + vLLM's GPU Worker; _make_model_runner builds
            VTokenGPUModelRunner (layout from the cache view's strides, Triton mover and scores;
            vtoken/vllm/gpu_worker.py, imported only there)
@@ -15,19 +16,20 @@ engine configurations vToken cannot keep exact (``check_engine_config``: a bad v
 feature fails start-up in seconds, before the model loads) and applies the engine choices of
 ``vtoken.vllm.engine_setup`` to this engine's config: vLLM's V1 model runner, and PIECEWISE CUDA graphs
 for attention policies. Nothing is patched at import time or globally.
+
+Importing this module imports no platform's worker: vLLM imports it in *every* worker process to resolve
+``--worker-cls``, and vLLM's CPU worker module (``vllm.v1.worker.cpu_worker``) replaces ``torch.cuda.Event``,
+streams, ``Tensor.pin_memory`` and more process-wide when it is imported (``vllm.v1.worker.cpu.shm``), which
+on a CUDA worker would break event timing, vLLM's async output copy and memory profiling. Each platform's
+classes are imported by ``platform_worker_class`` only on that platform
+(``tests/cpu/test_vllm_import_hygiene.py``).
 """
 
 from __future__ import annotations
 
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker
 
 from vtoken.errors import ConfigError
-from vtoken.kernels.gpu_layout import paged_layout
-from vtoken.kernels.moves import TorchSlotMover
-from vtoken.kernels.scores import ScoreAccumulator
-from vtoken.vllm.runner import VTokenRunnerMixin
 
 
 class VTokenWorker(Worker):
@@ -59,51 +61,11 @@ def platform_worker_class(platform=None) -> type[VTokenWorker]:
     if platform is None:
         from vllm.platforms import current_platform as platform
     if platform.is_cpu():
+        from vtoken.vllm.cpu_worker import VTokenCPUWorker
+
         return VTokenCPUWorker
     if platform.is_cuda():
         from vtoken.vllm.gpu_worker import VTokenGPUWorker
 
         return VTokenGPUWorker
     raise ConfigError(f"vToken runs on vLLM's CPU and CUDA platforms, not on {platform.device_name!r}")
-
-
-class VTokenCPUModelRunner(VTokenRunnerMixin, CPUModelRunner):
-    """vLLM's V1 CPU model runner with vToken's step hooks (torch mover and scores on the probed layout)."""
-
-    def _vt_make_layout(self, layer):
-        """Ask the CPU backend's own cache writer where each token's elements go (its ISA packs blocks)."""
-        from vllm import _custom_ops as ops
-
-        from vtoken.kernels.layout import probe_layout
-
-        kv = layer.kv_cache
-        _, nkv, bs, two_hd = kv.shape
-        isa = getattr(layer, "isa", None)
-        if isa is None:
-            raise RuntimeError("vToken: the CPU attention layer has no ISA set (backend changed?)")
-        if "fp8" in str(getattr(layer.impl, "kv_cache_dtype", "auto")):
-            raise RuntimeError("vToken does not support quantized (fp8) KV caches yet")
-
-        def writer(k, v, kc, vc, sm):
-            ops.cpu_attn_reshape_and_cache(k, v, kc, vc, sm, isa, k_scale=1.0, v_scale=1.0,
-                                           kv_cache_dtype="auto")
-
-        token_layout = probe_layout(writer, bs, nkv, two_hd // 2, kv.dtype)
-        return token_layout, paged_layout(kv, "cpu", token_layout)
-
-    def _vt_make_mover(self, layout):
-        return TorchSlotMover(layout)
-
-    def _vt_make_accumulator(self, layout):
-        return ScoreAccumulator(layout)
-
-
-class VTokenCPUWorker(VTokenWorker, CPUWorker):
-    """vLLM's CPU worker running ``VTokenCPUModelRunner``."""
-
-    def init_device(self) -> None:
-        super().init_device()
-        if self.use_v2_model_runner or type(self.model_runner) is not CPUModelRunner:
-            got = type(self.model_runner).__name__
-            raise RuntimeError(f"vToken hooks vLLM's V1 CPU model runner, got {got}")
-        self.model_runner.__class__ = VTokenCPUModelRunner
