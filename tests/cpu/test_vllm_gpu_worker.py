@@ -43,7 +43,8 @@ def test_one_worker_name_builds_the_platforms_worker():
     assert issubclass(VTokenGPUWorker, VTokenWorker) and issubclass(VTokenCPUWorker, VTokenWorker)
     assert issubclass(VTokenGPUModelRunner, VTokenRunnerMixin)
     assert issubclass(VTokenGPUModelRunner, GPUModelRunner)
-    for name in (WORKER_CLS, "vtoken.vllm.cpu_worker.VTokenCPUWorker", "vtoken.vllm.gpu_worker.VTokenGPUWorker"):
+    for name in (WORKER_CLS, "vtoken.vllm.cpu_worker.VTokenCPUWorker",
+                 "vtoken.vllm.gpu_worker.VTokenGPUWorker"):
         assert is_vtoken_worker(name)
 
 
@@ -155,6 +156,125 @@ def test_results_are_finished_when_an_async_output_is_read():
     r._vt_result, r._vt_acc = StepResult(step=4), acc
     with pytest.raises(RuntimeError, match="FULL CUDA graph"):
         r._vt_attach(ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}))
+
+
+class _FakeCuda:
+    """``torch.cuda`` as ``HostReadback`` uses it, logging every wait and record (CPU tensors stand in)."""
+
+    def __init__(self):
+        self.log = []
+        cuda = self
+
+        class Stream:
+            def __init__(self, name="copy"):
+                self.name = name
+
+            def wait_stream(self, other):
+                cuda.log.append(("wait_stream", self.name, other.name))
+
+            def synchronize(self):
+                cuda.log.append(("stream_sync", self.name))
+
+        class Event:
+            def record(self, stream=None):
+                cuda.log.append(("record", cuda.active))
+
+            def synchronize(self):
+                cuda.log.append(("event_sync",))
+
+        self.Stream, self.Event, self.active, self._default = Stream, Event, "default", Stream("default")
+
+    def current_stream(self):
+        return self._default
+
+    def stream(self, s):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def ctx():
+            self.active = s.name
+            yield
+            self.active = "default"
+
+        return ctx()
+
+    def synchronize(self):
+        self.log.append(("device_sync",))
+
+
+class _DeviceTensor(torch.Tensor):
+    """Stands for device memory: anything computed from it stays one, and reading one on the host
+    (``.cpu()``, ``.numpy()``, ``.item()``, ``.tolist()``: an implicit stream sync on CUDA) is recorded."""
+
+    reads: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("cpu", "numpy", "item", "tolist"):
+            cls.reads.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("kind", ["triton", "torch"])
+def test_async_readback_waits_for_its_own_copy_only(kind):
+    """Async scheduling reads step N's output after step N+1 was enqueued: the statistics must have been
+    copied when N's work ended (side stream, event), and ``get_output`` may wait on that event only — a read
+    of a device buffer there (``.cpu()``) would wait for N+1's forward (issue 24, defect 2)."""
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+    from vtoken.vllm.results import HostReadback
+
+    class Inner(AsyncModelRunnerOutput):
+        def get_output(self):
+            return ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1},
+                                     sampled_token_ids=[[1], [2]])
+
+    r, views, *_ = _gpu_runner()
+    r._vt_setup()
+    assert r._vt_readback is None  # a CPU device: nothing to copy
+    cuda = _FakeCuda()
+    r._vt_readback = HostReadback(cuda)
+
+    def step(step_no):
+        make = TritonScoreAccumulator if kind == "triton" else PagedScoreAccumulator
+        acc = make(r._vt_layout)
+        for rid, q0 in (("a", 0), ("b", 1)):
+            acc.requests[rid] = RequestScores(q_start=q0, q_end=q0 + 1, seq_len=20 + q0,
+                                              block_row=torch.tensor([3 + q0, 7]), want_attention=True,
+                                              want_key_norm=False)
+        query = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(step_no))
+        for v in views:
+            acc.add_layer(query, None, v, 0.5)
+        r._vt_result, r._vt_acc = StepResult(step=step_no), acc
+        r._vt_norm_reqs, r._vt_norm_slots = {"a": (0, 1, 20)}, torch.tensor([3 * B + 3])
+        r._vt_key_norms()
+        want = result_of(attach_step_result_copy(acc, r._vt_norm_sum))
+        acc.to_host(lambda t: t.as_subclass(_DeviceTensor))  # the step's buffers now stand for device memory
+        r._vt_norm_sum = r._vt_norm_sum.as_subclass(_DeviceTensor)
+        return r._vt_attach(Inner()), want
+
+    from copy import deepcopy
+
+    from vtoken.vllm.results import attach_step_result
+
+    def attach_step_result_copy(acc, norm_sum):  # the synchronous result of the same statistics
+        parts = (StepResult(step=0), deepcopy(acc), {"a": (0, 1, 20)}, norm_sum.clone(), L, None)
+        return attach_step_result(ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}),
+                                  parts)
+
+    out, want = step(5)
+    assert cuda.log == [("wait_stream", "copy", "default"), ("record", "copy")]  # copied after step 5's work
+    out6, *_ = step(6)  # step 6 is enqueued before step 5's output is read
+    cuda.log.clear()
+    _DeviceTensor.reads.clear()
+    res = result_of(out.get_output())
+    # no device buffer read on the host (an implicit sync), no stream or device sync: the event only
+    assert _DeviceTensor.reads == [] and cuda.log == [("event_sync",)]
+    assert res.step == 5 and set(res.scores) == {"a", "b"}
+    for rid in ("a", "b"):  # the same statistics as the synchronous path
+        for field in ("accumulated", "last", "unimportant", "key_norm"):
+            got, ref = getattr(res.scores[rid], field), getattr(want.scores[rid], field)
+            assert (got is None) == (ref is None) and (got is None or np.array_equal(got, ref)), (rid, field)
 
 
 @pytest.fixture(scope="module")

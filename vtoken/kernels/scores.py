@@ -14,6 +14,7 @@ queries (SnapKV's observation window; fewer when the step has fewer prompt queri
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -157,6 +158,16 @@ class ScoreAccumulator:
             attention.append(self._dec_probs)
         return attention, [rs.key_norm for rs in self.requests.values() if rs.key_norm is not None]
 
+    def to_host(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace every buffer ``finish`` reads (``linear_buffers``) with ``copy(buffer)``: the runner passes
+        a non-blocking copy into pinned host memory, so ``finish`` then reads no device memory (async
+        scheduling reads the step's result after the next step was enqueued). Mutates the accumulators."""
+        for rs in self.requests.values():
+            rs.probs = copy(rs.probs) if rs.probs is not None else None
+            rs.key_norm = copy(rs.key_norm) if rs.key_norm is not None else None
+        if self._dec_probs is not None:
+            self._dec_probs = copy(self._dec_probs)
+
     def finish(self) -> dict[str, SlotScores]:
         """Per request: mean over layers, reduced to the statistics (``SlotScores``, plain numpy, picklable
         across the scheduler↔worker boundary): attention statistics over the row's slots ``0..seq_len-1``
@@ -214,6 +225,11 @@ class LayerGroups:
             attention.extend(a)
             norms.extend(n)
         return attention, norms
+
+    def to_host(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Every group's ``to_host`` (see ``ScoreAccumulator.to_host``). Mutates the accumulators."""
+        for _, acc in self.groups:
+            acc.to_host(copy)
 
     def finish(self) -> dict[str, SlotScores]:
         """Every group's ``finish``, merged (a request belongs to one group)."""

@@ -233,6 +233,14 @@ class TritonScoreAccumulator(ScoreAccumulator):
         norms = [rs.key_norm for rs in self.requests.values() if rs.key_norm is not None]
         return ([self._meta["sums"], self._meta["rows"]] if self._meta is not None else []), norms
 
+    def to_host(self, copy) -> None:
+        """Replace the step's sums, kept query rows and key norms with ``copy(buffer)`` (see
+        ``ScoreAccumulator.to_host``). Mutates the buffers' owners."""
+        if self._meta is not None:
+            self._meta["sums"], self._meta["rows"] = copy(self._meta["sums"]), copy(self._meta["rows"])
+        for rs in self.requests.values():
+            rs.key_norm = copy(rs.key_norm) if rs.key_norm is not None else None
+
     def finish(self) -> dict[str, SlotScores]:
         """Per request: the same ``SlotScores`` as ``ScoreAccumulator.finish`` (pure apart from reading)."""
         meta = self._meta

@@ -22,6 +22,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vtoken.kernels.gpu_layout import PagedScoreAccumulator, paged_layout
 from vtoken.kernels.triton_moves import TritonSlotMover
 from vtoken.kernels.triton_scores import TritonScoreAccumulator
+from vtoken.vllm.results import HostReadback
 from vtoken.vllm.runner import VTokenRunnerMixin
 from vtoken.vllm.worker import VTokenWorker
 
@@ -53,6 +54,14 @@ class VTokenGPUModelRunner(VTokenRunnerMixin, GPUModelRunner):
         if self.device.type == "cuda":
             return TritonScoreAccumulator(layout)
         return PagedScoreAccumulator(layout)
+
+    def _vt_make_readback(self):
+        """CUDA: async outputs copy the step's statistics on a side stream (``HostReadback``)."""
+        if self.device.type == "cuda":
+            import torch
+
+            return HostReadback(torch.cuda)
+        return None
 
 
 class VTokenGPUWorker(VTokenWorker):

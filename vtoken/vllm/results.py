@@ -5,6 +5,15 @@ output — at once for a ``ModelRunnerOutput``, or when an async output is read 
 ``parts`` is what ``VTokenRunnerMixin._vt_attach`` hands over: ``(result, score accumulator or None,
 {request: (start, end, seq_len)} of key-norm rows or None, Σ-over-layers key norms (device) or None, layer
 count, (start, end) CUDA events around the moves or None)``.
+
+With async scheduling vLLM reads step N's output after it has enqueued step N+1, so reading the statistics
+there with ``.cpu()`` would wait for N+1's forward on the current stream. ``HostReadback`` copies them the way
+vLLM copies its sampled tokens (``AsyncGPUModelRunnerOutput``): on a side stream, ordered after step N's work,
+into pinned host memory, with an event; ``get_output`` waits on that event only::
+
+    current stream   … forward N ─┬─ moves N+1, forward N+1 …
+    copy stream                   └─ wait ─ sums/rows/norms → pinned host ─ event N
+    get_output(N)                                                 event N.synchronize() → finish on host
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import torch
 from vllm.v1.outputs import AsyncModelRunnerOutput
 
 from vtoken.core.stats import SlotScores
@@ -51,13 +61,52 @@ def attach_step_result(out, parts):
     return attach_result(out, res) if (res.scores or res.num_moves) else out
 
 
+class HostReadback:
+    """Starts the copy of one step's device statistics to host memory without waiting for the device.
+
+    ``cuda`` is the ``torch.cuda`` module (a stand-in in the CPU tests). The copy stream is created once per
+    runner; each ``start`` makes it wait for the work already on the current stream (the step's forward, and
+    with TP the all-reduce), enqueues non-blocking copies into pinned host tensors, marks the device buffers
+    as used by that stream (the caching allocator must not hand them to step N+1 before the copy ran) and
+    records an event. Mutates the accumulator (its buffers become the host copies)."""
+
+    def __init__(self, cuda=torch.cuda) -> None:
+        self._cuda = cuda
+        self._stream = cuda.Stream()
+
+    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+        host.copy_(t, non_blocking=True)
+        if t.is_cuda:
+            t.record_stream(self._stream)
+        return host
+
+    def start(self, parts: tuple) -> tuple[tuple, object]:
+        """``(parts with host buffers, event)``: ``finish_step_result`` may run once the event completed."""
+        res, acc, norm_reqs, norm_sum, norm_layers, timer = parts
+        stream = self._stream
+        stream.wait_stream(self._cuda.current_stream())
+        with self._cuda.stream(stream):
+            if acc is not None:
+                acc.to_host(self._copy)
+            if norm_sum is not None:
+                norm_sum = self._copy(norm_sum)
+            ready = self._cuda.Event()
+            ready.record(stream)
+        return (res, acc, norm_reqs, norm_sum, norm_layers, timer), ready
+
+
 class DeferredResultOutput(AsyncModelRunnerOutput):
     """An ``AsyncModelRunnerOutput`` (async scheduling) whose ``get_output()`` also finishes and attaches the
-    step's vToken result, after vLLM's own copy (so the worker never waits for the GPU at sampling)."""
+    step's vToken result, after vLLM's own copy. ``ready``: the ``HostReadback`` event of this step's copy
+    (``None``: the buffers are host tensors already); only that event is waited on, never the stream."""
 
-    def __init__(self, inner, parts) -> None:
-        self._inner, self._parts = inner, parts
+    def __init__(self, inner, parts, ready=None) -> None:
+        self._inner, self._parts, self._ready = inner, parts, ready
 
     def get_output(self):
-        return attach_step_result(self._inner.get_output(), self._parts)
+        out = self._inner.get_output()
+        if self._ready is not None:
+            self._ready.synchronize()
+        return attach_step_result(out, self._parts)
 

@@ -23,8 +23,8 @@ Per step, in the order vLLM calls it::
                            under FULL CUDA graphs, which do not replay the Python wrapper)
     sample_tokens()        vLLM's sampling; with TP > 1 the step's score buffers are all-reduced over the
                            TP group (every rank, same order); the scores and move timings ride back on
-                           the ModelRunnerOutput (with async scheduling they are reduced to host arrays
-                           when the output is read)
+                           the ModelRunnerOutput (with async scheduling they are copied to pinned host
+                           memory on a side stream now and reduced when the output is read: HostReadback)
 
 Attention kernels are unchanged: live tokens occupy row slots ``0..live-1``, so ``seq_len = live`` is all the
 kernel needs; ``num_computed_tokens`` stays logical (discard mask, sampling, stop checks). The platform
@@ -47,7 +47,7 @@ from vtoken.kernels.gpu_layout import PagedLayout, key_offsets, read_k
 from vtoken.kernels.moves import SlotMover, unique_caches
 from vtoken.core.config import score_layer_indices
 from vtoken.kernels.scores import LayerGroups, RequestScores, ScoreAccumulator
-from vtoken.vllm.results import DeferredResultOutput, attach_step_result
+from vtoken.vllm.results import DeferredResultOutput, HostReadback, attach_step_result
 from vtoken.vllm.transport import StepPlan, StepResult, plan_of
 
 logger = logging.getLogger("vtoken.vllm")
@@ -71,6 +71,7 @@ class VTokenRunnerMixin:
     _vt_norm_layers: int = 1
     _vt_timer: tuple | None = None  # CUDA events around the moves (read when the result is finished)
     _vt_tp: object = None  # TPReducer with tensor parallelism (vtoken/vllm/tp.py), else None
+    _vt_readback: HostReadback | None = None  # CUDA: async outputs' statistics copied on a side stream
 
     # ------------------------------------------------------------------ platform hooks
     def _vt_make_layout(self, layer) -> tuple[object, PagedLayout]:
@@ -83,6 +84,10 @@ class VTokenRunnerMixin:
     def _vt_make_accumulator(self, layout) -> ScoreAccumulator:
         """A fresh accumulator for one step's attention statistics."""
         raise NotImplementedError
+
+    def _vt_make_readback(self) -> HostReadback | None:
+        """How async outputs read the step's statistics back (``None``: they are host tensors already)."""
+        return None
 
     # ------------------------------------------------------------------ setup (start-up, at KV init)
     def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, *args, **kwargs) -> None:
@@ -115,6 +120,7 @@ class VTokenRunnerMixin:
         self._vt_tp = tp_reducer(vllm_config) if vllm_config is not None else None
         self._vt_layout, self._vt_paged = self._vt_make_layout(layers[0])
         self._vt_mover = self._vt_make_mover(self._vt_layout)
+        self._vt_readback = self._vt_make_readback()
         self._vt_depth = len(layers)
         for index, layer in zip(_forward_order(groups[0].layer_names), layers):
             self._vt_wrap(layer, index)
@@ -318,7 +324,10 @@ class VTokenRunnerMixin:
                  self._vt_timer)
         self._vt_acc, self._vt_norm_reqs, self._vt_norm_sum, self._vt_timer = None, None, None, None
         if isinstance(out, AsyncModelRunnerOutput):
-            return DeferredResultOutput(out, parts)
+            ready = None
+            if self._vt_readback is not None:  # copy now (after this step's work), wait only for the copy
+                parts, ready = self._vt_readback.start(parts)
+            return DeferredResultOutput(out, parts, ready)
         return attach_step_result(out, parts)
 
 
