@@ -315,31 +315,51 @@ def test_v1_runner_is_pinned_on_the_engines_config(vllm_config, monkeypatch):
         pin_v1_model_runner(vllm_config())
 
 
-@pytest.mark.parametrize("policy,scores,compile_mode,expect", [
-    ("h2o", "auto", "VLLM_COMPILE", "PIECEWISE"),
-    ("tova", "auto", "VLLM_COMPILE", "PIECEWISE"),
-    ("scissorhands", "auto", "VLLM_COMPILE", "PIECEWISE"),
-    ("snapkv", "auto", "VLLM_COMPILE", "PIECEWISE"),
-    ("h2o", "auto", "NONE", "NONE"),
-    ("random", "auto", "VLLM_COMPILE", "FULL_AND_PIECEWISE"),
-    ("streamingllm", "auto", "VLLM_COMPILE", "FULL_AND_PIECEWISE"),
-    ("knorm", "auto", "VLLM_COMPILE", "FULL_AND_PIECEWISE"),
-    ("random", "always", "VLLM_COMPILE", "PIECEWISE"),
+_CUDA_SPLIT = "attention"  # vLLM's CUDA default: splitting_ops = the attention ops (+ KV-cache update)
+
+
+@pytest.mark.parametrize("policy,scores,compile_mode,split,expect", [
+    ("h2o", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
+    ("tova", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
+    ("scissorhands", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
+    ("snapkv", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
+    ("h2o", "auto", "NONE", _CUDA_SPLIT, "NONE"),
+    ("random", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "FULL_AND_PIECEWISE"),
+    ("streamingllm", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "FULL_AND_PIECEWISE"),
+    ("knorm", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "FULL_AND_PIECEWISE"),
+    ("random", "always", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
+    # splitting_ops=[] (or attention fusion): vLLM already made it FULL; PIECEWISE would capture attention
+    ("h2o", "auto", "VLLM_COMPILE", "empty", "NONE"),
+    ("snapkv", "auto", "VLLM_COMPILE", "empty", "NONE"),
+    ("knorm", "auto", "VLLM_COMPILE", "empty", "FULL_AND_PIECEWISE"),
+    # Inductor's graph partition splits at the attention ops too
+    ("h2o", "auto", "VLLM_COMPILE", "inductor-partition", "PIECEWISE"),
 ])
-def test_cudagraph_mode_per_policy(vllm_config, policy, scores, compile_mode, expect):
+def test_cudagraph_mode_per_policy(vllm_config, policy, scores, compile_mode, split, expect, caplog):
     """Query-free policies keep vLLM's FULL graphs; attention policies get PIECEWISE (their q·K hook is
-    Python, which FULL graphs do not replay), NONE where the compilation mode cannot split the graph."""
+    Python, which FULL graphs do not replay) only where attention is split out of the captured pieces, NONE
+    otherwise, with the setting named in the log (issue 24, defect 3)."""
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
     from vtoken.vllm.config import EngineSettings
     from vtoken.vllm.engine_setup import choose_cudagraph_mode
 
     cfg = vllm_config()
-    cfg.compilation_config.mode = CompilationMode[compile_mode]
-    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE  # vLLM's CUDA default
+    cc = cfg.compilation_config
+    cc.mode = CompilationMode[compile_mode]
+    cc.splitting_ops = [] if split == "empty" else list(cc._attention_ops) + ["vllm::unified_kv_cache_update"]
+    cc.use_inductor_graph_partition = split == "inductor-partition"
+    cc.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE  # vLLM's CUDA default
     settings = EngineSettings.from_additional_config({"vtoken": {"policy": policy, "scores": scores}}, 32)
-    full = choose_cudagraph_mode(cfg, settings)
-    assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode[expect]
+    with caplog.at_level("WARNING", logger="vtoken.vllm"):
+        full = choose_cudagraph_mode(cfg, settings)
+    assert cc.cudagraph_mode == CUDAGraphMode[expect]
     assert full == (expect == "FULL_AND_PIECEWISE")
     if expect == "NONE":
-        assert cfg.compilation_config.cudagraph_capture_sizes == []
+        assert cc.cudagraph_capture_sizes == []
+        assert ("splitting_ops=[]" if split == "empty" else "compilation_config.mode=NONE") in caplog.text
+    # an explicit PIECEWISE over a graph that holds attention is not kept either
+    cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    choose_cudagraph_mode(cfg, settings)
+    kept = CUDAGraphMode.NONE if expect == "NONE" else CUDAGraphMode.PIECEWISE
+    assert cc.cudagraph_mode == kept

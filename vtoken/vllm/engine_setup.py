@@ -17,9 +17,10 @@ CUDA graphs (``choose_cudagraph_mode``): the moves and the edited ``seq_lens`` /
 live in the persistent buffers vLLM updates before every replay, so FULL graphs replay vToken steps
 correctly. What a FULL graph does not replay is Python: the per-layer ``impl.forward`` wrapper that
 collects q·K for the attention policies. So an engine whose policy needs attention statistics (h2o, tova,
-scissorhands, snapkv, or ``scores: always``) gets ``PIECEWISE`` (attention runs eagerly between captured
-pieces; ``NONE`` when the compilation mode cannot split), logged with the reason; query-free policies
-(random, streamingllm, knorm: key norms are read from the cache after the forward) keep vLLM's mode.
+scissorhands, snapkv, or ``scores: always``) gets ``PIECEWISE`` when attention is split out of the captured
+pieces (vLLM's ``is_attention_compiled_piecewise``) and ``NONE`` otherwise (``splitting_ops=[]``, attention
+fusion, a mode that does not split), logged with the reason; query-free policies (random, streamingllm,
+knorm: key norms are read from the cache after the forward) keep vLLM's mode.
 """
 
 from __future__ import annotations
@@ -83,24 +84,52 @@ def needs_attention_scores(settings) -> bool:
     return settings.scores == "always" or settings.cfg.policy_class.needs_attention()
 
 
+def attention_outside_graphs(cc) -> bool:
+    """Whether every attention op runs eagerly between captured pieces under this ``CompilationConfig``
+    (vLLM's ``is_attention_compiled_piecewise``: the splitting ops hold every attention op, and either the
+    Dynamo-level split of ``VLLM_COMPILE`` or Inductor's graph partition cuts the graph there). Pure."""
+    return bool(cc.is_attention_compiled_piecewise())
+
+
+def _graph_split_reason(cc) -> str:
+    """Which setting keeps attention inside the captured graph (for the log line). Pure."""
+    from vllm.config.compilation import CompilationMode
+
+    if cc.mode != CompilationMode.VLLM_COMPILE and not cc.use_inductor_graph_partition:
+        return f"compilation_config.mode={getattr(cc.mode, 'name', cc.mode)} does not split the graph"
+    if getattr(cc.pass_config, "fuse_attn_quant", False) and not cc.use_inductor_graph_partition:
+        return "compilation_config.pass_config.fuse_attn_quant fuses attention into the graph"
+    return f"compilation_config.splitting_ops={cc.splitting_ops!r} do not split attention out"
+
+
 def choose_cudagraph_mode(vllm_config, settings) -> bool:
     """Apply vToken's CUDA-graph choice to ``vllm_config.compilation_config`` (mutates it when the engine's
-    policy needs attention statistics and the mode has FULL graphs; logs why). Returns whether the engine
-    still runs FULL graphs (then requests must not switch to an attention policy)."""
-    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    policy needs attention statistics and attention would run inside a captured graph; logs why). Returns
+    whether the engine still runs FULL graphs (then requests must not switch to an attention policy).
+
+    Attention policies need every attention layer to run as Python: PIECEWISE graphs give that only when
+    attention is split out of the captured pieces (``attention_outside_graphs``). With ``splitting_ops=[]``,
+    an attention-fusion pass or a compilation mode that does not split, vLLM has already turned PIECEWISE
+    into FULL or NONE and a PIECEWISE graph would contain attention: then no graphs (``NONE``), said in the
+    log with the setting's name."""
+    from vllm.config.compilation import CUDAGraphMode
 
     cc = vllm_config.compilation_config
     mode = cc.cudagraph_mode
-    if mode is None or not mode.has_full_cudagraphs():
+    if mode is None or mode == CUDAGraphMode.NONE:
         return False
     if not needs_attention_scores(settings):
-        return True
-    new = CUDAGraphMode.PIECEWISE if cc.mode == CompilationMode.VLLM_COMPILE else CUDAGraphMode.NONE
+        return mode.has_full_cudagraphs()
     reason = "scores: always" if settings.scores == "always" else f"policy {settings.cfg.policy!r}"
+    if attention_outside_graphs(cc):
+        if mode == CUDAGraphMode.PIECEWISE:
+            return False
+        new, why = CUDAGraphMode.PIECEWISE, "FULL CUDA graphs do not replay it (query-free policies keep them)"
+    else:
+        new, why = CUDAGraphMode.NONE, f"no CUDA graph would run it: {_graph_split_reason(cc)}"
     logger.warning(
         "vToken: cudagraph_mode %s -> %s: %s needs attention statistics, collected after each attention "
-        "layer by Python code that FULL CUDA graphs do not replay (query-free policies keep FULL graphs)",
-        mode.name, new.name, reason,
+        "layer by Python code; %s", mode.name, new.name, reason, why,
     )
     cc.cudagraph_mode = new
     if new == CUDAGraphMode.NONE:

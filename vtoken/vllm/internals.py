@@ -59,6 +59,9 @@ Engine construction (worker and scheduler) — ``vtoken/vllm/engine_setup.py``
   * ``compilation_config.cudagraph_mode`` / ``mode`` (``CUDAGraphMode``, ``CompilationMode`` from
     ``vllm.config.compilation``), ``max_cudagraph_capture_size``, ``cudagraph_capture_sizes`` — read; set to
     PIECEWISE (or NONE) for attention policies: FULL graphs do not replay the ``impl.forward`` wrapper.
+    ``CompilationConfig.is_attention_compiled_piecewise()`` (with ``splitting_ops``,
+    ``use_inductor_graph_partition``, ``pass_config.fuse_attn_quant`` named in the log) decides between the
+    two: PIECEWISE only when attention runs eagerly between the captured pieces.
 
 Worker side (worker process) — ``vtoken/vllm/runner.py``, ``results.py``, ``worker.py``, ``cpu_worker.py``,
 ``gpu_worker.py``
