@@ -124,7 +124,7 @@ def choose_cudagraph_mode(vllm_config, settings) -> bool:
     if attention_outside_graphs(cc):
         if mode == CUDAGraphMode.PIECEWISE:
             return False
-        new, why = CUDAGraphMode.PIECEWISE, "FULL CUDA graphs do not replay it (query-free policies keep them)"
+        new, why = CUDAGraphMode.PIECEWISE, "FULL graphs do not replay it (query-free policies keep FULL)"
     else:
         new, why = CUDAGraphMode.NONE, f"no CUDA graph would run it: {_graph_split_reason(cc)}"
     logger.warning(
