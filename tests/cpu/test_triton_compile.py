@@ -24,8 +24,8 @@ LLAMA = dict(GROUP=4, G_P2=16, D=128, D_P2=128, WIDTH=256, BLOCK_SIZE=16, BLOCK_
              UPCAST=False, ALIGN=16)
 
 
-def compile_sm90(kernel, types: dict[str, str], constexprs: dict) -> str:
-    """PTX of the compiled variant for sm_90."""
+def compile_sm90(kernel, types: dict[str, str], constexprs: dict, asm: str = "ptx") -> str:
+    """PTX (or ``asm="ttir"``: Triton's IR) of the compiled variant for sm_90."""
     fn = kernel.compiled()
     signature = {name: types[name] if name in types else "constexpr" for name in fn.arg_names}
     assert set(signature) == set(types) | set(constexprs), set(signature) ^ (set(types) | set(constexprs))
@@ -33,7 +33,7 @@ def compile_sm90(kernel, types: dict[str, str], constexprs: dict) -> str:
              if t.startswith("*") or n.endswith(("stride", "_st", "_sh"))}
     src = ASTSource(fn=fn, signature=signature, attrs=attrs,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm[asm]
 
 
 @pytest.mark.parametrize("mode", [GATHER, SCATTER, DIRECT])
@@ -82,3 +82,63 @@ def test_paged_decode_compiles():
              "o_sh": "i32", "block_stride": "i64", "head_stride": "i32", "token_stride": "i32",
              "scale": "fp32"}
     compile_sm90(_DECODE, types, {**LLAMA, "PRECISION": "tf32"})
+
+
+# ---------------------------------------------------------------- 64-bit element offsets (issue 24)
+STRIDES = ("block_stride", "head_stride", "token_stride", "q_st", "q_sh", "o_st", "o_sh", "bt_stride", "kmax")
+_PASS_THROUGH = {"tt.splat", "tt.broadcast", "tt.expand_dims", "arith.extsi", "tt.reshape"}
+_DEF = re.compile(r"^\s*(%[\w.]+)(?::\d+)? = ([\w.]+) (.*?)(?: loc\(.*)?$")
+
+
+def stride_products(ttir: str) -> list[tuple[str, str, str]]:
+    """``(stride argument, muli line's result type, line)`` for every ``arith.muli`` in ``ttir`` that
+    multiplies by a stride argument (followed through splat/broadcast/expand_dims/extsi)."""
+    origin = {f"%{name}": name for name in STRIDES if re.search(rf"%{name}: i\d+", ttir)}
+    found = []
+    for line in ttir.splitlines():
+        m = _DEF.match(line)
+        if not m:
+            continue
+        value, op, rest = m.groups()
+        args = [a for a in re.findall(r"%[\w.]+", rest) if a in origin]
+        if op in _PASS_THROUGH and args:
+            origin[value] = origin[args[0]]
+        elif op == "arith.muli" and args:
+            found.extend((origin[a], rest.rsplit(" : ", 1)[1], line.strip()) for a in args)
+    return found
+
+
+def _ttir_cases():
+    moves = {"cache_ptr": "*bf16", "layer_off_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64",
+             "stage_ptr": "*bf16", "index_ptr": "*i32", "block_stride": "i32", "head_stride": "i32",
+             "token_stride": "i32"}
+    move_c = dict(CAP=512, BLOCK_SIZE=16, HEADS=8, HEAD_TILE=8, WIDTH=256, WIDTH_P2=256, ALIGN=16)
+    scores = {**SCORE_TYPES, "q_ptr": "*bf16", "cache_ptr": "*bf16", "block_stride": "i32"}
+    probs = {**scores, "q_row": "*i32", "sums_ptr": "*fp32", "rows_ptr": "*fp32", "kmax": "i32"}
+    decode = {"q_ptr": "*bf16", "q_st": "i32", "q_sh": "i32", "cache_ptr": "*bf16", "bt_ptr": "*i32",
+              "bt_stride": "i32", "index_ptr": "*i32", "seq_ptr": "*i32", "out_ptr": "*bf16", "o_st": "i32",
+              "o_sh": "i32", "block_stride": "i32", "head_stride": "i32", "token_stride": "i32",
+              "scale": "fp32"}
+    for mode in (GATHER, SCATTER, DIRECT):
+        for strided in (True, False):
+            name = f"move{mode}{'s' if strided else 'i'}"
+            yield name, _COPY, moves, {**move_c, "STRIDED": strided, "MODE": mode}
+    for strided in (True, False):
+        common = {**LLAMA, "STRIDED": strided, "PRECISION": "tf32"}
+        yield f"stats{strided:d}", _STATS, scores, {**common, "HQ": 32}
+        yield f"probs{strided:d}", _PROBS, probs, {**common, "HQ": 32, "HKV": 8}
+        yield f"decode{strided:d}", _DECODE, decode, common
+
+
+@pytest.mark.parametrize("case", list(_ttir_cases()), ids=lambda c: c[0])
+def test_every_stride_product_is_64_bit(case):
+    """Each stride argument, passed as i32 (what ``triton.jit`` makes of a stride below 2^31), is multiplied
+    in i64 only: on an H200-sized LHBNC cache ``head * head_stride`` exceeds 2^31 although head_stride does
+    not, and an i32 product wraps to a negative offset. What this proves: the IR Triton generates for sm_90
+    promotes every index before it meets a stride (the heads, blocks, slots, tokens, query rows), for every
+    kernel and branch compiled here; not that no other offset (e.g. one without a stride) could overflow."""
+    _, kernel, types, constexprs = case
+    products = stride_products(compile_sm90(kernel, types, constexprs, asm="ttir"))
+    assert "head_stride" in {name for name, _, _ in products}  # the check is not vacuous
+    narrow = [line for name, ty, line in products if not re.search(r"(^|x)i64>?$", ty)]
+    assert not narrow, narrow

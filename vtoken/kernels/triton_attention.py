@@ -54,7 +54,7 @@ def _paged_decode(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, se
     h = tl.arange(0, G_P2)[:, None]
     d = tl.arange(0, D_P2)[None, :]
     out = acc / den[:, None]
-    tl.store(out_ptr + r * o_st + (g * GROUP + h) * o_sh + d, out.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + r * o_st + (g * GROUP + h).to(tl.int64) * o_sh + d, out.to(out_ptr.dtype.element_ty),
              mask=(h < GROUP) & (d < D))
 
 

@@ -46,7 +46,9 @@ GATHER, SCATTER, DIRECT = 0, 1, 2
 
 def _token_at(layer_off_ptr, index_ptr, layer, slot, block_stride, token_stride, BLOCK_SIZE, WIDTH, WIDTH_P2,
               STRIDED, ALIGN):
-    """``[1, WIDTH_P2]`` element offsets (kv head 0) of token ``slot`` of ``layer`` from the first layer."""
+    """``[1, WIDTH_P2]`` element offsets (kv head 0) of token ``slot`` of ``layer`` from the first layer,
+    int64 (a layer's view can exceed 2^31 elements: vLLM's LHBNC on an H200-sized cache)."""
+    slot = slot.to(tl.int64)
     block = slot // BLOCK_SIZE
     off = slot - block * BLOCK_SIZE
     c = tl.arange(0, WIDTH_P2)[None, :]
@@ -62,9 +64,10 @@ def _token_copy(cache_ptr, layer_off_ptr, src_ptr, dst_ptr, stage_ptr, index_ptr
                 ALIGN: tl.constexpr, MODE: tl.constexpr):
     """Program (i, l), MODE GATHER: token src[i] of layer l → stage[l, i]; SCATTER: stage[l, i] → token
     dst[i]; DIRECT: token src[i] → token dst[i]. A padded entry (-1) does nothing. ALIGN divides every row
-    start (16-byte vector loads on CUDA)."""
+    start (16-byte vector loads on CUDA). Every element offset is int64: ``h * head_stride`` alone passes
+    2^31 on a large LHBNC cache (heads outside blocks), and Triton passes a stride below 2^31 as int32."""
     i = tl.program_id(0)
-    layer = tl.program_id(1)
+    layer = tl.program_id(1).to(tl.int64)
     if MODE == 1:  # SCATTER (module constants are not visible in compiled kernels: literals here)
         slot = tl.load(dst_ptr + i)
     else:
@@ -79,14 +82,14 @@ def _token_copy(cache_ptr, layer_off_ptr, src_ptr, dst_ptr, stage_ptr, index_ptr
         for h0 in range(0, HEADS, HEAD_TILE):
             h = h0 + tl.arange(0, HEAD_TILE)[:, None]
             ok = (h < HEADS) & (c < WIDTH)
-            stage_at = stage_ptr + ((layer * CAP + i) * HEADS + h).to(tl.int64) * WIDTH + c
+            head = cache_ptr + h.to(tl.int64) * head_stride
+            stage_at = stage_ptr + ((layer * CAP + i) * HEADS + h) * WIDTH + c
             if MODE == 0:  # GATHER
-                tl.store(stage_at, tl.load(cache_ptr + h * head_stride + at, mask=ok), mask=ok)
+                tl.store(stage_at, tl.load(head + at, mask=ok), mask=ok)
             elif MODE == 1:
-                tl.store(cache_ptr + h * head_stride + at, tl.load(stage_at, mask=ok), mask=ok)
+                tl.store(head + at, tl.load(stage_at, mask=ok), mask=ok)
             else:
-                tl.store(cache_ptr + h * head_stride + to, tl.load(cache_ptr + h * head_stride + at, mask=ok),
-                         mask=ok)
+                tl.store(head + to, tl.load(head + at, mask=ok), mask=ok)
 
 
 _COPY = TritonKernel(_token_copy, helpers=(_token_at,))

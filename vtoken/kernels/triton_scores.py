@@ -45,14 +45,16 @@ _MAX = tl.standard._elementwise_max
 def _kv_tile(cache_ptr, bt_ptr, index_ptr, req, g, start, vis, block_stride, head_stride, token_stride,
              bt_stride, BLOCK_SIZE, BLOCK_N, D, D_P2, WIDTH, STRIDED, ALIGN, C0):
     """Keys (C0 = 0) or values (C0 = D) of row positions start..start+BLOCK_N-1 of request ``req``, kv head
-    ``g``, through its block table: ``[BLOCK_N, D_P2]`` (0 beyond ``vis`` or D), positions, validity."""
+    ``g``, through its block table: ``[BLOCK_N, D_P2]`` (0 beyond ``vis`` or D), positions, validity. Element
+    offsets are int64 (a layer view of vLLM's LHBNC layout exceeds 2^31 elements on an H200-sized cache:
+    ``g * head_stride`` alone does, and Triton passes a stride below 2^31 as int32)."""
     pos = start + tl.arange(0, BLOCK_N)
     valid = pos < vis
     d = tl.arange(0, D_P2)[None, :]
-    blk = tl.load(bt_ptr + req * bt_stride + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    off = (pos % BLOCK_SIZE)[:, None]
+    blk = tl.load(bt_ptr + req.to(tl.int64) * bt_stride + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    off = (pos % BLOCK_SIZE).to(tl.int64)[:, None]
     kmask = valid[:, None] & (d < D)
-    row = blk[:, None] * block_stride + g * head_stride
+    row = blk[:, None] * block_stride + g * head_stride.to(tl.int64)  # g: a Python int when interpreted
     if STRIDED:
         at = tl.multiple_of(row + off * token_stride, [ALIGN, 1]) + C0 + d
     else:
@@ -62,9 +64,11 @@ def _kv_tile(cache_ptr, bt_ptr, index_ptr, req, g, start, vis, block_stride, hea
 
 
 def _query_tile(q_ptr, q_st, q_sh, t, g, GROUP, G_P2, D, D_P2, dtype):
+    """Query token ``t``'s heads of kv group ``g``: ``[G_P2, D_P2]`` (0 beyond GROUP or D); int64 offsets."""
     h = tl.arange(0, G_P2)[:, None]
     d = tl.arange(0, D_P2)[None, :]
-    q = tl.load(q_ptr + t * q_st + (g * GROUP + h) * q_sh + d, mask=(h < GROUP) & (d < D), other=0.0)
+    at = t.to(tl.int64) * q_st + (g * GROUP + h).to(tl.int64) * q_sh
+    q = tl.load(q_ptr + at + d, mask=(h < GROUP) & (d < D), other=0.0)
     return q.to(dtype)
 
 
