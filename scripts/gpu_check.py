@@ -6,8 +6,12 @@ repository root goes on ``sys.path``). Writes one JSON report (``--out``, also p
 
   correctness        Llama-3-8B shapes (32 layers, 8 kv heads, 32 query heads, head_dim 128, B = 16, bf16):
                      TritonSlotMover vs the torch reference (every K and V element) and TritonScoreAccumulator
-                     vs the torch reference (max |Δ|, unimportance bits) for several vLLM 0.32 KV layouts, and
-                     the paged decode attention (the yardstick below) vs torch
+                     vs the torch reference (max |Δ|; unimportance bits: a flip only at a near-tie, counted)
+                     for several vLLM 0.32 KV layouts, and the paged decode attention (the yardstick below)
+                     vs torch
+  large_offsets      (CUDA only) an LHBNC cache at H200 scale, Llama-3.2-1B heads (8 kv heads, head_dim 64),
+                     2 layers of 196,608 blocks: 3.2e9 elements per layer view, 12.9 GB; moves and scores on
+                     the highest blocks and heads, where offsets pass 2^31, vs the torch reference
   bandwidth          one move launch (all layers) vs a plain torch copy of the same bytes (the device's copy
                      bandwidth) vs the torch reference mover
   scores_vs_attention  the two score kernels for one layer vs a paged decode attention of the same shape
@@ -41,6 +45,7 @@ from vtoken.kernels.check import (  # noqa: E402
     check_moves,
     check_scores,
     fill_random,
+    large_offsets_check,
     scheduler_plan,
     setup,
     timed,
@@ -57,10 +62,11 @@ SCORE_TOL = 1e-4
 BUDGET_S = 270.0
 
 FULL = dict(shape=Shape(32, 8, 32, 128, 16, 1024, torch.bfloat16), requests=32,
-            layouts=("flash_attn", "LBHNC", "BLHNC", "BHLNC"), bw_blocks=4096, bw_moves=4096,
-            decode_requests=32, decode_blocks=64, step_moves=64, repeats=20)
-DRY = dict(shape=Shape(2, 2, 4, 64, 16, 12, torch.float32), requests=3, layouts=("cpu", "BLHNC"),
-           bw_blocks=12, bw_moves=8, decode_requests=2, decode_blocks=2, step_moves=4, repeats=1)
+            layouts=("flash_attn", "LBHNC", "LHBNC", "BLHNC", "BHLNC"), bw_blocks=4096, bw_moves=4096,
+            decode_requests=32, decode_blocks=64, step_moves=64, repeats=20,
+            large=Shape(2, 8, 32, 64, 16, 196608, torch.bfloat16))
+DRY = dict(shape=Shape(2, 2, 4, 64, 16, 12, torch.float32), requests=3, layouts=("cpu", "LHBNC", "BLHNC"),
+           bw_blocks=12, bw_moves=8, decode_requests=2, decode_blocks=2, step_moves=4, repeats=1, large=None)
 
 
 def correctness(cfg: dict, device: str) -> dict:
@@ -75,7 +81,7 @@ def correctness(cfg: dict, device: str) -> dict:
         row.update(check_scores("triton", name, shape, device, plan, 1))
         row["ranges_overlap"] = plan.ranges_overlap
         row["ok"] = (row["moves_exact"] and row["staged_moves_exact"]
-                     and row["scores_max_abs_err"] <= SCORE_TOL and row["scores_bits_equal"])
+                     and row["scores_max_abs_err"] <= SCORE_TOL and row["scores_bits_ok"])
         out[name] = row
     caches, lay, q, table, lens, scale = decode_setup(cfg, device, "flash_attn")
     got = torch.empty_like(q)
@@ -84,6 +90,18 @@ def correctness(cfg: dict, device: str) -> dict:
     tol = 1e-4 if shape.dtype == torch.float32 else 2e-2  # the output is rounded to the cache dtype
     out["paged_attention"] = {"max_abs_err": err, "ok": err <= tol}
     return out
+
+
+def large_offsets(cfg: dict, device: str) -> dict:
+    """Moves and scores where element offsets exceed 2^31 (``large_offsets_check``); CUDA only."""
+    if cfg["large"] is None:
+        return {"skipped": "needs CUDA (tests/cpu/test_triton_large_offsets.py runs it in the interpreter)"}
+    row = large_offsets_check("LHBNC", cfg["large"], device)
+    torch.cuda.empty_cache()  # give the 12.9 GB back to the sections after this one
+    row["offsets_exceed_2^31"] = row["max_element_offset"] >= 2**31
+    row["ok"] = (row["moves_exact"] and row["staged_moves_exact"] and row["offsets_exceed_2^31"]
+                 and row["scores_max_abs_err"] <= SCORE_TOL and row["scores_bits_ok"])
+    return row
 
 
 def bandwidth(cfg: dict, device: str) -> dict:
@@ -228,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "shape": {k: str(v) for k, v in vars(cfg["shape"]).items()},
         "forbidden_modules_loaded": sorted(m for m in sys.modules if m.split(".")[0] in FORBIDDEN),
     }
-    sections = {"correctness": correctness, "bandwidth": bandwidth,
+    sections = {"correctness": correctness, "large_offsets": large_offsets, "bandwidth": bandwidth,
                 "scores_vs_attention": scores_vs_attention, "graph_loop": graph_loop}
     for name, fn in sections.items():
         if time.perf_counter() - start > BUDGET_S:
@@ -240,9 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:  # one failing section must not lose the others' numbers
             report[name] = {"error": f"{type(err).__name__}: {err}"}
         report[name]["seconds"] = round(time.perf_counter() - t0, 2)
-    checks = report["correctness"]
-    report["ok"] = (isinstance(checks, dict) and "error" not in checks and "skipped" not in checks
+    checks, large = report["correctness"], report["large_offsets"]
+    report["ok"] = ("error" not in checks and "skipped" not in checks
                     and all(row["ok"] for key, row in checks.items() if isinstance(row, dict))
+                    and (large.get("ok", False) if device == "cuda" else "error" not in large)
                     and not report["forbidden_modules_loaded"])
     report["seconds"] = round(time.perf_counter() - start, 2)
     text = json.dumps(report, indent=2, default=str)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 VTOKEN = str(Path(sys.executable).with_name("vtoken"))
@@ -42,8 +43,23 @@ def test_bench_kernels_reports_exact_moves_and_close_scores(tmp_path, backend, l
     plan = report["plan"]
     assert plan["requests"] == 4 and plan["moves"] > 0 and plan["ranges_overlap"]
     assert report["moves_exact"] is True and report["moves_mismatched_elements"] == 0
-    assert 0 <= report["scores_max_abs_err"] <= 1e-4 and report["scores_bits_equal"] is True
+    assert 0 <= report["scores_max_abs_err"] <= 1e-4 and report["scores_bits_ok"] is True
+    assert report["bits_mismatched"] == report["bits_mismatched_near_threshold"] == 0
     assert report["environment"]["torch"] and "timings" not in report  # timings only on CUDA
+
+
+def test_bench_kernels_runs_the_lhbnc_layout_and_counts_bit_mismatches():
+    """``--layout LHBNC`` (heads outside blocks: the layout whose layer views pass 2^31 elements at H200
+    scale) in-process, the interpreter; the report counts the bits' mismatches instead of one boolean."""
+    from vtoken.bench.kernels import problems, run_kernels
+    from vtoken.kernels.check import Shape
+
+    assert problems("triton", "cpu", "LHBNC", "float16", {"--blocks": 8}, 4, 2) == []
+    report = run_kernels("triton", "cpu", "LHBNC", Shape(2, 2, 4, 64, 16, 8, torch.float16), 3, 0, 16)
+    assert report["kv_cache_layout"] == "LHBNC" and report["moves_exact"], report
+    assert report["scores_max_abs_err"] <= 1e-4 and report["scores_bits_ok"] is True, report
+    assert report["bits_mismatched"] >= report["bits_mismatched_near_threshold"] >= 0
+    assert report["bits_near_tie_rtol"] > 0 and "scores_bits_equal" not in report
 
 
 @pytest.mark.slow
@@ -70,8 +86,10 @@ def test_gpu_check_dry_run_exercises_every_section(tmp_path):
     for section in ("correctness", "bandwidth", "scores_vs_attention", "graph_loop"):
         assert "error" not in report[section] and "skipped" not in report[section], report[section]
     rows = report["correctness"]
-    for name in ("cpu", "BLHNC"):
+    for name in ("cpu", "LHBNC", "BLHNC"):
         assert rows[name]["moves_exact"] and rows[name]["scores_max_abs_err"] <= 1e-4, rows[name]
+        assert rows[name]["scores_bits_ok"] and rows[name]["bits_mismatched"] == 0, rows[name]
+    assert report["large_offsets"]["skipped"].startswith("needs CUDA")  # 12.9 GB: on the GPU only
     assert rows["paged_attention"]["ok"]
     bandwidth = report["bandwidth"]
     assert bandwidth["moves"] > 0 and bandwidth["direct_gb_s"] > 0 and bandwidth["staged_gb_s"] > 0

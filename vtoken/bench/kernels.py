@@ -4,11 +4,15 @@ One random step at the given shapes (``vtoken.kernels.check``): a multi-request 
 scheduler builds it, moved by the backend and by the layout-generic torch reference on equal caches
 (``moves_exact``: every K and V element of every layer equal, with the plan handed over on the host and
 on the device: the Triton mover's direct and staged paths), then one step of q·K statistics over the
-dense rows (``scores_max_abs_err``). On ``--device cpu`` the Triton backend runs in Triton's interpreter
-(correctness only: its timings mean nothing); on ``--device cuda`` the report adds timings: the move's
-effective bandwidth (bytes read + written of the moved tokens, every layer) next to a plain torch copy of
-the same bytes, and the score kernels' milliseconds per layer. Prints JSON (``report.emit``); writes nothing
-else.
+dense rows (``scores_max_abs_err``; the unimportance bits through ``compare_unimportance_bits``:
+``bits_mismatched``, of which ``bits_mismatched_near_threshold`` where the reference probability is within
+``bits_near_tie_rtol`` of the threshold, and ``scores_bits_ok``: every mismatch is such a near-tie).
+``--layout`` takes the CUDA backends' names, every vLLM 0.32 physical order (``LAYOUT_NAMES``: LBHNC,
+LBNHC, LHBNC, BLHNC, BLNHC, BHLNC) and ``cpu``. On ``--device cpu`` the Triton backend runs in Triton's
+interpreter (correctness only: its timings mean nothing); on ``--device cuda`` the report adds timings: the
+move's effective bandwidth (bytes read + written of the moved tokens, every layer) next to a plain torch copy
+of the same bytes, and the score kernels' milliseconds per layer. Prints JSON (``report.emit``); writes
+nothing else.
 """
 
 from __future__ import annotations

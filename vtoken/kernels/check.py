@@ -7,7 +7,11 @@ nothing else. Everything is seeded; nothing here touches a tensor it did not all
   (holes below ``live`` ascending ← live tail tokens at slots ≥ ``live`` descending), through block rows
   drawn from one shuffled pool, so the requests' physical source and destination ranges interleave.
 * ``check_moves`` / ``check_scores``: a backend (``torch`` or ``triton``) against the layout-generic torch
-  reference (``PagedTorchMover``, ``PagedScoreAccumulator``): every K and V element, and the statistics.
+  reference (``PagedTorchMover``, ``PagedScoreAccumulator``): every K and V element, and the statistics;
+  the unimportance bits through ``compare_unimportance_bits`` (a flip is accepted only at a near-tie).
+* ``large_offsets_check``: moves and scores on the highest kv heads and blocks of a cache whose layer view
+  exceeds 2^31 elements (vLLM's LHBNC layout at H200 scale), allocated uninitialised so that only the
+  touched blocks cost memory.
 """
 
 from __future__ import annotations
@@ -21,18 +25,28 @@ import numpy as np
 import torch
 
 from vtoken.kernels.gpu_layout import (
+    BACKEND_LAYOUTS,
+    KV_CACHE_LAYOUTS,
     PagedLayout,
     PagedScoreAccumulator,
     PagedTorchMover,
     allocate_kv_caches,
+    element_offsets,
+    gather,
     layout_for,
+    scatter,
 )
 from vtoken.kernels.layout import TokenLayout
 from vtoken.kernels.moves import TorchSlotMover
 from vtoken.kernels.scores import RequestScores, ScoreAccumulator
+from vtoken.policies.context import HISTORY_BITS
 
 BACKENDS = ("torch", "triton")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A flipped unimportance bit is a near-tie when the reference probability is within this fraction of the
+# threshold 1/visible: the kernels sum bf16/fp16 products in fp32 in another order than torch, which moves
+# a probability by ~1e-6 of itself; a wrong key, head or row moves it by far more than 1e-3.
+NEAR_TIE_RTOL = 1e-3
 
 
 @dataclass(frozen=True)
@@ -173,9 +187,64 @@ def run_scores(
     return acc.finish()
 
 
+@dataclass(frozen=True)
+class BitsComparison:
+    mismatched: int  # bits (query row, key) where the backend and the reference disagree
+    near_threshold: int  # of those, where the reference probability is a near-tie (NEAR_TIE_RTOL)
+
+    @property
+    def ok(self) -> bool:
+        """Every mismatch is a near-tie."""
+        return self.mismatched == self.near_threshold
+
+    def __add__(self, other: BitsComparison) -> BitsComparison:
+        return BitsComparison(self.mismatched + other.mismatched, self.near_threshold + other.near_threshold)
+
+
+def compare_unimportance_bits(got: np.ndarray, ref: np.ndarray, probs: np.ndarray, visible: np.ndarray,
+                              rtol: float = NEAR_TIE_RTOL) -> BitsComparison:
+    """Compare two ``unimportance_bits`` results (uint64 ``[k]``) where ``ref`` was computed from ``probs``
+    and ``visible`` (``[q, k]``, oldest query first, as ``unimportance_bits`` takes them). A bit is set where
+    a row's probability is below ``1 / visible keys``; a disagreement counts as a near-tie when the reference
+    probability is within ``rtol × threshold`` of that threshold (a correct kernel summing in another order
+    may land on either side), otherwise it is an error. Pure."""
+    rows = probs[max(0, probs.shape[0] - HISTORY_BITS) :]
+    vis = visible[max(0, visible.shape[0] - HISTORY_BITS) :]
+    threshold = 1.0 / np.maximum(vis.sum(axis=1, keepdims=True), 1)  # [h, 1]
+    diff = np.asarray(got, dtype=np.uint64) ^ np.asarray(ref, dtype=np.uint64)
+    bit = np.arange(rows.shape[0] - 1, -1, -1, dtype=np.uint64)[:, None]  # newest row → bit 0
+    flipped = ((diff[None, :] >> bit) & np.uint64(1)).astype(bool)  # [h, k]
+    # bits beyond the rows (a row count mismatch) have no probability: all of them are errors
+    extra = int(sum(bin(int(v) >> rows.shape[0]).count("1") for v in diff)) if rows.shape[0] < 64 else 0
+    near = flipped & (np.abs(rows - threshold) <= rtol * threshold)
+    return BitsComparison(int(flipped.sum()) + extra, int(near.sum()))
+
+
+def _reference_rows(acc: ScoreAccumulator, rid: str) -> tuple[np.ndarray, np.ndarray]:
+    """The reference's ``[n_q, seq_len]`` layer-mean probabilities and causal visibility of one request, as
+    its ``finish`` computed the bits from them (after ``finish``; pure)."""
+    rs = acc.requests[rid]
+    probs = (rs.probs / rs.layers).cpu().numpy().astype(np.float64)
+    n_q, n_k = probs.shape
+    return probs, np.arange(n_k)[None, :] <= (np.arange(n_q)[:, None] + (n_k - n_q))
+
+
+def compare_scores(got: dict, ref: dict, ref_acc: ScoreAccumulator) -> dict:
+    """``got`` vs ``ref`` (``finish`` results; ``ref_acc``: the reference accumulator after its ``finish``):
+    max |Δ| over ``accumulated`` and ``last``, the unimportance bits' mismatches (near-ties apart). Pure."""
+    err = max(float(np.max(np.abs(getattr(got[k], f) - getattr(ref[k], f)))) for k in ref
+              for f in ("accumulated", "last"))
+    bits = BitsComparison(0, 0)
+    for k in ref:
+        probs, visible = _reference_rows(ref_acc, k)
+        bits += compare_unimportance_bits(got[k].unimportant, ref[k].unimportant, probs, visible)
+    return {"scores_max_abs_err": err, "bits_mismatched": bits.mismatched,
+            "bits_mismatched_near_threshold": bits.near_threshold, "bits_near_tie_rtol": NEAR_TIE_RTOL,
+            "scores_bits_ok": bits.ok}
+
+
 def check_scores(backend: str, name: str, shape: Shape, device: str, plan: Plan, seed: int) -> dict:
-    """Statistics of the backend vs the reference on one random step: max |Δ| over ``accumulated`` and
-    ``last``, and whether the unimportance bits agree."""
+    """Statistics of the backend vs the reference on one random step (``compare_scores``)."""
     caches, layout = setup(name, shape, device, seed)
     rng = np.random.default_rng(seed)
     specs = score_specs(plan, rng)
@@ -183,11 +252,63 @@ def check_scores(backend: str, name: str, shape: Shape, device: str, plan: Plan,
     query = torch.randn(specs[-1][1], shape.q_heads, shape.head_dim, generator=gen).to(shape.dtype).to(device)
     scale = shape.head_dim**-0.5
     got = run_scores(make_accumulator(backend, name, layout), caches, specs, query, scale)
-    ref = run_scores(PagedScoreAccumulator(layout), caches, specs, query, scale)
-    err = max(float(np.max(np.abs(getattr(got[k], f) - getattr(ref[k], f)))) for k in ref
-              for f in ("accumulated", "last"))
-    bits = all(np.array_equal(got[k].unimportant, ref[k].unimportant) for k in ref)
-    return {"score_queries": int(query.shape[0]), "scores_max_abs_err": err, "scores_bits_equal": bits}
+    ref_acc = PagedScoreAccumulator(layout)
+    ref = run_scores(ref_acc, caches, specs, query, scale)
+    return {"score_queries": int(query.shape[0]), **compare_scores(got, ref, ref_acc)}
+
+
+def empty_kv_caches(name: str, shape: Shape, device: str) -> list[torch.Tensor]:
+    """``allocate_kv_caches`` without the zeros: uninitialised layer views of a CUDA layout (one backing
+    buffer), so on the CPU only the pages a check writes or reads get memory (the kernels' interpreter reads
+    raw addresses; nothing copies the buffer). Contents undefined until written."""
+    order = KV_CACHE_LAYOUTS[BACKEND_LAYOUTS.get(name, name)]
+    logical = (shape.layers, shape.blocks, shape.kv_heads, shape.block_size, 2 * shape.head_dim)
+    raw = torch.empty([logical[d] for d in order], dtype=shape.dtype, device=device)
+    five = raw.permute(*[order.index(d) for d in range(5)])
+    return [five[layer] for layer in range(shape.layers)]
+
+
+def large_offsets_check(name: str, shape: Shape, device: str, seed: int = 0) -> dict:
+    """Moves (direct and staged) and scores on the four highest blocks, every kv head, of every layer of an
+    uninitialised ``shape`` cache (``empty_kv_caches``), against the int64 torch reference; block 0 too, so
+    a plan spans the whole view. Sized so that ``head * head_stride`` and the layer offsets pass 2^31
+    elements, it fails where a kernel computes an offset in 32 bits. Writes only the blocks it uses."""
+    caches = empty_kv_caches(name, shape, device)
+    layout = layout_for(name, caches[0]).to(device)
+    bs, top = shape.block_size, shape.blocks - 1
+    used = torch.tensor([top, top - 1, top - 2, top - 3, 0], device=device)
+    slots = (used[:, None] * bs + torch.arange(bs, device=device)).reshape(-1)
+    gen = torch.Generator().manual_seed(seed)
+    for kv in caches:  # random values in the used blocks only
+        scatter(kv, layout, slots, torch.randn(slots.numel(), shape.kv_heads, layout.width, generator=gen)
+                .to(shape.dtype).to(device))
+    from vtoken.kernels.triton_moves import TritonSlotMover
+
+    last_layer = (caches[-1].data_ptr() - caches[0].data_ptr()) // caches[0].element_size()
+    report = {"layout": name, "blocks": shape.blocks, "layers": shape.layers, "dtype": str(shape.dtype),
+              "layer_view_elements": shape.blocks * shape.kv_heads * bs * layout.width,
+              "max_element_offset": last_layer + int(element_offsets(layout, slots).max())}
+    # top → top-2 (direct: a host plan, disjoint), then top-1 → 0 staged (the plan on the device)
+    for key, src_block, dst_block, where in (("moves_exact", top, top - 2, "cpu"),
+                                             ("staged_moves_exact", top - 1, 0, device)):
+        src = torch.arange(bs, device=device) + src_block * bs
+        dst = torch.arange(bs, device=device).flip(0) + dst_block * bs
+        want = [gather(kv, layout, src) for kv in caches]
+        keep = [gather(kv, layout, slots[~torch.isin(slots, dst)]) for kv in caches]
+        TritonSlotMover(layout, capacity=bs).move(caches, src.to(where), dst.to(where))
+        report[key] = all(torch.equal(gather(kv, layout, dst), w) for kv, w in zip(caches, want)) and all(
+            torch.equal(gather(kv, layout, slots[~torch.isin(slots, dst)]), k) for kv, k in zip(caches, keep))
+    # two requests over the highest blocks (rows [top, top-3] and [top-1, 0, top-2]), decode + chunk
+    from vtoken.kernels.triton_scores import TritonScoreAccumulator
+
+    rows = [torch.tensor([top, top - 3]), torch.tensor([top - 1, 0, top - 2])]
+    specs = [(0, 1, 2 * bs - 3, rows[0]), (1, 4, 3 * bs - 5, rows[1])]
+    query = torch.randn(4, shape.q_heads, shape.head_dim, generator=gen).to(shape.dtype).to(device)
+    scale = shape.head_dim**-0.5
+    got = run_scores(TritonScoreAccumulator(layout), caches, specs, query, scale)
+    ref_acc = PagedScoreAccumulator(layout)
+    report.update(compare_scores(got, run_scores(ref_acc, caches, specs, query, scale), ref_acc))
+    return report
 
 
 def timed(fn: Callable[[], object], device: str, repeats: int = 10, warmup: int = 2) -> float:

@@ -1,0 +1,41 @@
+"""The Triton movers and score kernels at element offsets beyond 2^31, run on the CPU (issue 24).
+
+vLLM's LHBNC layout puts the kv heads outside the blocks, so ``head * head_stride`` of one layer's view
+passes 2^31 elements on an H200-sized cache although the stride itself does not (Triton then passes it as
+int32, and an int32 product wraps). Triton's interpreter computes in numpy with the same integer widths as
+the compiled kernel, so the same overflow happens here; the cache is allocated uninitialised
+(``empty_kv_caches``): 10.7 GB of address space, of which only the used blocks' pages get memory.
+
+What this proves: with 2 layers of 655,360 blocks (8 kv heads, head_dim 16, fp16: 2.7e9 elements per
+layer view, the last layer's last head at offset 5.4e9) the direct and staged moves and the scores on the
+highest heads and blocks equal the int64 torch reference. Before the int64 fix this process died of a
+segmentation fault (the wrapped offset pointed outside the allocation), so the check runs in a
+subprocess: a crash fails this test, not the session. ``test_every_stride_product_is_64_bit``
+(test_triton_compile.py) checks the compiled sm_90 IR for the same property.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CODE = """
+import json, resource, torch
+from vtoken.kernels.check import Shape, large_offsets_check
+row = large_offsets_check("LHBNC", Shape(2, 8, 8, 16, 16, 655360, torch.float16), "cpu")
+row["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(row))
+"""
+
+
+def test_moves_and_scores_beyond_2_31_elements_in_the_interpreter():
+    proc = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    row = json.loads(proc.stdout.splitlines()[-1])
+    assert row["layer_view_elements"] > 2**31 and row["max_element_offset"] > 2**32, row
+    assert row["moves_exact"] and row["staged_moves_exact"], row
+    assert row["scores_max_abs_err"] <= 1e-4 and row["scores_bits_ok"], row
+    assert row["max_rss_mb"] < 2048, row  # only the used blocks were touched
