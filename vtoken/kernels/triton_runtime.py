@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import triton
@@ -35,30 +35,63 @@ def interpreting():
 
 
 def _with_globals(fn: Callable, namespace: dict) -> Callable:
-    """``fn`` with another globals dict (same code, so Triton still finds its source)."""
-    return types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    """``fn`` with another globals dict (same code, so Triton still finds its source) and the same
+    annotations: ``triton.jit`` reads ``tl.constexpr`` from them (``types.FunctionType`` does not copy them;
+    without them every constexpr would be a runtime argument, which a compiled launch cannot bind)."""
+    out = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    out.__annotations__ = dict(fn.__annotations__)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    out.__qualname__ = fn.__qualname__
+    out.__doc__ = fn.__doc__
+    return out
 
 
 class TritonKernel:
     """A kernel function (plain, undecorated) and the plain helper functions it calls, launched with
-    ``kernel.launch(device, grid, *args, **constexprs)``."""
+    ``kernel.launch(device, grid, *args, **constexprs)``.
 
-    def __init__(self, fn: Callable, helpers: Sequence[Callable] = ()) -> None:
+    ``do_not_specialize``: names of integer arguments that ``triton.jit`` must not specialise (by default
+    it compiles one variant per combination of "== 1" and "divisible by 16" of every integer argument, and
+    turns a 1 into a constant): the ones whose value changes from step to step (query counts, row lengths,
+    block-table widths), so that the compiled variants are a fixed set that a warm-up can compile once.
+    Passed to ``triton.jit`` for both variants (triton 3.6-3.9 spell it ``do_not_specialize``).
+    """
+
+    def __init__(
+        self, fn: Callable, helpers: Sequence[Callable] = (), do_not_specialize: Sequence[str] = ()
+    ) -> None:
         self.fn = fn
         self.helpers = tuple(helpers)
+        self.do_not_specialize = tuple(do_not_specialize)
+        unknown = set(self.do_not_specialize) - set(fn.__code__.co_varnames[: fn.__code__.co_argcount])
+        if unknown:
+            raise ValueError(f"{fn.__name__}: do_not_specialize names no argument: {sorted(unknown)}")
         self._variants: dict[bool, object] = {}
 
     def _variant(self, interpret: bool):
+        """The ``triton.jit`` function for Triton's interpreter (``interpret``) or for compiling, built on first
+        use (the interpreted one inside ``interpreting()``, wherever it is asked for)."""
         if interpret not in self._variants:
-            namespace = dict(self.fn.__globals__)
-            for helper in self.helpers:
-                namespace[helper.__name__] = triton.jit(_with_globals(helper, namespace))
-            self._variants[interpret] = triton.jit(_with_globals(self.fn, namespace))
+            with interpreting() if interpret else nullcontext():
+                namespace = dict(self.fn.__globals__)
+                for helper in self.helpers:
+                    namespace[helper.__name__] = triton.jit(_with_globals(helper, namespace))
+                self._variants[interpret] = triton.jit(
+                    _with_globals(self.fn, namespace), do_not_specialize=list(self.do_not_specialize)
+                )
         return self._variants[interpret]
 
     def compiled(self):
         """The compiled-mode ``JITFunction`` (for ``triton.compile`` checks without a GPU)."""
         return self._variant(False)
+
+    def compiled_variants(self, device: torch.device) -> int:
+        """How many variants ``triton.jit`` has compiled of this kernel for CUDA ``device`` in this process
+        (0 before the first launch there; reads Triton's per-device cache, triton 3.6-3.9). Pure."""
+        fn = self._variants.get(False)
+        caches = getattr(fn, "device_caches", {}) if fn is not None else {}
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return len(caches[index][0]) if index in caches else 0
 
     def launch(self, device: torch.device, grid: tuple[int, ...], *args, **kwargs) -> None:
         """Run the kernel over ``grid`` (mutates the output tensors among ``args``)."""
