@@ -36,6 +36,18 @@ def test_variants_run_none_once_and_every_policy_for_the_evicting_modes():
     assert ab.variants() == [("repack", "tova", False), ("repack", "tova", True)]  # the A/B: off, then on
 
 
+def test_none_is_stock_vllm_and_admission_on_it_is_its_own_variant():
+    """The baseline never runs vToken's admission (it would load vToken's scheduler into vanilla vLLM)."""
+    s = ServeBenchSetup(model="tiny-llama", modes=("none", "repack"), policies=("h2o",), admission=(True,))
+    assert s.variants() == [("none", None, False), ("none", None, True), ("repack", "h2o", True)]
+    from vtoken.serve.replica.engine import engine_args
+
+    stock = engine_args(variant_config(s, "none", None, False), "model")
+    assert not {"scheduler_cls", "worker_cls", "additional_config"} & set(stock)
+    with_admission = engine_args(variant_config(s, "none", None, True), "model")
+    assert with_admission["scheduler_cls"] == "vtoken.vllm.scheduler.VTokenScheduler"
+
+
 def test_each_server_gets_the_fixed_pool_its_mode_and_room_for_the_longest_request():
     s = ServeBenchSetup(model="tiny-llama", pool_blocks=40, input_len=100, output_len=20, dataset="chat",
                         prefix_len=50, ttft_ms=9000, tpot_ms=250, extra=("router.stats_period_s=0.25",))
@@ -162,6 +174,7 @@ def test_replica_metrics_read_the_peak_batch_the_prefix_cache_growth_and_the_pre
     (["--set", "engine.nope=1"], "engine.nope"),
     (["--admission", "maybe"], "--admission"),
     (["--stop-after-misses", "-1"], "--stop-after-misses"),
+    (["--repeats", "0"], "--repeats"),
 ])
 def test_bad_input_exits_2_naming_the_value_before_any_server_starts(args, named):
     out = subprocess.run([*VTOKEN, "bench", "serve", "--model", "tiny-llama", *args], capture_output=True,
@@ -250,3 +263,30 @@ def test_command_serves_one_mode_through_vllm_bench_serve_and_reports_json(tmp_p
     # with a loose TPOT (20 s, the server's slo.tpot_ms from --tpot-ms) it never went below max_num_seqs
     assert all(run["admission_limit_min"] == 16 for run in variant["runs"]), variant["runs"]
     assert (tmp_path / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _variant(mode, policy, admission, rate, interpolated):
+    return {"mode": mode, "policy": policy, "admission": admission, "max_rate_at_target": rate,
+            "rate_at_target_interpolated": interpolated}
+
+
+def test_repeats_are_summarised_as_medians_of_ratios_computed_within_each_repeat():
+    """Known answer: the docstring's example (serve_summary.py), plus a repeat where naive met no rate."""
+    from vtoken.bench.serve_summary import headline, summarize
+
+    table = [(0.20, 0.15, 0.30), (0.25, 0.20, 0.30), (0.20, 0.20, 0.35), (0.20, None, 0.30)]
+    repeats = [[_variant("none", None, False, n, n), _variant("naive", "h2o", False, v, v),
+                _variant("repack", "h2o", False, r, r + 0.01)] for n, v, r in table]
+    got = summarize(repeats)
+    assert got["repeats"] == 4
+    assert got["variants"]["none"]["max_rate_at_target"] == {
+        "median": 0.2, "min": 0.2, "max": 0.25, "n": 4, "values": [0.2, 0.25, 0.2, 0.2]}
+    stock = got["ratios"]["repack/h2o / none"]
+    assert stock["baseline"] == "stock" and stock["max_rate_at_target"]["values"] == [1.5, 1.2, 1.75, 1.5]
+    assert stock["max_rate_at_target"]["median"] == 1.5
+    assert stock["rate_at_target_interpolated"]["values"] == [1.55, 1.24, 1.8, 1.55]
+    naive = got["ratios"]["repack/h2o / naive/h2o"]
+    assert naive["max_rate_at_target"]["values"] == [2.0, 1.5, 1.75, None]  # naive met no rate: undefined
+    assert (naive["max_rate_at_target"]["median"], naive["max_rate_at_target"]["n"]) == (1.75, 3)
+    assert "naive/h2o / none" in got["ratios"] and "none / none" not in got["ratios"]
+    assert "repack/h2o / naive/h2o: 1.75× (min 1.5, max 2; 3 of 4 repeats)" in headline(got)

@@ -387,6 +387,8 @@ def serve_cmd(
     admission: str = typer.Option("off", help="SLO-aware admission per variant: off | on | off,on (an A/B)"),
     stop_after_misses: int = typer.Option(0, "--stop-after-misses", help="stop a variant's sweep once this "
                                           "many rates in a row missed 90 % attainment (0: run every rate)"),
+    repeats: int = typer.Option(1, help="run every variant this many times in this one command; ratios per "
+                                "repeat, summarised as median (min-max)"),
     sets: list[str] = typer.Option([], "--set", help="serve config key=value for every server (repeatable)"),
     as_json: bool = typer.Option(False, "--json", help="print the JSON only (progress otherwise on stderr)"),
     log: str = typer.Option(None, help="the servers' output goes here (default: discarded)"),
@@ -407,6 +409,7 @@ def serve_cmd(
         (min(num_prompts, input_len, output_len) < 1, "--num-prompts, --input-len, --output-len must be ≥ 1"),
         (ttft_ms <= 0 or tpot_ms <= 0, "--ttft-ms / --tpot-ms must be > 0"),
         (stop_after_misses < 0, f"--stop-after-misses {stop_after_misses}: 0 (every rate) or a count ≥ 1"),
+        (repeats < 1, f"--repeats {repeats}: need at least 1"),
     ]
     switches = {"off": False, "on": True}
     admission_list = [a.strip() for a in admission.split(",") if a.strip()]
@@ -421,7 +424,7 @@ def serve_cmd(
         pool_blocks=pool_blocks, max_num_seqs=max_num_seqs, rates=rate_list, num_prompts=num_prompts,
         input_len=input_len, output_len=output_len, dataset=dataset, prefix_len=prefix_len, ttft_ms=ttft_ms,
         tpot_ms=tpot_ms, seed=seed, admission=tuple(switches[a] for a in admission_list), extra=tuple(sets),
-        stop_after_misses=stop_after_misses)
+        stop_after_misses=stop_after_misses, repeats=repeats)
     if not setup.variants():
         refuse(f"--modes {modes!r} / --policies {policies!r}: nothing to run")
     for mode, policy, adm in setup.variants():  # every server's config is valid before the first one starts

@@ -4,7 +4,8 @@ Per variant (a reclamation mode and, for evicting modes, a policy) one ``vtoken 
 one replica, the OpenAI routes, a fixed KV pool of ``pool_blocks``), then per request rate one
 ``vllm bench serve`` run (Poisson arrivals, ``--goodput`` at the stated SLOs, results saved as JSON)::
 
-    for variant in modes × policies × admission:   none has no policy; admission: off, on or both
+    repeat N times (--repeats): all variants in one command; ratios per repeat, medians (serve_summary.py)
+    for variant in modes × policies × admission:   none: stock vLLM (+ none +admission if admission is on)
         vtoken serve --mode M --policy P --set engine.kv_cache_blocks=N --set slo.admission=A …
                                                     (waits for /v1/models)
         for rate in rates:                          ascending; --stop-after-misses K: stop once K in a row missed
@@ -72,6 +73,7 @@ class ServeBenchSetup:
     seed: int = 0
     admission: tuple[bool, ...] = (False,)  # SLO-aware admission per variant: off, on, or both (an A/B)
     stop_after_misses: int = 0  # a variant's sweep stops once this many rates in a row missed (0: every rate)
+    repeats: int = 1  # every variant this many times, all in one command; ratios per repeat (serve_summary)
     extra: tuple[str, ...] = field(default_factory=tuple)  # more ``--set key=value`` for every server
 
     def longest_request(self) -> int:
@@ -91,11 +93,16 @@ class ServeBenchSetup:
         return math.ceil(length * (1 + CHAT_RANGE_RATIO))
 
     def variants(self) -> list[tuple[str, str | None, bool]]:
-        """``(mode, policy, admission)`` triples; ``none`` evicts nothing and runs without a policy; each
-        pair once per ``admission`` setting, off before on (pure)."""
-        pairs: list[tuple[str, str | None]] = [("none", None)] if "none" in self.modes else []
-        pairs += [(m, p) for m in self.modes if m != "none" for p in self.policies]
-        return [(m, p, a) for m, p in pairs for a in sorted(set(self.admission))]
+        """``(mode, policy, admission)`` triples (pure). ``none`` is stock vLLM, the baseline: no policy, no
+        admission (no vToken class in the engine), whatever ``admission`` says; with admission on for the
+        others it runs once more as its own variant ``none +admission``. Each evicting pair once per
+        ``admission`` setting, off before on."""
+        switches = sorted(set(self.admission))
+        out: list[tuple[str, str | None, bool]] = []
+        if "none" in self.modes:
+            out += [("none", None, False)] + ([("none", None, True)] if True in switches else [])
+        pairs = [(m, p) for m in self.modes if m != "none" for p in self.policies]
+        return out + [(m, p, a) for m, p in pairs for a in switches]
 
 
 def server_command(config_path: str, port: int) -> list[str]:
@@ -266,12 +273,20 @@ def run_serve_bench(s: ServeBenchSetup, echo=lambda line: None, log_path: str | 
     SIGTERM stops the running server before the process exits (``sigterm_as_interrupt``)."""
     import shlex
 
+    from vtoken.bench.serve_summary import headline, summarize
     from vtoken.models.default import resolve_model
 
     model_path = str(resolve_model(s.model))
     started = time.perf_counter()
+    repeats = []
     with open(log_path or os.devnull, "w") as log, sigterm_as_interrupt():
-        variants = [run_variant(s, variant, model_path, log, echo) for variant in s.variants()]
+        for i in range(s.repeats):
+            if s.repeats > 1:
+                echo(f"repeat {i + 1} of {s.repeats}")
+            repeats.append([run_variant(s, variant, model_path, log, echo) for variant in s.variants()])
+    summary = summarize(repeats)
+    for line in headline(summary):
+        echo(line)
     return {
         "bench": "serve",
         "command": "vtoken " + shlex.join(sys.argv[1:]),
@@ -279,6 +294,8 @@ def run_serve_bench(s: ServeBenchSetup, echo=lambda line: None, log_path: str | 
         "setup": {k: (list(v) if isinstance(v, tuple) else v) for k, v in s.__dict__.items()},
         "slo": {"ttft_ms": s.ttft_ms, "tpot_ms": s.tpot_ms, "attainment_target": ATTAINMENT_TARGET},
         "client": "vllm bench serve (Poisson arrivals, --ignore-eos, --goodput)",
-        "variants": variants,
+        "variants": repeats[0],  # the first repeat (the plot draws it); every repeat in "repeats"
+        "repeats": repeats,
+        "summary": summary,
         "seconds": round(time.perf_counter() - started, 1),
     }

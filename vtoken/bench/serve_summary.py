@@ -1,0 +1,87 @@
+"""``vtoken bench serve --repeats N``: the headline numbers as medians of repeats, with their spread.
+
+One repeat runs every variant once, in one command, on one pool; ratios are computed *within* a repeat (the
+same hour of the machine for both sides), then summarised over the repeats::
+
+    repeat 1   none 0.20  naive/h2o 0.15  repack/h2o 0.30   → repack/h2o ÷ none = 1.50, ÷ naive = 2.00
+    repeat 2   none 0.25  naive/h2o 0.20  repack/h2o 0.30   →                   1.20,           1.50
+    repeat 3   none 0.20  naive/h2o 0.20  repack/h2o 0.35   →                   1.75,           1.75
+    summary    repack/h2o ÷ none: median 1.50 (min 1.20, max 1.75, 3 of 3 repeats)
+
+The baselines of an evicting variant are stock vLLM (``none`` without admission: no vToken class in the
+engine) and Naive-Evict with the same policy and admission setting. A ratio over a baseline that met no rate
+is ``None`` (undefined, not infinite) and is left out of the median; ``n`` says how many repeats it covers.
+All pure.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from vtoken.bench.serve_results import variant_label
+
+RATE_KEYS = ("max_rate_at_target", "rate_at_target_interpolated")
+STOCK = ("none", None, False)  # the baseline: stock vLLM, no vToken class loaded, no admission
+
+
+def spread(values: list[float | None]) -> dict:
+    """``{"median", "min", "max", "n", "values"}`` over the numbers in ``values`` (``None`` entries kept in
+    ``values``, left out of the rest; all ``None`` → median/min/max ``None``)."""
+    nums = [v for v in values if v is not None]
+    if not nums:
+        return {"median": None, "min": None, "max": None, "n": 0, "values": values}
+    return {"median": round(statistics.median(nums), 4), "min": round(min(nums), 4), "max": round(max(nums), 4),
+            "n": len(nums), "values": values}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else round(a / b, 4)
+
+
+def _key(v: dict) -> tuple:
+    return (v["mode"], v["policy"], bool(v["admission"]))
+
+
+def baselines(variant: tuple) -> list[tuple[str, tuple]]:
+    """``[(name, baseline variant)]`` an evicting ``(mode, policy, admission)`` is compared with (pure)."""
+    mode, policy, admission = variant
+    if mode == "none":
+        return [("stock", STOCK)] if admission else []
+    out = [("stock", STOCK)]
+    if mode != "naive":
+        out.append(("naive", ("naive", policy, admission)))
+    return out
+
+
+def summarize(repeats: list[list[dict]]) -> dict:
+    """Per variant label: each rate key's ``spread`` over the repeats; per (variant, baseline) pair present in
+    every repeat: the within-repeat ratios' ``spread``. ``repeats``: each repeat's variant reports (as
+    ``run_variant`` returns them)."""
+    by_repeat = [{_key(v): v for v in rep} for rep in repeats]
+    order = [_key(v) for v in repeats[0]] if repeats else []
+    variants, ratios = {}, {}
+    for key in order:
+        label = variant_label(*key)
+        variants[label] = {k: spread([rep[key][k] if key in rep else None for rep in by_repeat])
+                           for k in RATE_KEYS}
+        for name, base in baselines(key):
+            if base not in by_repeat[0]:
+                continue
+            ratios[f"{label} / {variant_label(*base)}"] = {
+                "baseline": name,
+                **{k: spread([_ratio(rep.get(key, {}).get(k), rep.get(base, {}).get(k)) for rep in by_repeat])
+                   for k in RATE_KEYS}}
+    return {"repeats": len(repeats), "variants": variants, "ratios": ratios}
+
+
+def headline(summary: dict) -> list[str]:
+    """One line per ratio: ``label: median× (min–max, n of N)`` of the max rate at the target (pure)."""
+    lines = []
+    for name, r in summary["ratios"].items():
+        s = r["max_rate_at_target"]
+        if s["median"] is None:
+            lines.append(f"{name}: undefined (the baseline met no rate in any repeat)")
+        else:
+            lines.append(f"{name}: {s['median']:g}× (min {s['min']:g}, max {s['max']:g}; "
+                         f"{s['n']} of {summary['repeats']} repeats)")
+    return lines
