@@ -4,6 +4,9 @@
 Needs only torch, triton, numpy and this repository's files (no vLLM, no network, nothing installed: the
 repository root goes on ``sys.path``). Writes one JSON report (``--out``, also printed) in under 5 minutes:
 
+  warmup             (first, cold) TritonSlotMover.warmup and TritonScoreAccumulator.warmup on the Llama-3-8B
+                     flash_attn cache: their seconds, every cache byte unchanged, and no kernel compiled by
+                     the steps after them (moves direct and staged, two score steps of other query counts)
   correctness        Llama-3-8B shapes (32 layers, 8 kv heads, 32 query heads, head_dim 128, B = 16, bf16):
                      TritonSlotMover vs the torch reference (every K and V element) and TritonScoreAccumulator
                      vs the torch reference (max |Δ|; unimportance bits: a flip only at a near-tie, counted)
@@ -46,7 +49,9 @@ from vtoken.kernels.check import (  # noqa: E402
     check_scores,
     fill_random,
     large_offsets_check,
+    run_scores,
     scheduler_plan,
+    score_specs,
     setup,
     timed,
     token_bytes,
@@ -54,8 +59,8 @@ from vtoken.kernels.check import (  # noqa: E402
 from vtoken.kernels.gpu_layout import PagedTorchMover, allocate_kv_caches, layout_for  # noqa: E402
 from vtoken.kernels.scores import RequestScores  # noqa: E402
 from vtoken.kernels.triton_attention import paged_decode, paged_decode_reference  # noqa: E402
-from vtoken.kernels.triton_moves import TritonSlotMover  # noqa: E402
-from vtoken.kernels.triton_scores import TritonScoreAccumulator  # noqa: E402
+from vtoken.kernels.triton_moves import _COPY, TritonSlotMover  # noqa: E402
+from vtoken.kernels.triton_scores import _PROBS, _STATS, TritonScoreAccumulator  # noqa: E402
 
 FORBIDDEN = ("vllm", "typer", "rich", "ray", "transformers", "pydantic")
 SCORE_TOL = 1e-4
@@ -67,6 +72,41 @@ FULL = dict(shape=Shape(32, 8, 32, 128, 16, 1024, torch.bfloat16), requests=32,
             large=Shape(2, 8, 32, 64, 16, 196608, torch.bfloat16))
 DRY = dict(shape=Shape(2, 2, 4, 64, 16, 12, torch.float32), requests=3, layouts=("cpu", "LHBNC", "BLHNC"),
            bw_blocks=12, bw_moves=8, decode_requests=2, decode_blocks=2, step_moves=4, repeats=1, large=None)
+
+
+def warmup(cfg: dict, device: str) -> dict:
+    """The runner's start-up warm-ups, then a step's moves and two score steps: no new compiled variant
+    (CUDA; the interpreter compiles nothing, so the dry run checks only that no cache byte changed)."""
+    shape = cfg["shape"]
+    caches, lay = setup("flash_attn", shape, device, 6)
+    before = [kv.clone() for kv in caches]
+    kernels = {"_token_copy": _COPY, "_softmax_stats": _STATS, "_probs": _PROBS}
+    dev = torch.device(device)
+    count = (lambda: {n: k.compiled_variants(dev) for n, k in kernels.items()}) if device == "cuda" else dict
+    t0 = time.perf_counter()
+    mover = TritonSlotMover(lay)  # the runner's capacity (512)
+    mover.warmup(caches)
+    TritonScoreAccumulator.warmup(lay, caches[0], shape.q_heads, shape.head_dim, shape.dtype,
+                                  shape.head_dim**-0.5)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    report = {"warmup_s": time.perf_counter() - t0,
+              "caches_unchanged": all(torch.equal(a, b) for a, b in zip(caches, before))}
+    variants = count()
+    rng = np.random.default_rng(6)
+    plan = scheduler_plan(rng, cfg["requests"], shape.blocks, shape.block_size)
+    src, dst = plan.src[: mover.capacity], plan.dst[: mover.capacity]
+    mover.move(caches, src, dst)  # host plan: direct
+    mover.move(caches, src.to(device), dst.to(device))  # device plan: staged
+    for max_queries in (3, 8):  # two steps of different query counts
+        specs = score_specs(plan, rng, max_queries)
+        query = torch.randn(specs[-1][1], shape.q_heads, shape.head_dim).to(shape.dtype).to(device)
+        run_scores(TritonScoreAccumulator(lay), caches, specs, query, shape.head_dim**-0.5)
+    after = count()
+    report["variants_after_warmup"] = variants
+    report["compiled_by_steps"] = {n: after[n] - variants[n] for n in variants}
+    report["ok"] = report["caches_unchanged"] and not any(report["compiled_by_steps"].values())
+    return report
 
 
 def correctness(cfg: dict, device: str) -> dict:
@@ -246,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         "shape": {k: str(v) for k, v in vars(cfg["shape"]).items()},
         "forbidden_modules_loaded": sorted(m for m in sys.modules if m.split(".")[0] in FORBIDDEN),
     }
-    sections = {"correctness": correctness, "large_offsets": large_offsets, "bandwidth": bandwidth,
-                "scores_vs_attention": scores_vs_attention, "graph_loop": graph_loop}
+    sections = {"warmup": warmup, "correctness": correctness, "large_offsets": large_offsets,
+                "bandwidth": bandwidth, "scores_vs_attention": scores_vs_attention, "graph_loop": graph_loop}
     for name, fn in sections.items():
         if time.perf_counter() - start > BUDGET_S:
             report[name] = {"skipped": f"time budget ({BUDGET_S:.0f} s) spent"}
@@ -262,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     report["ok"] = ("error" not in checks and "skipped" not in checks
                     and all(row["ok"] for key, row in checks.items() if isinstance(row, dict))
                     and (large.get("ok", False) if device == "cuda" else "error" not in large)
+                    and report["warmup"].get("ok", False)
                     and not report["forbidden_modules_loaded"])
     report["seconds"] = round(time.perf_counter() - start, 2)
     text = json.dumps(report, indent=2, default=str)

@@ -83,13 +83,14 @@ def test_gpu_check_dry_run_exercises_every_section(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["ok"] is True and report["dry_run"] is True and report["forbidden_modules_loaded"] == []
-    for section in ("correctness", "bandwidth", "scores_vs_attention", "graph_loop"):
+    for section in ("warmup", "correctness", "bandwidth", "scores_vs_attention", "graph_loop"):
         assert "error" not in report[section] and "skipped" not in report[section], report[section]
     rows = report["correctness"]
     for name in ("cpu", "LHBNC", "BLHNC"):
         assert rows[name]["moves_exact"] and rows[name]["scores_max_abs_err"] <= 1e-4, rows[name]
         assert rows[name]["scores_bits_ok"] and rows[name]["bits_mismatched"] == 0, rows[name]
     assert report["large_offsets"]["skipped"].startswith("needs CUDA")  # 12.9 GB: on the GPU only
+    assert report["warmup"]["ok"] and report["warmup"]["caches_unchanged"], report["warmup"]
     assert rows["paged_attention"]["ok"]
     bandwidth = report["bandwidth"]
     assert bandwidth["moves"] > 0 and bandwidth["direct_gb_s"] > 0 and bandwidth["staged_gb_s"] > 0

@@ -4,7 +4,8 @@
 The interpreter tests (test_triton_kernels.py) check what the kernels compute; these check that the compiled
 variant (the one a GPU runs, with the same helper functions) is valid Triton for CUDA: constexpr branches,
 nested helpers, ``tl.dot`` shapes and dtypes, and that the strided move and key loads are 16-byte vectors.
-Argument types follow what ``triton.jit`` specialises at run time (pointers and strides divisible by 16).
+Argument types follow what ``triton.jit`` specialises at run time (pointers and strides divisible by 16,
+except the arguments a kernel marks ``do_not_specialize``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from vtoken.kernels.triton_moves import _COPY, DIRECT, GATHER, SCATTER
 from vtoken.kernels.triton_scores import _PROBS, _STATS
 
 LLAMA = dict(GROUP=4, G_P2=16, D=128, D_P2=128, WIDTH=256, BLOCK_SIZE=16, BLOCK_N=32, STRIDED=True,
-             UPCAST=False, ALIGN=16)
+             UPCAST=False, ALIGN=16, Q_ALIGN=16)
 
 
 def compile_sm90(kernel, types: dict[str, str], constexprs: dict, asm: str = "ptx") -> str:
@@ -29,8 +30,9 @@ def compile_sm90(kernel, types: dict[str, str], constexprs: dict, asm: str = "pt
     fn = kernel.compiled()
     signature = {name: types[name] if name in types else "constexpr" for name in fn.arg_names}
     assert set(signature) == set(types) | set(constexprs), set(signature) ^ (set(types) | set(constexprs))
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in types.items()
-             if t.startswith("*") or n.endswith(("stride", "_st", "_sh"))}
+    divisible = [n for n, t in types.items() if t.startswith("*") or n.endswith(("stride", "_st", "_sh"))]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible
+             if n not in kernel.do_not_specialize}
     src = ASTSource(fn=fn, signature=signature, attrs=attrs,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm[asm]
@@ -62,7 +64,8 @@ def test_score_kernels_compile(dtype, precision):
     types = {**SCORE_TYPES, "q_ptr": f"*{dtype}", "cache_ptr": f"*{dtype}"}
     common = {**LLAMA, "HQ": 32, "PRECISION": precision}
     ptx = compile_sm90(_STATS, types, common)
-    assert re.search(r"ld\.global(\.\w+)*\.v4", ptx)  # keys: 16-byte vectors
+    assert re.search(r"ld\.global(\.\w+)*\.v4", ptx)  # the query tile: 16-byte vectors (Q_ALIGN)
+    assert re.search(r"cp\.async\.cg\.shared\.global .*, 0x10", ptx)  # keys: 16-byte async copies
     compile_sm90(_PROBS, {**types, "q_row": "*i32", "sums_ptr": "*fp32", "rows_ptr": "*fp32", "kmax": "i32"},
                  {**common, "HKV": 8})
 

@@ -1,6 +1,8 @@
 """The Triton kernels compiled on a CUDA device vs the torch references (``pytest tests/gpu``; not run by
 ``make test``). The same checks as tests/cpu/test_triton_kernels.py, at Llama-3-8B-like shapes, plus a CUDA
-graph capture of the fixed-shape move launch. ``scripts/gpu_check.py`` is the timed version.
+graph capture of the fixed-shape move launch, an LHBNC cache whose offsets pass 2^31 and the start-up
+warm-ups (no compile after them). ``scripts/gpu_check.py`` is the timed version. Needs only torch, triton,
+numpy and pytest (conftest.py puts the repository root on ``sys.path``).
 """
 
 import numpy as np
@@ -13,11 +15,14 @@ from vtoken.kernels.check import (
     check_scores,
     copy_caches,
     large_offsets_check,
+    run_scores,
     scheduler_plan,
+    score_specs,
     setup,
 )
 from vtoken.kernels.gpu_layout import PagedTorchMover
-from vtoken.kernels.triton_moves import TritonSlotMover
+from vtoken.kernels.triton_moves import _COPY, TritonSlotMover
+from vtoken.kernels.triton_scores import _PROBS, _STATS, TritonScoreAccumulator
 
 pytestmark = pytest.mark.gpu
 LLAMA = Shape(4, 8, 32, 128, 16, 256, torch.bfloat16)
@@ -66,3 +71,30 @@ def test_staged_launch_replays_in_a_cuda_graph(cuda):
     PagedTorchMover(layout).move(ref, src, dst)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(caches, ref))
+
+
+def test_warmups_compile_every_variant_the_steps_use(cuda):
+    """The runner's start-up warm-ups change no cache byte; later steps (moves direct and staged, score
+    steps of other query counts and row lengths) compile nothing new."""
+    caches, layout = setup("LBHNC", LLAMA, cuda, 7)
+    before = [kv.clone() for kv in caches]
+    mover = TritonSlotMover(layout, capacity=128)
+    mover.warmup(caches)
+    TritonScoreAccumulator.warmup(layout, caches[3], LLAMA.q_heads, LLAMA.head_dim, LLAMA.dtype, 0.1)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(caches, before))
+    device = torch.device(cuda)
+    kernels = (_COPY, _STATS, _PROBS)
+    variants = [k.compiled_variants(device) for k in kernels]
+    assert all(variants)
+    rng = np.random.default_rng(7)
+    plan = scheduler_plan(rng, 16, LLAMA.blocks, LLAMA.block_size)
+    src, dst = plan.src[:128], plan.dst[:128]
+    mover.move(caches, src, dst)
+    mover.move(caches, src.to(cuda), dst.to(cuda))
+    for max_queries in (2, 9):
+        specs = score_specs(plan, rng, max_queries)
+        query = torch.randn(specs[-1][1], LLAMA.q_heads, LLAMA.head_dim, device=cuda).to(LLAMA.dtype)
+        run_scores(TritonScoreAccumulator(layout), caches, specs, query, 0.1)
+    torch.cuda.synchronize()
+    assert [k.compiled_variants(device) for k in kernels] == variants

@@ -23,12 +23,12 @@ def _paged_decode(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, se
                   block_stride, head_stride, token_stride, scale, GROUP: tl.constexpr, G_P2: tl.constexpr,
                   D: tl.constexpr, D_P2: tl.constexpr, WIDTH: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   BLOCK_N: tl.constexpr, STRIDED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                  ALIGN: tl.constexpr):
+                  ALIGN: tl.constexpr, Q_ALIGN: tl.constexpr):
     """Program (r, g): out[r, heads of group g] for request r's single query over its seq_len keys."""
     r = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     seq = tl.load(seq_ptr + r)
-    q = _query_tile(q_ptr, q_st, q_sh, r, g, GROUP, G_P2, D, D_P2, cache_ptr.dtype.element_ty)
+    q = _query_tile(q_ptr, q_st, q_sh, r, g, GROUP, G_P2, D, D_P2, cache_ptr.dtype.element_ty, Q_ALIGN)
     m = tl.full([G_P2], float("-inf"), tl.float32)
     den = tl.full([G_P2], 0.0, tl.float32)
     acc = tl.full([G_P2, D_P2], 0.0, tl.float32)
@@ -76,7 +76,8 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, layout: PagedLayou
                    BLOCK_N=block_n, STRIDED=layout.token_stride is not None,
                    PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
                    UPCAST=kv_cache.device.type == "cpu",
-                   ALIGN=math.gcd(16, layout.block_stride, layout.head_stride, layout.token_stride or 1))
+                   ALIGN=math.gcd(16, layout.block_stride, layout.head_stride, layout.token_stride or 1),
+                   Q_ALIGN=math.gcd(16, query.stride(0), query.stride(1)))
 
 
 def paged_decode_reference(query: torch.Tensor, kv_cache: torch.Tensor, layout: PagedLayout,

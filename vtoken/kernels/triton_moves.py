@@ -6,7 +6,7 @@ pair's source): *every* source element of *every* layer is read into a staging b
 destination is written, the boundary between two launches being the global barrier (the programs of one
 launch run in no defined order)::
 
-    host: src/dst → persistent int64 buffers of ``capacity`` entries, padded with -1
+    host: src/dst → persistent int64 buffers of ``capacity`` entries, padded with NO_SLOT (-1)
     launch 1 (gather)   grid (capacity, layers): program (i, l) copies token src[i] of layer l, every kv
                         head and K+V channel, into stage[l, i]          (-1: nothing; reads only)
           ── kernel boundary: all reads of launch 1 happen before any write of launch 2 ──
@@ -27,6 +27,11 @@ covers all layers of any ``PagedLayout`` (CPU ISA packing through the index tabl
 arithmetic). The grid depends only on ``capacity`` and the layer count, never on the plan: ``set_plan``
 (host→device copy) then ``launch`` can be captured in a CUDA graph once and replayed. Plans longer than
 ``capacity`` run in chunks, exact only for disjoint sources and destinations (checked; ``ValueError``).
+
+Compiled variants (CUDA): ``_token_copy`` has no argument that changes from step to step (the plan lives in
+the persistent slot buffers, the grid is fixed), so a mover compiles exactly three variants, MODE = DIRECT,
+GATHER, SCATTER, each specialised on its layout (strides, block size, heads, width, ALIGN) and capacity.
+``warmup`` launches all three once at start-up with an all-padding plan.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from vtoken.kernels.moves import unique_caches
 from vtoken.kernels.triton_runtime import TritonKernel, next_pow2
 
 GATHER, SCATTER, DIRECT = 0, 1, 2
+NO_SLOT = -1  # a padded plan entry: the program does nothing
 
 
 def _token_at(layer_off_ptr, index_ptr, layer, slot, block_stride, token_stride, BLOCK_SIZE, WIDTH, WIDTH_P2,
@@ -63,9 +69,10 @@ def _token_copy(cache_ptr, layer_off_ptr, src_ptr, dst_ptr, stage_ptr, index_ptr
                 HEAD_TILE: tl.constexpr, WIDTH: tl.constexpr, WIDTH_P2: tl.constexpr, STRIDED: tl.constexpr,
                 ALIGN: tl.constexpr, MODE: tl.constexpr):
     """Program (i, l), MODE GATHER: token src[i] of layer l → stage[l, i]; SCATTER: stage[l, i] → token
-    dst[i]; DIRECT: token src[i] → token dst[i]. A padded entry (-1) does nothing. ALIGN divides every row
-    start (16-byte vector loads on CUDA). Every element offset is int64: ``h * head_stride`` alone passes
-    2^31 on a large LHBNC cache (heads outside blocks), and Triton passes a stride below 2^31 as int32."""
+    dst[i]; DIRECT: token src[i] → token dst[i]. A padded entry (NO_SLOT, -1) does nothing. ALIGN divides
+    every row start (16-byte vector loads on CUDA). Every element offset is int64: ``h * head_stride`` alone
+    passes 2^31 on a large LHBNC cache (heads outside blocks), and Triton passes a stride below 2^31 as
+    int32."""
     i = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
     if MODE == 1:  # SCATTER (module constants are not visible in compiled kernels: literals here)
@@ -140,8 +147,8 @@ class TritonSlotMover:
             self._align = math.gcd(
                 16, lay.block_stride, lay.head_stride, lay.token_stride or 1, *(d // esize for d in deltas)
             )
-            self._src = torch.full((self.capacity,), -1, dtype=torch.int64, device=dev)
-            self._dst = torch.full((self.capacity,), -1, dtype=torch.int64, device=dev)
+            self._src = torch.full((self.capacity,), NO_SLOT, dtype=torch.int64, device=dev)
+            self._dst = torch.full((self.capacity,), NO_SLOT, dtype=torch.int64, device=dev)
             self._index = lay.index.to(device=dev, dtype=torch.int32)
             self._stage = None
             self._key = key
@@ -151,12 +158,13 @@ class TritonSlotMover:
                                       dtype=first.dtype, device=first.device)
 
     def set_plan(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy ≤ ``capacity`` pairs into the persistent slot buffers, the rest -1 (mutates them only)."""
+        """Copy ≤ ``capacity`` pairs into the persistent slot buffers, the rest NO_SLOT (mutates them
+        only)."""
         n = src.numel()
         if n > self.capacity:
             raise ValueError(f"set_plan: {n} moves exceed the capacity {self.capacity}")
-        self._src.fill_(-1)
-        self._dst.fill_(-1)
+        self._src.fill_(NO_SLOT)
+        self._dst.fill_(NO_SLOT)
         self._src[:n].copy_(src.reshape(-1), non_blocking=True)
         self._dst[:n].copy_(dst.reshape(-1), non_blocking=True)
 
@@ -164,14 +172,33 @@ class TritonSlotMover:
         """The current plan over every layer (mutates the caches): gather launch then scatter launch, or
         one direct launch (only for disjoint sources and destinations). Fixed grid ``(capacity, layers)``:
         capturable in a CUDA graph after ``prepare`` and ``set_plan``."""
-        lay = self.layout
-        first = self._caches[0]
         if staged and self._stage is None:
             raise RuntimeError("launch(staged=True) needs prepare(..., staged=True) first")
+        # the direct kernel never touches its stage argument
+        self._launch_modes((GATHER, SCATTER) if staged else (DIRECT,), self._stage if staged else self._src)
+
+    def warmup(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        """Compile (CUDA) the mover's three variants, DIRECT, GATHER and SCATTER, by launching each once over
+        an all-padding plan (every slot NO_SLOT): no program reads or writes a cache, every cache byte stays
+        as it was. Side effects: ``prepare(kv_caches, staged=False)`` (slot buffers, no staging buffer: the
+        staged pair runs on a 16-element scratch stage of the cache dtype that it never touches, the same
+        specialisation as the real one), the slot buffers left all padding, three launches on the current
+        stream (asynchronous), Triton's compile cache. Call once at start-up, outside graph capture."""
+        self.prepare(kv_caches, staged=False)
+        self._src.fill_(NO_SLOT)
+        self._dst.fill_(NO_SLOT)
+        first = self._caches[0]
+        self._launch_modes((DIRECT,), self._src)
+        self._launch_modes((GATHER, SCATTER), torch.empty(16, dtype=first.dtype, device=first.device))
+
+    def _launch_modes(self, modes: Sequence[int], stage: torch.Tensor) -> None:
+        """``_token_copy`` once per mode over the current plan, grid ``(capacity, layers)`` (mutates the caches
+        and ``stage`` as the plan says)."""
+        lay = self.layout
+        first = self._caches[0]
         width_p2 = next_pow2(lay.width)
         head_tile = min(next_pow2(lay.num_kv_heads), max(1, 4096 // width_p2))
-        stage = self._stage if staged else self._src  # the direct kernel never touches it
-        for mode in (GATHER, SCATTER) if staged else (DIRECT,):
+        for mode in modes:
             _COPY.launch(first.device, (self.capacity, len(self._caches)), first, self._offsets, self._src,
                          self._dst, stage, self._index, lay.block_stride, lay.head_stride,
                          lay.token_stride or 0, CAP=self.capacity, BLOCK_SIZE=lay.block_size,

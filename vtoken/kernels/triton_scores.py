@@ -18,6 +18,18 @@ Any head_dim (padded to a power of two ≥ 16, masked), GQA/MQA (a kv head's que
 to ≥ 16 rows for ``tl.dot``), fp16/bf16/fp32 inputs with fp32 accumulation (``ieee`` dot for fp32). CPU
 tensors run through Triton's interpreter (``triton_runtime``). Buffers are allocated per step on the first
 ``add_layer``; the launch shapes follow the step's queries and longest row.
+
+Compiled variants (CUDA): one ``_softmax_stats`` and one ``_probs`` per model, whatever the step. What
+changes from step to step is the grid (query count, key tiles) and three integer arguments that are not
+specialised (``do_not_specialize``): ``kmax`` (the longest row), ``bt_stride`` (the block table's width;
+both would otherwise compile a variant for 1 and for multiples of 16) and ``q_st`` (the query's token
+stride: vLLM's query may be a view of the fused qkv buffer, the warm-up's is contiguous; its alignment
+goes in as the constexpr Q_ALIGN = gcd(16, q_st, q_sh), which is gcd(16, head_dim) for every ``[T, H, D]``
+query whose heads are contiguous, so the query tiles keep their 16-byte loads). Everything else is fixed
+per model: the constexprs (heads, head dim, block size, layout strides' alignment, dtype → PRECISION,
+device → UPCAST), ``q_sh`` (= head_dim, as above), the cache strides, the pointers' dtypes and 16-byte
+alignment (torch allocations; a query view starting off a 16-byte boundary would add a variant).
+``TritonScoreAccumulator.warmup`` compiles both once at start-up.
 """
 
 from __future__ import annotations
@@ -63,11 +75,12 @@ def _kv_tile(cache_ptr, bt_ptr, index_ptr, req, g, start, vis, block_stride, hea
     return k, pos, valid
 
 
-def _query_tile(q_ptr, q_st, q_sh, t, g, GROUP, G_P2, D, D_P2, dtype):
-    """Query token ``t``'s heads of kv group ``g``: ``[G_P2, D_P2]`` (0 beyond GROUP or D); int64 offsets."""
+def _query_tile(q_ptr, q_st, q_sh, t, g, GROUP, G_P2, D, D_P2, dtype, Q_ALIGN):
+    """Query token ``t``'s heads of kv group ``g``: ``[G_P2, D_P2]`` (0 beyond GROUP or D); int64 offsets.
+    Q_ALIGN divides q_st (16-byte vector loads although q_st itself is not specialised)."""
     h = tl.arange(0, G_P2)[:, None]
     d = tl.arange(0, D_P2)[None, :]
-    at = t.to(tl.int64) * q_st + (g * GROUP + h).to(tl.int64) * q_sh
+    at = tl.multiple_of(t.to(tl.int64) * q_st, Q_ALIGN) + (g * GROUP + h).to(tl.int64) * q_sh
     q = tl.load(q_ptr + at + d, mask=(h < GROUP) & (d < D), other=0.0)
     return q.to(dtype)
 
@@ -82,14 +95,15 @@ def _softmax_stats(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, q
                    l_ptr, block_stride, head_stride, token_stride, scale, HQ: tl.constexpr,
                    GROUP: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
                    WIDTH: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   STRIDED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, ALIGN: tl.constexpr):
+                   STRIDED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, ALIGN: tl.constexpr,
+                   Q_ALIGN: tl.constexpr):
     """Program (i, g): m and l of query i's heads in kv group g (writes m_ptr/l_ptr[i, heads])."""
     i = tl.program_id(0)
     g = tl.program_id(1)
     t = tl.load(q_tok + i).to(tl.int64)
     req = tl.load(q_req + i).to(tl.int64)
     vis = tl.load(q_vis + i)
-    q = _query_tile(q_ptr, q_st, q_sh, t, g, GROUP, G_P2, D, D_P2, cache_ptr.dtype.element_ty)
+    q = _query_tile(q_ptr, q_st, q_sh, t, g, GROUP, G_P2, D, D_P2, cache_ptr.dtype.element_ty, Q_ALIGN)
     m = tl.full([G_P2], float("-inf"), tl.float32)
     den = tl.full([G_P2], 0.0, tl.float32)
     for start in range(0, vis, BLOCK_N):
@@ -110,7 +124,7 @@ def _probs(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, q_tok, q_
            l_ptr, sums_ptr, rows_ptr, kmax, block_stride, head_stride, token_stride, scale, HQ: tl.constexpr,
            HKV: tl.constexpr, GROUP: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
            WIDTH: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, STRIDED: tl.constexpr,
-           PRECISION: tl.constexpr, UPCAST: tl.constexpr, ALIGN: tl.constexpr):
+           PRECISION: tl.constexpr, UPCAST: tl.constexpr, ALIGN: tl.constexpr, Q_ALIGN: tl.constexpr):
     """Program (i, j): head-mean probabilities of query i over key tile j, added into sums (atomic, shared by
     the request's queries) and into rows[q_row[i]] when the query is kept (one program per element)."""
     i = tl.program_id(0)
@@ -122,7 +136,7 @@ def _probs(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, q_tok, q_
         h = tl.arange(0, G_P2)
         acc = tl.full([BLOCK_N], 0.0, tl.float32)
         for g in range(HKV):
-            q = _query_tile(q_ptr, q_st, q_sh, t, g, GROUP, G_P2, D, D_P2, cache_ptr.dtype.element_ty)
+            q = _query_tile(q_ptr, q_st, q_sh, t, g, GROUP, G_P2, D, D_P2, cache_ptr.dtype.element_ty, Q_ALIGN)
             k, pos, valid = _kv_tile(cache_ptr, bt_ptr, index_ptr, req, g, start, vis, block_stride,
                                      head_stride, token_stride, bt_stride, BLOCK_SIZE, BLOCK_N, D, D_P2,
                                      WIDTH, STRIDED, ALIGN, 0)
@@ -142,8 +156,25 @@ def _probs(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, q_tok, q_
             tl.store(rows_ptr + row * kmax + pos, old + mean, mask=valid)
 
 
-_STATS = TritonKernel(_softmax_stats, helpers=(_kv_tile, _query_tile, _logits))
-_PROBS = TritonKernel(_probs, helpers=(_kv_tile, _query_tile, _logits))
+_STATS = TritonKernel(_softmax_stats, helpers=(_kv_tile, _query_tile, _logits),
+                      do_not_specialize=("q_st", "bt_stride"))
+_PROBS = TritonKernel(_probs, helpers=(_kv_tile, _query_tile, _logits),
+                      do_not_specialize=("q_st", "bt_stride", "kmax"))
+NO_ROW = -1  # a query whose probabilities no kept row records (q_row)
+
+
+def _device_meta(device: torch.device, tok: list[int], req: list[int], vis: list[int], row: list[int],
+                 bt: torch.Tensor, kmax: int, n_rows: int) -> dict:
+    """The launch metadata on ``device``: int32 query tables, the int32 block table, zeroed fp32 ``sums``
+    ``[requests, kmax]`` and ``rows`` ``[max(n_rows, 1), kmax]`` (new tensors; pure)."""
+
+    def dev(values):  # CUDA: through pinned memory, so planning never waits for the stream
+        t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int32)
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+    return dict(tok=dev(tok), req=dev(req), vis=dev(vis), row=dev(row), bt=dev(bt), kmax=kmax,
+                sums=torch.zeros(bt.shape[0], kmax, device=device),
+                rows=torch.zeros(max(n_rows, 1), kmax, device=device))
 
 
 def kept_queries(rs: RequestScores) -> list[int]:
@@ -174,21 +205,34 @@ class TritonScoreAccumulator(ScoreAccumulator):
                 tok.append(rs.q_start + qi)
                 req.append(r)
                 vis.append(rs.seq_len - rs.n_q + qi + 1)
-                row.append(where.get(qi, -1))
+                row.append(where.get(qi, NO_ROW))
             tables.append(rs.block_row.to("cpu", torch.int32))
-        kmax = max(rs.seq_len for rs in scored)
         width = max(int(t.numel()) for t in tables)
         bt = torch.zeros(len(scored), width, dtype=torch.int32)
         for r, t in enumerate(tables):
             bt[r, : t.numel()] = t
+        return dict(_device_meta(device, tok, req, vis, row, bt, max(rs.seq_len for rs in scored), n_rows),
+                    kept=kept, scored=scored)
 
-        def dev(values):  # CUDA: through pinned memory, so planning never waits for the stream
-            t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int32)
-            return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
-
-        return dict(tok=dev(tok), req=dev(req), vis=dev(vis), row=dev(row), bt=dev(bt), kmax=kmax,
-                    kept=kept, sums=torch.zeros(len(scored), kmax, device=device),
-                    rows=torch.zeros(max(n_rows, 1), kmax, device=device), scored=scored)
+    @classmethod
+    def warmup(cls, layout: PagedLayout, kv_cache: torch.Tensor, num_q_heads: int, head_dim: int,
+               dtype: torch.dtype, scale: float, block_n: int | None = None) -> None:
+        """Compile (CUDA) the model's one ``_softmax_stats`` and one ``_probs`` variant (module doc): both
+        launched once through the same ``_launch`` as a step, for one scratch query of ``num_q_heads ×
+        head_dim`` in ``dtype`` that sees no key (visible length 0, no kept row), so neither kernel reads or
+        writes ``kv_cache`` (only its pointer, dtype and device are used). Side effects: scratch buffers,
+        two launches on the current stream (asynchronous), Triton's compile cache. Call once at start-up,
+        outside graph capture, with any layer's cache view (all layers share one layout). ``block_n``: the
+        accumulators' (default: the class default). Raises ``ValueError`` on heads or head_dim that do not
+        fit ``layout``."""
+        if head_dim != layout.head_dim or num_q_heads < 1 or num_q_heads % layout.num_kv_heads:
+            raise ValueError(f"warmup: {num_q_heads} query heads of {head_dim} do not fit "
+                             f"{layout.num_kv_heads} kv heads of {layout.head_dim}")
+        acc = cls(layout) if block_n is None else cls(layout, block_n=block_n)
+        device = kv_cache.device
+        meta = _device_meta(device, [0], [0], [0], [NO_ROW], torch.zeros(1, 1, dtype=torch.int32), 1, 0)
+        query = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
+        acc._launch(query, kv_cache, scale, meta)
 
     def add_layer(
         self, query: torch.Tensor, key: torch.Tensor | None, kv_cache: torch.Tensor, scale: float
@@ -222,7 +266,8 @@ class TritonScoreAccumulator(ScoreAccumulator):
                       STRIDED=lay.token_stride is not None,
                       PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
                       UPCAST=kv_cache.device.type == "cpu",
-                      ALIGN=math.gcd(16, lay.block_stride, lay.head_stride, lay.token_stride or 1))
+                      ALIGN=math.gcd(16, lay.block_stride, lay.head_stride, lay.token_stride or 1),
+                      Q_ALIGN=math.gcd(16, query.stride(0), query.stride(1)))
         head = (query, query.stride(0), query.stride(1), kv_cache, meta["bt"], meta["bt"].stride(0), index,
                 meta["tok"], meta["req"], meta["vis"])
         tail = (lay.block_stride, lay.head_stride, lay.token_stride or 0, float(scale))
