@@ -396,7 +396,7 @@ def serve_cmd(
     plot: str = typer.Option(None, help="write the attainment / goodput vs rate plot (PNG) here"),
 ) -> None:
     """The served path per mode: `vtoken serve` + `vllm bench serve`, goodput and SLO attainment per rate."""
-    from vtoken.bench.report import emit
+    from vtoken.bench.report import emit, partial_writer
     from vtoken.bench.serve_bench import DATASETS, ServeBenchSetup, run_serve_bench, variant_config
 
     try:
@@ -434,7 +434,7 @@ def serve_cmd(
             refuse(f"mode {mode!r}, policy {policy!r}: {exc}")
     echo = (lambda *_: None) if as_json else (lambda line: typer.echo(line, err=True))
     try:
-        report = run_serve_bench(setup, echo, log)
+        report = run_serve_bench(setup, echo, log, checkpoint=partial_writer(out))
     except RuntimeError as exc:
         refuse(str(exc))
     if plot:

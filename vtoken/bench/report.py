@@ -70,6 +70,17 @@ def emit(report: dict, out: str | None) -> None:
     typer.echo(text)
 
 
+def partial_writer(out: str | None):
+    """A ``checkpoint(report)`` callback that writes a long benchmark's report so far to ``out`` (with its
+    ``environment``), or does nothing without ``out``; the final ``emit`` overwrites it."""
+    def write(report: dict) -> None:
+        if out:
+            report = {**report, "environment": environment()}
+            Path(out).write_text(json.dumps(report, indent=2) + "\n")
+
+    return write
+
+
 def refuse(message: object) -> NoReturn:
     """Bad input: print ``error: message`` on stderr and exit 2 (no traceback, nothing on stdout)."""
     typer.echo(f"error: {message}", err=True)

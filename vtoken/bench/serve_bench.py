@@ -48,6 +48,7 @@ from vtoken.bench.serve_results import (
     sweep_done,
     variant_label,
 )
+from vtoken.bench.serve_summary import headline, summarize
 
 DATASETS = ("random", "chat")  # chat: a shared system prompt + lengths drawn ±50 % (a chat-like mix)
 CHAT_RANGE_RATIO = 0.5  # chat: prompt and output lengths drawn from [(1 - r)·len, (1 + r)·len]
@@ -268,25 +269,32 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_serve_bench(s: ServeBenchSetup, echo=lambda line: None, log_path: str | None = None) -> dict:
-    """Every variant, one after another (one server at a time on this machine); returns the report.
-    SIGTERM stops the running server before the process exits (``sigterm_as_interrupt``)."""
-    import shlex
-
-    from vtoken.bench.serve_summary import headline, summarize
+def run_serve_bench(s: ServeBenchSetup, echo=lambda line: None, log_path: str | None = None,
+                    checkpoint=lambda report: None) -> dict:
+    """Every variant, one after another (one server at a time on this machine), ``s.repeats`` times; returns
+    the report. ``checkpoint(report)`` gets the report of the repeats done so far after each repeat (the CLI
+    writes it to ``--out``, so a long run stopped part-way keeps its finished repeats). SIGTERM stops the
+    running server before the process exits (``sigterm_as_interrupt``)."""
     from vtoken.models.default import resolve_model
 
     model_path = str(resolve_model(s.model))
     started = time.perf_counter()
-    repeats = []
+    repeats: list[list[dict]] = []
     with open(log_path or os.devnull, "w") as log, sigterm_as_interrupt():
         for i in range(s.repeats):
             if s.repeats > 1:
                 echo(f"repeat {i + 1} of {s.repeats}")
             repeats.append([run_variant(s, variant, model_path, log, echo) for variant in s.variants()])
-    summary = summarize(repeats)
-    for line in headline(summary):
+            checkpoint(_report(s, model_path, repeats, started))
+    report = _report(s, model_path, repeats, started)
+    for line in headline(report["summary"]):
         echo(line)
+    return report
+
+
+def _report(s: ServeBenchSetup, model_path: str, repeats: list[list[dict]], started: float) -> dict:
+    import shlex
+
     return {
         "bench": "serve",
         "command": "vtoken " + shlex.join(sys.argv[1:]),
@@ -296,6 +304,7 @@ def run_serve_bench(s: ServeBenchSetup, echo=lambda line: None, log_path: str | 
         "client": "vllm bench serve (Poisson arrivals, --ignore-eos, --goodput)",
         "variants": repeats[0],  # the first repeat (the plot draws it); every repeat in "repeats"
         "repeats": repeats,
-        "summary": summary,
+        "repeats_done": len(repeats),
+        "summary": summarize(repeats),
         "seconds": round(time.perf_counter() - started, 1),
     }
