@@ -38,8 +38,11 @@ def test_variants_run_none_once_and_every_policy_for_the_evicting_modes():
 
 def test_none_is_stock_vllm_and_admission_on_it_is_its_own_variant():
     """The baseline never runs vToken's admission (it would load vToken's scheduler into vanilla vLLM)."""
-    s = ServeBenchSetup(model="tiny-llama", modes=("none", "repack"), policies=("h2o",), admission=(True,))
-    assert s.variants() == [("none", None, False), ("none", None, True), ("repack", "h2o", True)]
+    on = ServeBenchSetup(model="tiny-llama", modes=("none", "repack"), policies=("h2o",), admission=(True,))
+    assert on.variants() == [("none", None, False), ("repack", "h2o", True)]
+    s = ServeBenchSetup(model="tiny-llama", modes=("none", "repack"), policies=("h2o",), admission=(True, False))
+    assert s.variants() == [("none", None, False), ("none", None, True), ("repack", "h2o", False),
+                            ("repack", "h2o", True)]
     from vtoken.serve.replica.engine import engine_args
 
     stock = engine_args(variant_config(s, "none", None, False), "model")

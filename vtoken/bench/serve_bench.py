@@ -95,13 +95,13 @@ class ServeBenchSetup:
 
     def variants(self) -> list[tuple[str, str | None, bool]]:
         """``(mode, policy, admission)`` triples (pure). ``none`` is stock vLLM, the baseline: no policy, no
-        admission (no vToken class in the engine), whatever ``admission`` says; with admission on for the
-        others it runs once more as its own variant ``none +admission``. Each evicting pair once per
-        ``admission`` setting, off before on."""
+        admission (no vToken class in the engine), whatever ``admission`` says; when admission is compared
+        (``admission`` off and on) it also runs as its own variant ``none +admission``. Each evicting pair
+        once per ``admission`` setting, off before on."""
         switches = sorted(set(self.admission))
         out: list[tuple[str, str | None, bool]] = []
         if "none" in self.modes:
-            out += [("none", None, False)] + ([("none", None, True)] if True in switches else [])
+            out += [("none", None, False)] + ([("none", None, True)] if switches == [False, True] else [])
         pairs = [(m, p) for m in self.modes if m != "none" for p in self.policies]
         return out + [(m, p, a) for m, p in pairs for a in switches]
 
