@@ -158,6 +158,27 @@ def test_results_are_finished_when_an_async_output_is_read():
         r._vt_attach(ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}))
 
 
+def test_gpu_runner_warms_the_triton_kernels_up_at_start_up(monkeypatch):
+    """CUDA: the mover's and the score kernels' variants compile when the KV cache is set up, not during the
+    first requests (issue 24, defect 6); the warm-ups themselves are tests/cpu/test_triton_warmup.py."""
+    r, views, ctx, _ = _gpu_runner()
+    for layer in ctx.values():
+        layer.impl.num_heads, layer.impl.head_size = 4, D
+    calls = []
+    monkeypatch.setattr(TritonSlotMover, "warmup", lambda self, caches: calls.append(("mover", self, caches)))
+    monkeypatch.setattr(TritonScoreAccumulator, "warmup", classmethod(
+        lambda cls, layout, kv, heads, head_dim, dtype, scale: calls.append(
+            ("scores", layout, kv, heads, head_dim, dtype, scale))))
+    r._vt_setup()
+    assert calls == []  # CPU tensors: the interpreter compiles nothing
+    r.device = SimpleNamespace(type="cuda")
+    r._vt_make_readback = lambda: None  # no CUDA streams on this machine
+    r._vt_setup()
+    assert calls == [("mover", r._vt_mover, r._vt_kv_tensors),
+                     ("scores", r._vt_layout, views[0], 4, D, views[0].dtype, 0.5)]
+    assert r._vt_kv_tensors == tuple(views)
+
+
 class _FakeCuda:
     """``torch.cuda`` as ``HostReadback`` uses it, logging every wait and record (CPU tensors stand in)."""
 

@@ -55,6 +55,18 @@ class VTokenGPUModelRunner(VTokenRunnerMixin, GPUModelRunner):
             return TritonScoreAccumulator(layout)
         return PagedScoreAccumulator(layout)
 
+    def _vt_warmup(self, layers) -> None:
+        """CUDA: compile the Triton mover's three variants and the score kernels' one each now, on harmless
+        launches that leave every cache byte unchanged (``TritonSlotMover.warmup``,
+        ``TritonScoreAccumulator.warmup``): otherwise they compile during the first requests (seconds of
+        stall; an error under ``--jit-monitor-mode=error``). Runs before vLLM captures CUDA graphs."""
+        if self.device.type != "cuda":
+            return
+        impl = layers[0].impl
+        self._vt_mover.warmup(self._vt_kv_tensors)
+        TritonScoreAccumulator.warmup(self._vt_layout, layers[0].kv_cache, int(impl.num_heads),
+                                      int(impl.head_size), layers[0].kv_cache.dtype, float(impl.scale))
+
     def _vt_make_readback(self):
         """CUDA: async outputs copy the step's statistics on a side stream (``HostReadback``)."""
         if self.device.type == "cuda":

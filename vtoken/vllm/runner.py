@@ -85,6 +85,9 @@ class VTokenRunnerMixin:
         """A fresh accumulator for one step's attention statistics."""
         raise NotImplementedError
 
+    def _vt_warmup(self, layers) -> None:
+        """Compile what the steps will launch, once, at start-up (platforms with JIT kernels override)."""
+
     def _vt_make_readback(self) -> HostReadback | None:
         """How async outputs read the step's statistics back (``None``: they are host tensors already)."""
         return None
@@ -124,6 +127,7 @@ class VTokenRunnerMixin:
         self._vt_depth = len(layers)
         for index, layer in zip(_forward_order(groups[0].layer_names), layers):
             self._vt_wrap(layer, index)
+        self._vt_warmup(layers)
         self._vt_ready = True
         logger.info("vToken worker ready: %d attention layers, block size %d, mover %s", len(layers),
                     self._vt_paged.block_size, type(self._vt_mover).__name__)
