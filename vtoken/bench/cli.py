@@ -271,7 +271,7 @@ def quality_cmd(
 def kernels_cmd(
     backend: str = typer.Option("triton", help="torch | triton"),
     device: str = typer.Option("cpu", help="cpu (Triton runs in its interpreter) | cuda (adds timings)"),
-    layout: str = typer.Option("flash_attn", help="cpu | flash_attn | flashinfer | triton_attn | LBNHC | …"),
+    layout: str = typer.Option("flash_attn", help="cpu | flash_attn | flashinfer | triton_attn | LBNHC | LHBNC | …"),
     layers: int = typer.Option(2),
     kv_heads: int = typer.Option(2, "--kv-heads"),
     q_heads: int = typer.Option(4, "--q-heads"),
