@@ -110,7 +110,10 @@ Engine/front end
   * ``vllm.envs.disable_envs_cache`` — ``vtoken.vllm.launch.scoped_env`` builds in-process engines for
     ``vtoken verify`` / ``vtoken bench overhead`` / tests with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` without
     leaking it: vLLM memoises its environment once an engine starts, so the memo is cleared around the build.
-  * ``vllm.plugins`` ``vllm.general_plugins`` entry point ``vtoken`` → ``vtoken.vllm.plugin:register``.
+  * ``vllm.plugins`` ``vllm.general_plugins`` entry point ``vtoken`` → ``vtoken.vllm.plugin:register``. vLLM
+    0.32 calls it in the engine core (``EngineCore.__init__``) and in every worker (``WorkerWrapperBase``),
+    which is where ``vtoken.vllm.lifetime.watch_parent`` starts: nothing in vLLM ends an engine core whose
+    front end died.
   * ``vllm.v1.metrics.stats.SchedulerStats`` (read in the front end by ``vtoken_stats_from``).
 """
 

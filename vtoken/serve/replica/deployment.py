@@ -61,7 +61,13 @@ class VTokenReplica:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from vtoken.serve.replica.engine import bind_cpus, engine_args, refusal_reported, resolve_model_path
+        from vtoken.serve.replica.engine import (
+            bind_cpus,
+            engine_args,
+            engine_exits_with_replica,
+            refusal_reported,
+            resolve_model_path,
+        )
         from vtoken.serve.replica.openai_app import RequestGuard, build_vllm_app
         from vtoken.serve.telemetry.metrics import ReplicaMetrics, start_metrics_server
 
@@ -79,6 +85,7 @@ class VTokenReplica:
         self._fault_file = os.environ.get(FAULT_FILE_ENV) or None
         self._fault: tuple[float, dict[str, Any]] = (0.0, {})
         binding = bind_cpus(cfg, self._local_rank)
+        engine_exits_with_replica()  # no orphaned VLLM::EngineCore / Worker if this process is killed
         # may convert/build the checkpoint on first use (~35 s for the default model): off the event loop
         model_path = await asyncio.to_thread(resolve_model_path, cfg.model)
 

@@ -127,6 +127,14 @@ def bind_cpus(cfg: ServeAppConfig, local_rank: int) -> str:
     return os.environ["VLLM_CPU_OMP_THREADS_BIND"]
 
 
+def engine_exits_with_replica() -> None:
+    """Make the engine processes this replica will start exit when it dies, by any means (mutates
+    ``os.environ``: they inherit ``EXIT_WITH_PARENT_ENV``; vtoken/vllm/lifetime.py)."""
+    from vtoken.vllm.lifetime import EXIT_WITH_PARENT_ENV
+
+    os.environ[EXIT_WITH_PARENT_ENV] = "1"
+
+
 @contextlib.contextmanager
 def refusal_reported():
     """Around an engine start: a vToken start-up refusal raised inside the engine's processes re-raises

@@ -1,0 +1,80 @@
+"""A process vLLM starts for a Serve replica exits when the process that started it dies (issue 29).
+
+Unit level, no Ray: a stand-in "replica" process starts a child that runs exactly what vLLM runs in its
+engine core and workers (the ``vllm.general_plugins`` entry point, ``vtoken.vllm.plugin.register``), then the
+replica is SIGKILLed alone (not its process group). Checked by process, not by log line.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from vtoken.vllm.lifetime import EXIT_WITH_PARENT_ENV, GRACE_S, POLL_PERIOD_S
+
+EXIT_BOUND_S = POLL_PERIOD_S + 5.0  # a poll period, then SIGTERM's default action (GRACE_S only if it hangs)
+
+CHILD = "import time; from vtoken.vllm.plugin import register; register(); time.sleep(120)"
+REPLICA = f"""
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", {CHILD!r}])
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped by its new parent) is gone
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _start(env_value: str | None) -> tuple[subprocess.Popen, int]:
+    env = {k: v for k, v in os.environ.items() if k != EXIT_WITH_PARENT_ENV}
+    if env_value is not None:
+        env[EXIT_WITH_PARENT_ENV] = env_value
+    replica = subprocess.Popen([sys.executable, "-c", REPLICA], stdout=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True)
+    child = int(replica.stdout.readline())
+    time.sleep(POLL_PERIOD_S + 2.0)  # the child has imported vToken and registered
+    assert _alive(child)
+    return replica, child
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_engine_process_exits_when_its_replica_is_sigkilled_alone(asked):
+    replica, child = _start("1" if asked else None)
+    try:
+        os.kill(replica.pid, signal.SIGKILL)  # the replica alone, not its group
+        replica.wait(10)
+        deadline = time.monotonic() + EXIT_BOUND_S
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if asked:
+            assert not _alive(child), f"the orphaned child {child} still runs {EXIT_BOUND_S} s after its parent died"
+        else:  # without the setting nothing changes (a user's own vLLM may outlive its shell on purpose)
+            assert _alive(child)
+    finally:
+        for pid in (child, replica.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_watchdog_is_off_unless_asked_and_started_once(monkeypatch):
+    from vtoken.vllm.lifetime import watch_parent
+
+    monkeypatch.delenv(EXIT_WITH_PARENT_ENV, raising=False)
+    assert watch_parent() is None
+    monkeypatch.setenv(EXIT_WITH_PARENT_ENV, "1")
+    first = watch_parent(period_s=3600, grace_s=GRACE_S)  # this test process's parent outlives the test
+    assert first is not None and first.daemon and watch_parent() is first
