@@ -51,3 +51,31 @@ def test_the_interpreted_variant_interprets_wherever_it_is_first_asked_for():
     kernel = TritonKernel(_axpy)
     assert isinstance(kernel._variant(True), InterpretedFunction)
     assert not isinstance(kernel.compiled(), InterpretedFunction)
+
+
+def _count_tiles(n_ptr, out_ptr, BLOCK: tl.constexpr):
+    n = tl.load(n_ptr)
+    tiles = n * 0
+    for start in range(0, n, BLOCK):  # a loaded loop bound, as the score kernels' range(0, vis, BLOCK_N)
+        tiles += 1
+    tl.store(out_ptr, tiles)
+
+
+def test_a_loaded_loop_bound_runs_in_the_interpreter_where_numpy_refuses_int_of_a_1_element_array():
+    """Triton 3.6's interpreter took ``range``'s bound with ``int()`` of the ``[1]``-shaped array holding a
+    scalar, which NumPy 2.4 refuses (TypeError) and NumPy < 2.4 warns about (DeprecationWarning, made an
+    error here to stand for 2.4): gpu_check --dry-run failed so under triton 3.6 + numpy 2.4.6.
+    ``interpreting()`` squeezes first (what triton 3.9 does itself)."""
+    import warnings
+
+    import torch
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+    out = torch.zeros(1, dtype=torch.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        TritonKernel(_count_tiles).launch(torch.device("cpu"), (1,), torch.tensor([40], dtype=torch.int32),
+                                          out, BLOCK=16)
+    assert out.item() == 3
+    assert interpreter._patch_lang_tensor is patch  # restored after the launch

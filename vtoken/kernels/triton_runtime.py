@@ -28,10 +28,38 @@ from triton import knobs
 
 @contextmanager
 def interpreting():
-    """Triton's interpreter on for the ``with`` body only (restores the knobs after)."""
-    with knobs.runtime.scope():
+    """Triton's interpreter on for the ``with`` body only (restores the knobs after), with a scalar's
+    ``__index__`` that NumPy 2.4 accepts (``_scalar_index``)."""
+    with knobs.runtime.scope(), _scalar_index():
         knobs.runtime.interpret = True
         yield
+
+
+@contextmanager
+def _scalar_index():
+    """For the ``with`` body: the interpreter's ``tensor.__index__`` (what Python's ``range`` calls on a
+    loaded loop bound, e.g. ``range(0, vis, BLOCK_N)`` in the score kernels) squeezes the ``[1]``-shaped array
+    that holds a scalar before ``int()``. Triton 3.6's interpreter calls ``int()`` on the array itself, which
+    NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars",
+    triton-lang/triton#9171; 3.9 squeezes, #9172). Wraps ``interpreter._patch_lang_tensor`` (called at
+    every interpreted launch, triton 3.6-3.9), whose scope restores the attribute after the launch; does
+    nothing where Triton has no such function. Interpreter only: compiled kernels never call ``__index__``."""
+    try:
+        from triton.runtime import interpreter
+        original = interpreter._patch_lang_tensor
+    except (ImportError, AttributeError):
+        yield
+        return
+
+    def patch(tensor, scope, *rest, **kwargs):
+        original(tensor, scope, *rest, **kwargs)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch
+    try:
+        yield
+    finally:
+        interpreter._patch_lang_tensor = original
 
 
 def _with_globals(fn: Callable, namespace: dict) -> Callable:
