@@ -66,8 +66,10 @@ def test_score_kernels_compile(dtype, precision):
     ptx = compile_sm90(_STATS, types, common)
     assert re.search(r"ld\.global(\.\w+)*\.v4", ptx)  # the query tile: 16-byte vectors (Q_ALIGN)
     assert re.search(r"cp\.async\.cg\.shared\.global .*, 0x10", ptx)  # keys: 16-byte async copies
-    compile_sm90(_PROBS, {**types, "q_row": "*i32", "sums_ptr": "*fp32", "rows_ptr": "*fp32", "kmax": "i32"},
-                 {**common, "HKV": 8})
+    ptx = compile_sm90(_PROBS, {**types, "q_row": "*i32", "sums_ptr": "*fp32", "rows_ptr": "*fp32",
+                                "kmax": "i32"}, {**common, "HKV": 8})
+    assert re.search(r"cp\.async\.cg\.shared\.global .*, 0x10", ptx)
+    assert not re.search(r"ld\.global(\.\w+)*\.b16", ptx)  # triton 3.6 loaded keys by the element before
 
 
 def test_score_kernels_compile_for_odd_head_dims_and_mqa():
@@ -84,7 +86,9 @@ def test_paged_decode_compiles():
              "bt_stride": "i32", "index_ptr": "*i64", "seq_ptr": "*i32", "out_ptr": "*bf16", "o_st": "i32",
              "o_sh": "i32", "block_stride": "i64", "head_stride": "i32", "token_stride": "i32",
              "scale": "fp32"}
-    compile_sm90(_DECODE, types, {**LLAMA, "PRECISION": "tf32"})
+    ptx = compile_sm90(_DECODE, types, {**LLAMA, "PRECISION": "tf32"})
+    assert re.search(r"cp\.async\.cg\.shared\.global .*, 0x10", ptx)  # keys and values: 16-byte copies
+    assert not re.search(r"ld\.global(\.\w+)*\.b16", ptx)
 
 
 # ---------------------------------------------------------------- 64-bit element offsets (issue 24)

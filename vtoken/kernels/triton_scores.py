@@ -67,8 +67,10 @@ def _kv_tile(cache_ptr, bt_ptr, index_ptr, req, g, start, vis, block_stride, hea
     off = (pos % BLOCK_SIZE).to(tl.int64)[:, None]
     kmask = valid[:, None] & (d < D)
     row = blk[:, None] * block_stride + g * head_stride.to(tl.int64)  # g: a Python int when interpreted
-    if STRIDED:
-        at = tl.multiple_of(row + off * token_stride, [ALIGN, 1]) + C0 + d
+    if STRIDED:  # [ALIGN, ALIGN], not [ALIGN, 1]: every element is a multiple of ALIGN, along the size-1
+        # dim too; triton 3.6 takes dim 1's divisibility from the hint and with 1 loaded the keys element by
+        # element (ld.global.b16, no cp.async pipelining); 3.9 vectorised either way (test_triton_compile)
+        at = tl.multiple_of(row + off * token_stride, [ALIGN, ALIGN]) + C0 + d
     else:
         at = row + tl.load(index_ptr + off * WIDTH + C0 + d, mask=kmask, other=0)
     k = tl.load(cache_ptr + at, mask=kmask, other=0.0)
@@ -106,7 +108,7 @@ def _softmax_stats(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, q
     q = _query_tile(q_ptr, q_st, q_sh, t, g, GROUP, G_P2, D, D_P2, cache_ptr.dtype.element_ty, Q_ALIGN)
     m = tl.full([G_P2], float("-inf"), tl.float32)
     den = tl.full([G_P2], 0.0, tl.float32)
-    for start in range(0, vis, BLOCK_N):
+    for start in range(0, vis, BLOCK_N):  # interpreted: range() calls vis.__index__ (triton_runtime)
         k, pos, valid = _kv_tile(cache_ptr, bt_ptr, index_ptr, req, g, start, vis, block_stride, head_stride,
                                  token_stride, bt_stride, BLOCK_SIZE, BLOCK_N, D, D_P2, WIDTH, STRIDED, ALIGN,
                                  0)
