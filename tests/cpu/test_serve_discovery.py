@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from vtoken.serve.telemetry import discovery
 from vtoken.serve.telemetry.discovery import MetricsRegistry, file_sd_content, target_address
 
 
@@ -28,20 +30,54 @@ def test_file_sd_groups_carry_only_meta_labels():
     assert all(k.startswith("__meta_") for g in doc for k in g["labels"])  # dropped after relabeling
 
 
-def test_registry_writes_the_file_and_expires_replicas_that_stop_heartbeating(tmp_path):
+def test_registry_writes_the_file_and_expires_replicas_that_stop_heartbeating(tmp_path, monkeypatch):
+    """On the registry's clock (a fake ``time.monotonic`` for ``register``; ``expire(now=…)``), with
+    ``ttl_s`` 6: a and b register at 100, a heartbeats at 103, b does not (its node died). An entry
+    goes when more than ``ttl_s`` passed since it was last seen: at 106.0 nothing (b exactly 6 s old),
+    at 106.5 b, at 109.0 nothing (a exactly 6 s after its heartbeat), at 109.5 a."""
+    clock = [100.0]
+    monkeypatch.setattr(discovery, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     path = tmp_path / "sd" / "vtoken_prom_service_discovery.json"
-    reg = MetricsRegistry(str(path), ttl_s=0.6, sweep_s=0.1)
-    assert json.loads(path.read_text()) == []
-    reg.register("a", "127.0.0.1:1", {"node": "n1"})
-    reg.register("b", "127.0.0.1:2", {"node": "n2"})
-    assert [g["targets"][0] for g in json.loads(path.read_text())] == ["127.0.0.1:1", "127.0.0.1:2"]
-    deadline = time.monotonic() + 1.5
-    while time.monotonic() < deadline:  # a keeps heartbeating, b (its node died) does not
+    reg = MetricsRegistry(str(path), ttl_s=6.0, sweep_s=3600)  # the sweeper stays out of the way
+    try:
+        def listed() -> list[str]:
+            return [g["targets"][0] for g in json.loads(path.read_text())]
+
+        assert listed() == []
         reg.register("a", "127.0.0.1:1", {"node": "n1"})
-        time.sleep(0.1)
-    assert [g["targets"][0] for g in json.loads(path.read_text())] == ["127.0.0.1:1"]
-    reg.unregister("a")  # a replica shut down by Serve removes itself
-    assert json.loads(path.read_text()) == [] and not list(path.parent.glob(".*.tmp"))
+        reg.register("b", "127.0.0.1:2", {"node": "n2"})
+        assert listed() == ["127.0.0.1:1", "127.0.0.1:2"]
+        clock[0] = 103.0
+        reg.register("a", "127.0.0.1:1", {"node": "n1"})  # a heartbeat refreshes a's last-seen time
+        assert reg.expire(now=106.0) == [] and listed() == ["127.0.0.1:1", "127.0.0.1:2"]
+        assert reg.expire(now=106.5) == ["b"] and listed() == ["127.0.0.1:1"]
+        assert reg.expire(now=109.0) == [] and listed() == ["127.0.0.1:1"]
+        assert reg.expire(now=109.5) == ["a"] and listed() == []
+        reg.register("a", "127.0.0.1:1", {"node": "n1"})  # back (heartbeat at 103 on the fake clock)
+        reg.unregister("a")  # a replica shut down by Serve removes itself
+        assert listed() == [] and not list(path.parent.glob(".*.tmp"))
+    finally:
+        reg._stop.set()
+
+
+def test_the_sweeper_expires_on_the_registry_clock(tmp_path, monkeypatch):
+    """The sweeper thread calls ``expire()`` (the clock's now) every ``sweep_s``: an entry 7 s old on
+    the registry's clock (ttl 6) leaves the file without anyone calling ``expire``. Waits only for the
+    thread's next round (0.01 s), never for the TTL."""
+    clock = [100.0]
+    monkeypatch.setattr(discovery, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    path = tmp_path / "sd.json"
+    reg = MetricsRegistry(str(path), ttl_s=6.0, sweep_s=0.01)
+    try:
+        reg.register("b", "127.0.0.1:2", {"node": "n2"})
+        assert json.loads(path.read_text()) != []
+        clock[0] = 107.0
+        deadline = time.monotonic() + 10  # the real clock: a bound on a stalled thread, not the TTL
+        while json.loads(path.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert json.loads(path.read_text()) == []
+    finally:
+        reg._stop.set()
 
 
 @pytest.mark.timeout(120)

@@ -178,10 +178,14 @@ def test_concurrent_choices_are_spread_by_reservations(monkeypatch):
             SimpleNamespace(metadata=SimpleNamespace(internal_request_id=f"r{i}")), None, None
         )
     assert not router._reservations
-    # expired reservations are dropped
+    # a reservation made at NOW lasts reservation_ttl_s (5 s): still counted at NOW + 5, dropped after
     pending = SimpleNamespace(metadata=SimpleNamespace(internal_request_id="late"))
-    asyncio.run(router.choose_replicas([a, b], pending))
-    assert router._reserved_counts(NOW + 60) == Counter()
+    late = asyncio.run(router.choose_replicas([a, b], pending))[0][0].replica_id
+    assert router.params.reservation_ttl_s == 5.0
+    assert router._reserved_counts(NOW + 4.0) == Counter({late: 1})
+    assert router._reserved_counts(NOW + 5.0) == Counter({late: 1})
+    assert router._reserved_counts(NOW + 5.001) == Counter()
+    assert not router._reservations  # dropped, not only left out of the count
 
 
 # ---------------------------------------------------------------- autoscaling policy

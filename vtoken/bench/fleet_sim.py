@@ -52,10 +52,15 @@ class FleetSpec:
     downscale_delay_s: float = 30.0
     look_back_s: float = 5.0
     seed: int = 0
+    schedule: tuple | None = None  # ((arrival s, class index), ...) in place of Poisson arrivals (tests)
 
 
 def arrivals(spec: FleetSpec, rate: float) -> tuple[np.ndarray, np.ndarray]:
-    """Poisson arrival times over ``duration_s`` and each request's class index (seeded)."""
+    """Poisson arrival times over ``duration_s`` and each request's class index (seeded), or
+    ``spec.schedule``'s arrivals before ``duration_s`` (sorted by time; ``rate`` unused)."""
+    if spec.schedule is not None:
+        fixed = sorted((float(a), int(c)) for a, c in spec.schedule if a < spec.duration_s)
+        return np.array([a for a, _ in fixed]), np.array([c for _, c in fixed], np.int64)
     rng = np.random.default_rng(spec.seed)
     n = int(rate * spec.duration_s * 1.2) + 16
     times = np.cumsum(rng.exponential(1.0 / rate, n))
