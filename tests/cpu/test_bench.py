@@ -155,11 +155,280 @@ def test_retained_grid_prints_json_with_the_command(tmp_path):
                        "repack_vs_naive_pct": m["repack"]["vs_naive_pct"], "moves_repack": m["repack"]["moves_total"],
                        "moves_reuse_repack": m["reuse+repack"]["moves_total"]}
         assert row["naive"] > row["repack"]  # measured: at 20 % the survivors stay scattered
+    from vtoken.bench.retained import REPORT_KEYS
+
+    assert set(report) == REPORT_KEYS | {"environment"}
 
 
-def test_committed_results_are_reports_with_the_command_that_made_them():
-    results = sorted((Path(__file__).resolve().parents[2] / "docs" / "results").glob("*.json"))
+# ---- the report keys each bench writes (REPORT_KEYS, declared next to each builder) -----------------------
+
+
+def test_serve_report_has_exactly_its_report_keys():
+    from vtoken.bench.serve_bench import REPORT_KEYS, ServeBenchSetup, _report
+
+    variant = {"mode": "repack", "policy": "h2o", "admission": False, "runs": [], "max_rate_at_target": 0.3,
+               "rate_at_target_interpolated": 0.32, "peak_running": 4}
+    report = _report(ServeBenchSetup(), "/models/m", [[variant]], 0.0)
+    assert set(report) == REPORT_KEYS and report["repeats_done"] == 1
+    assert set(report["setup"]) == set(ServeBenchSetup.__dataclass_fields__)
+
+
+def test_quality_report_has_exactly_its_report_keys(monkeypatch):
+    """``run_quality`` with both tasks stubbed (no engine): the report it assembles."""
+    import transformers
+
+    from vtoken.bench import quality
+
+    def task(key):
+        def run(setup, tokenizer, pts, on_phase):
+            row = {key: 1.0, "retained_blocks_mean": 2.0, "packing_bound_mean": 1.5}
+            return {"cases" if key == "accuracy" else "windows": [], "points": {pt.key: row for pt in pts}}
+        return run
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(lambda *a, **k: None))
+    monkeypatch.setattr(quality, "run_retrieval", task("accuracy"))
+    monkeypatch.setattr(quality, "run_language_modelling", task("perplexity"))
+    setup = quality.QualitySetup(model="m", policies=("h2o",), budgets=(0.2,), granularities=("token",),
+                                 depths=(0.5,), per_depth=1, context_tokens=64, windows=1, window_tokens=64,
+                                 chunk=16)
+    report = quality.run_quality(setup)
+    assert set(report) == quality.REPORT_KEYS
+    assert set(report["setup"]) == set(quality.QualitySetup.__dataclass_fields__) - {"model"}
+
+
+def test_capacity_report_has_exactly_its_report_keys(monkeypatch):
+    """``run_capacity`` with the engine stubbed: every batch fits (so the search stops at ``max_seqs``)."""
+    from vtoken.bench import capacity
+
+    def run_batch(llm, setup, mode, count, tag, stop_on_preemption):
+        return capacity.Outcome(count, count, count, float(count), 0, 1.0, count * setup.gen_len,
+                                (0.1,) * count, (0.01,) * count)
+
+    monkeypatch.setattr(capacity, "build_engine", lambda setup: None)
+    monkeypatch.setattr(capacity, "close", lambda llm: None)
+    monkeypatch.setattr(capacity, "run_batch", run_batch)
+    setup = capacity.CapacitySetup(model="m", policy="h2o", budget=0.2, block_size=32, kv_blocks=8,
+                                   prompt_len=8, gen_len=4, max_seqs=4)
+    report = capacity.run_capacity(setup, ("naive", "repack"), requests=2, ttft_slo=1.0, tpot_slo=0.1,
+                                   repeats=1)
+    assert set(report) == capacity.REPORT_KEYS
+    assert report["modes"]["repack"]["max_feasible_concurrency"] == 4
+
+
+@pytest.mark.parametrize("policies", [("random",), ("scissorhands", "h2o")])
+def test_overhead_report_has_its_report_keys(monkeypatch, policies):
+    """``run_overhead`` with engines and steps stubbed: ``REPORT_KEYS``, ``policy`` or ``policies``, and the
+    score-collection keys with a query-free policy only."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    import vtoken.models.default
+    from vtoken.bench import overhead
+
+    counters = SimpleNamespace(repack_moves=0)
+    scheduler = SimpleNamespace(vtoken_stats=lambda: SimpleNamespace(counters=counters))
+    core = SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler), shutdown=lambda: None)
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=core))
+
+    def steps(llm, prompts, gen_len, mode, tag, advance, score_layers=None, policy="random"):
+        counters.repack_moves += 3
+        return [0.01 + 0.001 * len(tag)] * 2
+
+    monkeypatch.setattr(vtoken.models.default, "resolve_model", lambda model: "/models/m")
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        staticmethod(lambda *a, **k: SimpleNamespace(vocab_size=100)))
+    monkeypatch.setattr(overhead, "_engine", lambda *a, **k: llm)
+    monkeypatch.setattr(overhead, "_decode_steps", steps)
+    report = overhead.run_overhead("m", 32, 2, 8, 3, 0.5, 1, policies=policies)
+    one = len(policies) == 1
+    assert set(report) == (overhead.REPORT_KEYS | {"policy" if one else "policies"}
+                           | (overhead.SCORE_COLLECTION_KEYS if one else set()))
+
+
+def test_kernels_report_has_exactly_its_report_keys():
+    import torch
+
+    from vtoken.bench.kernels import REPORT_KEYS, run_kernels
+    from vtoken.kernels.check import Shape
+
+    report = run_kernels("torch", "cpu", "cpu", Shape(1, 1, 1, 8, 4, 4, torch.float32), 2, 0, 8)
+    assert set(report) == REPORT_KEYS  # + "timings" on CUDA only
+
+
+def test_sim_scale_report_has_exactly_its_report_keys(tmp_path, capsys):
+    from vtoken.bench.sim_scale import REPORT_KEYS, run_sim_scale
+    from vtoken.sim.run import RESULT_KEYS
+
+    report = run_sim_scale(2, 64, 8, "h2o", "0.2", 16, 1, str(tmp_path / "s.json"))
+    assert set(report) == REPORT_KEYS | {"environment"}  # report.emit added it
+    assert set(report["result"]) == RESULT_KEYS
+    assert json.loads((tmp_path / "s.json").read_text()) == report
+
+
+def test_fleet_report_has_exactly_its_report_keys():
+    from vtoken.bench.fleet import AUTOSCALER_KEYS, REPORT_KEYS, run_fleet
+    from vtoken.serve.telemetry.sla import SloTargets
+
+    steps = Path(__file__).resolve().parents[2] / "docs" / "results" / "fleet-steps.json"
+    report = run_fleet(2, [0.5], ["kv"], ["naive"], 6.0, 2.0, 32, 4, "h2o", 0.2, 32, steps, False,
+                       "tiny-llama", 1.0, 0.5, SloTargets(2.0, 0.2), 0, (4,), echo=lambda *a: None)
+    assert set(report) == REPORT_KEYS
+    assert set(report["replicas_needed"]["naive"]["autoscaler"]) == AUTOSCALER_KEYS
+
+
+# ---- every committed docs/results/*.json: current, or marked superseded ------------------------------------
+
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+
+
+def bench_keys() -> dict[str, tuple[frozenset, bool]]:
+    """bench name → (top-level REPORT_KEYS, whether it runs vLLM: its report must name the vLLM version)."""
+    from vtoken.bench import (
+        capacity,
+        fleet,
+        fleet_steps,
+        kernels,
+        overhead,
+        prefix,
+        quality,
+        retained,
+        serve_bench,
+        sim_scale,
+    )
+
+    return {"serve": (serve_bench.REPORT_KEYS, True), "quality": (quality.REPORT_KEYS, True),
+            "overhead": (overhead.REPORT_KEYS, True), "capacity": (capacity.REPORT_KEYS, True),
+            "prefix": (prefix.REPORT_KEYS, True), "fleet-steps": (fleet_steps.REPORT_KEYS, True),
+            "fleet": (fleet.REPORT_KEYS, False), "retained": (retained.REPORT_KEYS, False),
+            "sim-scale": (sim_scale.REPORT_KEYS, False), "kernels": (kernels.REPORT_KEYS, False)}
+
+
+def parse_vtoken(command: str) -> list[list[str]]:
+    """The words of each ``&&``-joined part of ``command``, each parsed by the ``vtoken`` CLI (its command's
+    options and values checked as click parses them; nothing runs). Raises click's ``UsageError`` (typer's
+    copy of click) on an unknown option or a bad value, ``AssertionError`` on an unknown command."""
+    import shlex
+
+    import typer
+
+    from vtoken.cli import app
+
+    words, parts = shlex.split(command), [[]]
+    for w in words:
+        parts.append([]) if w == "&&" else parts[-1].append(w)
+    for part in parts:
+        assert part[:1] == ["vtoken"], f"not a vtoken command: {shlex.join(part)!r}"
+        cmd, ctx, name, rest = typer.main.get_command(app), None, "vtoken", part[1:]
+        while hasattr(cmd, "get_command"):  # a group: the next word names its subcommand
+            ctx = cmd.context_class(cmd, info_name=name, parent=ctx)
+            assert rest, f"{shlex.join(part)!r}: no subcommand after {name!r}"
+            name, rest, cmd = rest[0], rest[1:], cmd.get_command(ctx, rest[0])
+            assert cmd is not None, f"{shlex.join(part)!r}: no command {name!r}"
+        cmd.make_context(name, rest, parent=ctx)
+    return parts
+
+
+def bench_of(words: list[str], report: dict) -> str:
+    """The bench a ``vtoken bench NAME …`` command's report comes from (``fleet --measure-steps`` also
+    writes the steps file, ``bench: fleet-steps``)."""
+    assert words[1] == "bench", words
+    name = words[2]
+    if name == "fleet" and "--measure-steps" in words and report.get("bench") == "fleet-steps":
+        return "fleet-steps"
+    return name
+
+
+def required_keys(bench: str, words: list[str], report: dict) -> list[tuple[tuple, frozenset]]:
+    """``(path, keys)`` pairs: the keys the current code writes at each path of ``bench``'s report."""
+    from dataclasses import fields
+
+    from vtoken.bench.fleet import AUTOSCALER_KEYS
+    from vtoken.bench.overhead import SCORE_COLLECTION_KEYS
+    from vtoken.bench.quality import QualitySetup
+    from vtoken.bench.serve_bench import ServeBenchSetup
+    from vtoken.policies import get_policy_class
+    from vtoken.sim.run import RESULT_KEYS
+
+    top = set(bench_keys()[bench][0])
+    nested: list[tuple[tuple, frozenset]] = []
+    if bench == "overhead":
+        policies = [words[i + 1] for i, w in enumerate(words) if w == "--policy"] or ["random"]
+        top.add("policy" if len(set(policies)) == 1 else "policies")
+        if not get_policy_class(policies[0]).needs_attention():
+            top |= SCORE_COLLECTION_KEYS
+    elif bench == "quality":
+        nested.append((("setup",), frozenset(f.name for f in fields(QualitySetup)) - {"model"}))
+    elif bench == "serve":
+        nested.append((("setup",), frozenset(f.name for f in fields(ServeBenchSetup))))
+    elif bench == "fleet":
+        nested += [(("replicas_needed", m, "autoscaler"), AUTOSCALER_KEYS) for m in report.get("modes", ())]
+    elif bench == "sim-scale":
+        nested.append((("result",), RESULT_KEYS))
+    return [((), frozenset(top)), *nested]
+
+
+def result_problems(name: str, report: dict) -> list[str]:
+    """Why a committed result is neither current (the keys the current code writes, vLLM's version where
+    the bench runs vLLM) nor marked ``superseded`` with why and how to reproduce it (empty: fine)."""
+    if not isinstance(report.get("command"), str):
+        return [f"{name}: no command"]
+    parts = parse_vtoken(report["command"])  # --out may name another file (written elsewhere, copied)
+    if "superseded" in report:
+        old = report["superseded"]
+        out = [] if isinstance(old, dict) and set(old) == {"why", "reproduce"} else [
+            f"{name}: superseded must be {{why, reproduce}}, got {old!r}"]
+        why = old.get("why") if isinstance(old, dict) else None
+        if not (isinstance(why, str) and why.strip() and "\n" not in why):
+            out.append(f"{name}: superseded.why must be one sentence, got {why!r}")
+        reproduce = old.get("reproduce") if isinstance(old, dict) else None
+        again = parse_vtoken(reproduce) if isinstance(reproduce, str) else []
+        if len(again) != 1 or bench_of(again[0], {}) not in bench_keys():
+            out.append(f"{name}: superseded.reproduce must be one vtoken bench command, got {reproduce!r}")
+        return out
+    out = []
+    for part in parts:
+        bench = bench_of(part, report)
+        if bench not in bench_keys():
+            return [f"{name}: 'vtoken bench {bench}' has no REPORT_KEYS"]
+        if report.get("bench", bench) != bench:
+            out.append(f"{name}: bench {report['bench']!r} but the command runs {bench!r}")
+        if len(parts) > 1:
+            out.append(f"{name}: {len(parts)} commands in one report (one command writes one report)")
+            break
+        for path, keys in required_keys(bench, part, report):
+            node = report
+            for step in path:
+                node = node.get(step, {}) if isinstance(node, dict) else {}
+            if missing := sorted(keys - set(node)):
+                where = ".".join(path) or "top level"
+                out.append(f"{name}: {where} lacks {missing} (the current code writes them)")
+        if bench_keys()[bench][1] and not (report.get("environment") or {}).get("vllm"):
+            out.append(f"{name}: no environment.vllm (which vLLM it ran on)")
+    return out
+
+
+def test_committed_results_are_current_reports_or_marked_superseded():
+    """Every figure in the docs comes from a JSON here that the current code reproduces: each file has the
+    keys its command's bench writes today (``REPORT_KEYS`` and the nested sets ``required_keys`` names) and,
+    for a bench that runs vLLM, the vLLM version in ``environment``; or it says it is ``superseded``: why
+    (one sentence) and the command that produces its current form."""
+    results = sorted(RESULTS.glob("*.json"))
     assert results
-    for path in results:
-        report = json.loads(path.read_text())
-        assert report["command"].startswith("vtoken "), path.name
+    problems = [p for path in results for p in result_problems(path.name, json.loads(path.read_text()))]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_results_check_flags_a_stale_report_and_a_bad_mark():
+    """A stale report without its mark fails (quality-smollm2.json predates score_layers in the setup), and
+    so does a mark whose reproduce command the CLI cannot parse."""
+    report = json.loads((RESULTS / "quality-smollm2.json").read_text())
+    mark = report.pop("superseded")
+    assert any("setup lacks" in p and "score_layers" in p for p in result_problems("q.json", report))
+    with pytest.raises(Exception, match="No such option: --nope"):
+        bad = {**mark, "reproduce": "vtoken bench quality --nope"}
+        result_problems("q.json", {**report, "superseded": bad})
+    with pytest.raises(Exception, match="valid integer"):
+        parse_vtoken("vtoken bench overhead --score-layers x")
+    with pytest.raises(AssertionError, match="no command 'nope'"):
+        parse_vtoken("vtoken bench quality && vtoken bench nope")

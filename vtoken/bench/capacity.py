@@ -56,6 +56,12 @@ class CapacitySetup:
     tensor_parallel_size: int = 1  # > 1: vLLM's multiprocess executor, one core per rank on CPU
 
 
+# the top-level keys ``run_capacity`` returns (``report.emit`` adds ``environment``); tests/cpu/test_bench.py
+# holds the builder and the committed capacity-*.json to them
+REPORT_KEYS = frozenset({"bench", "command", *CapacitySetup.__dataclass_fields__, "requests", "repeats",
+                         "slo", "modes", "ratios_vs_naive"})
+
+
 @dataclass(frozen=True)
 class Outcome:
     """One batch of requests run to completion (or stopped at the first preemption)."""
@@ -185,7 +191,7 @@ def goodput_row(out: Outcome, ttft_slo: float, tpot_slo: float) -> dict:
 
 def run_capacity(setup: CapacitySetup, modes: tuple[str, ...], requests: int, ttft_slo: float,
                  tpot_slo: float, repeats: int = 3) -> dict:
-    """Both measurements for every mode on one engine; returns the JSON-able report."""
+    """Both measurements for every mode on one engine; returns the JSON-able report (``REPORT_KEYS``)."""
     from rich.progress import Progress
 
     report: dict = {"bench": "capacity", "command": "vtoken " + shlex.join(sys.argv[1:]),

@@ -33,6 +33,14 @@ from vtoken.serve.telemetry.sla import SloTargets
 from vtoken.serve.telemetry.stats import routing_stats
 
 DECISION_SIZES = (64, 128, 256, 512, 1024)
+# the top-level keys ``run_fleet`` returns (``report.emit`` adds ``environment``), and those of each mode's
+# ``replicas_needed[mode]["autoscaler"]`` (``replicas_needed``)
+REPORT_KEYS = frozenset({"bench", "command", "replicas", "loads", "routers", "modes", "duration_s",
+                         "warmup_s", "replica", "workload", "kv_per_request_blocks_mean", "service_times",
+                         "slo", "capacity_per_replica", "base_rate_req_s", "project_code", "assumptions",
+                         "runs", "replicas_needed", "decision_cost_us", "seconds"})
+AUTOSCALER_KEYS = frozenset({"replicas_at_end_of_arrivals", "replicas_mean", "slo_attainment",
+                             "goodput_req_s", "mean_kv_utilization", "replicas_trace_1s"})
 SLO_TARGET = 0.99  # share of requests meeting the SLO that "replicas needed" asks for (as the alerts')
 ASSUMPTIONS = [
     "service times: measured engine steps on this machine (see service_times), fitted as "
@@ -113,7 +121,7 @@ def run_fleet(replicas: int, loads: list[float], routers: list[str], modes: list
               warmup: float, pool_blocks: int, max_seqs: int, policy: str, budget: float, block_size: int,
               steps_file: Path, measure: bool, steps_model: str, time_scale: float, target_load: float,
               slo: SloTargets, seed: int, decision_sizes=DECISION_SIZES, echo=print) -> dict:
-    """Every experiment of the module docstring; returns the report (JSON-able)."""
+    """Every experiment of the module docstring; returns the report (JSON-able): ``REPORT_KEYS``."""
     started = time.perf_counter()
     if measure or not steps_file.exists():
         echo(f"measuring engine steps ({steps_model}) → {steps_file}")

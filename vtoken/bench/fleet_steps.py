@@ -33,6 +33,12 @@ from pathlib import Path
 import numpy as np
 
 DEFAULT_STEPS_FILE = Path("docs/results/fleet-steps.json")
+# the top-level keys ``measure_steps`` returns (``environment`` included: the steps file is written as is);
+# tests/cpu/test_bench.py holds the committed docs/results/fleet-steps.json to them
+REPORT_KEYS = frozenset({"bench", "command", "what", "model", "block_size", "mode", "policy", "budget",
+                         "decode_context_tokens", "repeats", "statistic", "decode_step_ms",
+                         "prefill_step_ms", "decode_step_ms_median", "prefill_step_ms_median", "fit",
+                         "seconds", "load_average_1_5_15", "environment"})
 
 
 @dataclass(frozen=True)
@@ -109,7 +115,8 @@ def _run(llm, prompts: list[list[int]], gen: int, tag: str) -> tuple[list[float]
 def measure_steps(model: str = "tiny-llama", block_size: int = 32, mode: str = "repack", policy: str = "h2o",
                   budget: float = 0.2, decode_batches=(1, 2, 4, 8, 16), prefill_lens=(64, 256, 1024),
                   context: int = 256, decode_steps: int = 16, repeats: int = 4) -> dict:
-    """Time decode and prefill steps of a real engine; returns the report (see the module docstring)."""
+    """Time decode and prefill steps of a real engine; returns the report (see the module docstring):
+    ``REPORT_KEYS``."""
     from transformers import AutoConfig
 
     from vtoken.models.default import resolve_model

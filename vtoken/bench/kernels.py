@@ -40,6 +40,13 @@ from vtoken.kernels.check import (
 )
 from vtoken.kernels.gpu_layout import BACKEND_LAYOUTS, LAYOUT_NAMES
 
+# the top-level keys ``run_kernels`` returns on any device; ``--device cuda`` adds ``timings`` and
+# ``report.emit`` adds ``environment``
+REPORT_KEYS = frozenset({"bench", "command", "backend", "device", "layout", "kv_cache_layout", "dtype",
+                         "shape", "plan", "capacity", "moves", "moves_exact", "moves_mismatched_elements",
+                         "score_queries", "scores_max_abs_err", "bits_mismatched",
+                         "bits_mismatched_near_threshold", "bits_near_tie_rtol", "scores_bits_ok"})
+
 
 def problems(
     backend: str, device: str, layout: str, dtype: str, ints: dict[str, int], q_heads: int, kv_heads: int
@@ -69,7 +76,8 @@ def problems(
 def run_kernels(
     backend: str, device: str, layout: str, shape: Shape, requests: int, seed: int, capacity: int
 ) -> dict:
-    """The report (see module doc). Allocates two sets of caches of ``shape`` on ``device``."""
+    """The report (see module doc; ``REPORT_KEYS``, plus ``timings`` on CUDA). Allocates two sets of caches
+    of ``shape`` on ``device``."""
     plan = scheduler_plan(np.random.default_rng(seed), requests, shape.blocks, shape.block_size)
     report: dict = {
         "bench": "kernels",

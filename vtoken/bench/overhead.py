@@ -44,6 +44,15 @@ import typer
 from vtoken.bench.report import emit
 from vtoken.core.config import DEFAULT_SCORE_LAYERS
 
+# the top-level keys ``run_overhead`` always returns; besides them ``policy`` (one policy) or ``policies``
+# (several), and with a query-free policy ``SCORE_COLLECTION_KEYS``; ``report.emit`` adds ``environment``
+# (tests/cpu/test_bench.py holds the committed overhead-*.json to them)
+REPORT_KEYS = frozenset({"command", "model", "block_size", "batch", "prompt_len", "gen_len", "budget",
+                         "repeats", "scores", "decode_step_ms", "decode_step_ms_p90",
+                         "decode_step_ms_run_means", "moves_per_run", "overhead_vs_none_pct",
+                         "repack_vs_naive_pct", "score_layers_default"})
+SCORE_COLLECTION_KEYS = frozenset({"score_collection_pct", "score_layers", "scores_vs_repack_ratio"})
+
 
 def _engine(model: str, block_size: int, mode: str, scores: str, budget: float, max_model_len: int, tp: int = 1,
             policy: str = "random"):
@@ -94,8 +103,10 @@ def _decode_steps(llm, prompts: list[list[int]], gen_len: int, mode: str | None,
 def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_len: int, budget: float,
                  repeats: int, tensor_parallel_size: int = 1, score_layers: tuple[int, ...] = (),
                  policies: tuple[str, ...] = ("random",)) -> dict:
-    """Measure every variant; returns the JSON-able report (see the module docstring). Several ``policies``
-    must all be attention policies (``ValueError`` otherwise: the caller refuses them first)."""
+    """Measure every variant; returns the JSON-able report (see the module docstring; its keys:
+    ``REPORT_KEYS``, ``policy`` or ``policies``, and ``SCORE_COLLECTION_KEYS`` with a query-free policy).
+    Several ``policies`` must all be attention policies (``ValueError`` otherwise: the caller refuses them
+    first)."""
     from rich.progress import Progress
 
     from vtoken.models.default import resolve_model

@@ -21,6 +21,11 @@ import numpy as np
 
 from vtoken.bench.report import emit
 
+# the top-level keys ``run_prefix`` returns (``report.emit`` adds ``environment``); tests/cpu/test_bench.py
+# holds the committed prefix-*.json to them
+REPORT_KEYS = frozenset({"command", "model", "block_size", "policy", "budget", "requests", "system_len",
+                         "user_len", "gen_len", "repeats", "rows", "runs"})
+
 
 def _one(llm, rid: str, prompt: list[int], params) -> tuple[float, int, list[int]]:
     """(TTFT seconds, prefix-cache hit tokens, generated ids) of one request run alone."""
@@ -41,6 +46,7 @@ def _one(llm, rid: str, prompt: list[int], params) -> tuple[float, int, list[int
 
 def run_prefix(model: str, block_size: int, modes: list[str], policy: str, budget: float, requests: int,
                system_len: int, user_len: int, gen_len: int, repeats: int, seed: int) -> dict:
+    """Every mode ``repeats`` times on one engine (module docstring); returns the report: ``REPORT_KEYS``."""
     from vllm import LLM, SamplingParams
 
     from vtoken.core.config import VTokenConfig

@@ -86,6 +86,11 @@ class Point:
 
 FULL = Point("h2o", "token", None)
 
+# the top-level keys ``run_quality`` returns; the CLI adds ``plot`` with ``--plot`` and ``report.emit`` adds
+# ``environment`` (tests/cpu/test_bench.py holds the builder and the committed quality-*.json to them)
+REPORT_KEYS = frozenset({"bench", "command", "model", "setup", "full_cache", "points", "retrieval",
+                         "language_modelling", "seconds"})
+
 
 def points(setup: QualitySetup) -> list[Point]:
     return [FULL] + [Point(p, g, b, n) for p in setup.policies for g in setup.granularities for b in setup.budgets
@@ -180,7 +185,8 @@ def run_language_modelling(setup: QualitySetup, tokenizer, pts: list[Point], on_
 
 
 def run_quality(setup: QualitySetup, on_phase=lambda text: None) -> dict:
-    """Both tasks for every point; returns the report (``full_cache``, ``points[]``, per-task details)."""
+    """Both tasks for every point; returns the report (``full_cache``, ``points[]``, per-task details): the
+    keys ``REPORT_KEYS``."""
     from transformers import AutoTokenizer
 
     start = time.perf_counter()

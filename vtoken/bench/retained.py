@@ -12,6 +12,9 @@ from vtoken.bench.report import emit, refuse
 from vtoken.errors import ConfigError
 
 PAPER_RANGE_PCT = (-72.3, -27.2)
+# the top-level keys of the report ``run_retained`` emits (``report.emit`` adds ``environment``)
+REPORT_KEYS = frozenset({"bench", "command", "source", "prompt_len", "gen_len", "requests", "sinks",
+                         "recent", "paper_range_pct", "rows"})
 
 
 def run_retained(policies: str, budgets: str, block_sizes: str, prompt_len: int, gen_len: int, requests: int,

@@ -292,7 +292,14 @@ def run_serve_bench(s: ServeBenchSetup, echo=lambda line: None, log_path: str | 
     return report
 
 
+# the top-level keys ``_report`` writes (``report.emit`` adds ``environment``); tests/cpu/test_bench.py holds
+# the builder and every committed docs/results/serve-*.json to them
+REPORT_KEYS = frozenset({"bench", "command", "model", "setup", "slo", "client", "variants", "repeats",
+                         "repeats_done", "summary", "seconds"})
+
+
 def _report(s: ServeBenchSetup, model_path: str, repeats: list[list[dict]], started: float) -> dict:
+    """The report of the repeats done so far (pure but the clock): ``REPORT_KEYS``."""
     import shlex
 
     return {

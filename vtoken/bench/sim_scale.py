@@ -10,6 +10,11 @@ import sys
 from vtoken.bench.report import emit, refuse
 from vtoken.errors import ConfigError
 
+# the top-level keys of the report ``run_sim_scale`` emits (``report.emit`` adds ``environment``); ``result``
+# is ``run_simulation``'s (``vtoken.sim.run.RESULT_KEYS``)
+REPORT_KEYS = frozenset({"bench", "command", "tokens_per_request", "request_steps", "seconds",
+                         "request_steps_per_second", "machine", "result"})
+
 
 def run_sim_scale(requests: int, prompt_len: int, gen_len: int, policy: str, budget: str, block_size: int,
                   workers: int, out: str | None) -> dict:

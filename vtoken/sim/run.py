@@ -18,6 +18,11 @@ from vtoken.sim.result import SimTally
 from vtoken.sim.source import SyntheticConfig, SyntheticSource, TraceSource
 
 ENGINES = ("fast", "exact")
+# the keys of the dict ``run_simulation`` returns (``vtoken simulate``'s JSON, ``vtoken bench sim-scale``'s
+# ``result``)
+RESULT_KEYS = frozenset({"policy", "budget", "block_size", "requests", "prompt_len", "gen_len", "seed",
+                         "sinks", "recent", "trigger", "granularity", "engine", "workers", "source",
+                         "packing_bound_mean", "live_tokens_mean", "modes", "seconds"})
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,8 @@ def _tallies(cfg: SimConfig):
 
 
 def run_simulation(cfg: SimConfig, on_requests: Callable[[int], None] | None = None) -> tuple[dict, SimTally]:
-    """Run every reclamation mode on the same victims; returns (contract JSON dict, tally)."""
+    """Run every reclamation mode on the same victims; returns (contract JSON dict: ``RESULT_KEYS``,
+    tally)."""
     t0 = time.perf_counter()
     tally = SimTally(cfg.gen_len)
     for n, part in _tallies(cfg):
