@@ -277,19 +277,20 @@ def test_repeats_are_summarised_as_medians_of_ratios_computed_within_each_repeat
     """Known answer: the docstring's example (serve_summary.py), plus a repeat where naive met no rate."""
     from vtoken.bench.serve_summary import headline, summarize
 
-    table = [(0.20, 0.15, 0.30), (0.25, 0.20, 0.30), (0.20, 0.20, 0.35), (0.20, None, 0.30)]
+    table = [(0.20, 0.15, 0.30), (0.25, 0.20, 0.30), (0.20, 0.20, 0.35), (0.20, None, 0.30), (0.2, 0.15, None)]
     repeats = [[_variant("none", None, False, n, n), _variant("naive", "h2o", False, v, v),
-                _variant("repack", "h2o", False, r, r + 0.01)] for n, v, r in table]
+                _variant("repack", "h2o", False, r, r and r + 0.01)] for n, v, r in table]
     got = summarize(repeats)
-    assert got["repeats"] == 4
+    assert got["repeats"] == 5
     assert got["variants"]["none"]["max_rate_at_target"] == {
-        "median": 0.2, "min": 0.2, "max": 0.25, "n": 4, "values": [0.2, 0.25, 0.2, 0.2]}
+        "median": 0.2, "min": 0.2, "max": 0.25, "n": 5, "values": [0.2, 0.25, 0.2, 0.2, 0.2]}
     stock = got["ratios"]["repack/h2o / none"]
-    assert stock["baseline"] == "stock" and stock["max_rate_at_target"]["values"] == [1.5, 1.2, 1.75, 1.5]
-    assert stock["max_rate_at_target"]["median"] == 1.5
-    assert stock["rate_at_target_interpolated"]["values"] == [1.55, 1.24, 1.8, 1.55]
+    # the last repeat: repack met no rate, a loss (0), not left out
+    assert stock["baseline"] == "stock" and stock["max_rate_at_target"]["values"] == [1.5, 1.2, 1.75, 1.5, 0.0]
+    assert stock["max_rate_at_target"]["median"] == 1.5 and stock["max_rate_at_target"]["min"] == 0.0
+    assert stock["rate_at_target_interpolated"]["values"] == [1.55, 1.24, 1.8, 1.55, 0.0]
     naive = got["ratios"]["repack/h2o / naive/h2o"]
-    assert naive["max_rate_at_target"]["values"] == [2.0, 1.5, 1.75, None]  # naive met no rate: undefined
-    assert (naive["max_rate_at_target"]["median"], naive["max_rate_at_target"]["n"]) == (1.75, 3)
+    assert naive["max_rate_at_target"]["values"] == [2.0, 1.5, 1.75, None, 0.0]  # naive met no rate: undefined
+    assert (naive["max_rate_at_target"]["median"], naive["max_rate_at_target"]["n"]) == (1.625, 4)
     assert "naive/h2o / none" in got["ratios"] and "none / none" not in got["ratios"]
-    assert "repack/h2o / naive/h2o: 1.75× (min 1.5, max 2; 3 of 4 repeats)" in headline(got)
+    assert "repack/h2o / naive/h2o: 1.625× (min 0, max 2; 4 of 5 repeats)" in headline(got)

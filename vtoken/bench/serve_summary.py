@@ -9,9 +9,10 @@ same hour of the machine for both sides), then summarised over the repeats::
     summary    repack/h2o ÷ none: median 1.50 (min 1.20, max 1.75, 3 of 3 repeats)
 
 The baselines of an evicting variant are stock vLLM (``none`` without admission: no vToken class in the
-engine) and Naive-Evict with the same policy and admission setting. A ratio over a baseline that met no rate
-is ``None`` (undefined, not infinite) and is left out of the median; ``n`` says how many repeats it covers.
-All pure.
+engine) and Naive-Evict with the same policy and admission setting. A variant that met no rate (it missed
+the lowest one) counts as 0 against a baseline that met one: its ratio is 0, a loss, never left out. A ratio
+over a baseline that met no rate is ``None`` (undefined, not infinite) and is left out of the median; ``n``
+says how many repeats it covers. All pure.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def spread(values: list[float | None]) -> dict:
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else round(a / b, 4)
+    """``a / b``; ``a`` missing (met no rate) counts as 0, ``b`` missing or 0 makes it undefined."""
+    return None if not b else round((a or 0.0) / b, 4)
 
 
 def _key(v: dict) -> tuple:
