@@ -40,7 +40,8 @@ def test_none_is_stock_vllm_and_admission_on_it_is_its_own_variant():
     """The baseline never runs vToken's admission (it would load vToken's scheduler into vanilla vLLM)."""
     on = ServeBenchSetup(model="tiny-llama", modes=("none", "repack"), policies=("h2o",), admission=(True,))
     assert on.variants() == [("none", None, False), ("repack", "h2o", True)]
-    s = ServeBenchSetup(model="tiny-llama", modes=("none", "repack"), policies=("h2o",), admission=(True, False))
+    s = ServeBenchSetup(model="tiny-llama", modes=("none", "repack"), policies=("h2o",),
+                        admission=(True, False))
     assert s.variants() == [("none", None, False), ("none", None, True), ("repack", "h2o", False),
                             ("repack", "h2o", True)]
     from vtoken.serve.replica.engine import engine_args
@@ -277,7 +278,8 @@ def test_repeats_are_summarised_as_medians_of_ratios_computed_within_each_repeat
     """Known answer: the docstring's example (serve_summary.py), plus a repeat where naive met no rate."""
     from vtoken.bench.serve_summary import headline, summarize
 
-    table = [(0.20, 0.15, 0.30), (0.25, 0.20, 0.30), (0.20, 0.20, 0.35), (0.20, None, 0.30), (0.2, 0.15, None)]
+    table = [(0.20, 0.15, 0.30), (0.25, 0.20, 0.30), (0.20, 0.20, 0.35), (0.20, None, 0.30),
+             (0.2, 0.15, None)]
     repeats = [[_variant("none", None, False, n, n), _variant("naive", "h2o", False, v, v),
                 _variant("repack", "h2o", False, r, r and r + 0.01)] for n, v, r in table]
     got = summarize(repeats)
@@ -286,11 +288,12 @@ def test_repeats_are_summarised_as_medians_of_ratios_computed_within_each_repeat
         "median": 0.2, "min": 0.2, "max": 0.25, "n": 5, "values": [0.2, 0.25, 0.2, 0.2, 0.2]}
     stock = got["ratios"]["repack/h2o / none"]
     # the last repeat: repack met no rate, a loss (0), not left out
-    assert stock["baseline"] == "stock" and stock["max_rate_at_target"]["values"] == [1.5, 1.2, 1.75, 1.5, 0.0]
+    assert stock["baseline"] == "stock"
+    assert stock["max_rate_at_target"]["values"] == [1.5, 1.2, 1.75, 1.5, 0.0]
     assert stock["max_rate_at_target"]["median"] == 1.5 and stock["max_rate_at_target"]["min"] == 0.0
     assert stock["rate_at_target_interpolated"]["values"] == [1.55, 1.24, 1.8, 1.55, 0.0]
     naive = got["ratios"]["repack/h2o / naive/h2o"]
-    assert naive["max_rate_at_target"]["values"] == [2.0, 1.5, 1.75, None, 0.0]  # naive met no rate: undefined
+    assert naive["max_rate_at_target"]["values"] == [2.0, 1.5, 1.75, None, 0.0]  # None: naive met no rate
     assert (naive["max_rate_at_target"]["median"], naive["max_rate_at_target"]["n"]) == (1.625, 4)
     assert "naive/h2o / none" in got["ratios"] and "none / none" not in got["ratios"]
     assert "repack/h2o / naive/h2o: 1.625× (min 0, max 2; 4 of 5 repeats)" in headline(got)

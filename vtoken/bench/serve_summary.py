@@ -31,8 +31,8 @@ def spread(values: list[float | None]) -> dict:
     nums = [v for v in values if v is not None]
     if not nums:
         return {"median": None, "min": None, "max": None, "n": 0, "values": values}
-    return {"median": round(statistics.median(nums), 4), "min": round(min(nums), 4), "max": round(max(nums), 4),
-            "n": len(nums), "values": values}
+    return {"median": round(statistics.median(nums), 4), "min": round(min(nums), 4),
+            "max": round(max(nums), 4), "n": len(nums), "values": values}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
