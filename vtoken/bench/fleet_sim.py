@@ -122,7 +122,8 @@ def simulate(spec: FleetSpec, router, rate: float) -> dict:
                 seq += 1
                 held[r] += prefill_blocks[i]
                 prefill_tokens += prompt[i]
-                t_first[i] = t + busy + spec.step.seconds(n_run[r], prefill_tokens)
+                # the prefill step that emits its first token starts no sooner than the request arrived
+                t_first[i] = max(t + busy, times[i]) + spec.step.seconds(n_run[r], prefill_tokens)
                 n_run[r] += 1
             credit[r] -= spec.step.seconds(0, prefill_tokens) - spec.step.seconds(0, 0)
         running = np.flatnonzero(state == RUNNING)
