@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
+import psutil
 import pytest
 from serve_support import PrometheusServer, malformed_cases, vllm_cli_command, wait_for
 
@@ -50,6 +52,15 @@ def app_config(metrics_port: int) -> ServeAppConfig:
     )
 
 
+# Ray 2.60's raylet ends a dead worker's process group (and, as a subreaper, unknown children): on a node
+# whose raylet lives it would end a killed replica's engine processes by itself. Off here, so the
+# replica-kill test proves vToken's own guarantee (vtoken/vllm/lifetime.py), the only one left when the
+# raylet is gone too.
+RAY_ORPHAN_CLEANUP_OFF = {"RAY_process_group_cleanup_enabled": "0",
+                          "RAY_kill_child_processes_on_worker_exit": "0",
+                          "RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper": "0"}
+
+
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     metrics_port = free_port(n=4)
@@ -57,7 +68,8 @@ def app(tmp_path_factory):
     fault_file = tmp_path_factory.mktemp("fault") / "fault.json"
     fault_file.write_text("{}")
     with LocalCluster(
-        http_port=free_port(), num_cpus=2, extra_env={FAULT_FILE_ENV: str(fault_file)}
+        http_port=free_port(), num_cpus=2,
+        extra_env={FAULT_FILE_ENV: str(fault_file), **RAY_ORPHAN_CLEANUP_OFF},
     ) as cluster:
         started = time.monotonic()
         cluster.deploy(cfg)
@@ -294,7 +306,10 @@ def test_prometheus_scrapes_kv_and_sla_series_that_move(app):
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda _: app.http.post("/v1/completions", json=body), range(4)))
         assert all(r.status_code == 200 for r in results)
-        time.sleep(4)  # > 2 scrape intervals
+        # Prometheus has scraped every replica after the requests: its request counter moved by all four
+        total = "sum(vtoken:requests_total)"
+        wait_for(lambda: _value(prom, total) >= before[total] + 4, "Prometheus to scrape the four requests",
+                 60, 0.5)
         replicas = {s["metric"]["replica"] for s in prom.query("vtoken:kv_utilization")}
         assert len(replicas) == 2
         for name in (
@@ -430,6 +445,22 @@ def test_vllm_bench_serve_gets_completions(app):
 
 
 # ------------------------------------------------------------------------------------------- faults
+ENGINE_EXIT_BOUND_S = 20.0  # lifetime.py: a 1 s poll, then SIGTERM (vLLM's shutdown), os._exit 5 s later
+
+
+def engine_processes(pid: int) -> list[psutil.Process]:
+    """The vLLM engine processes (``VLLM::EngineCore``, ``VLLM::Worker``) under process ``pid``."""
+    return [p for p in psutil.Process(pid).children(recursive=True) if p.name().startswith("VLLM")]
+
+
+def alive(p: psutil.Process) -> bool:
+    """Running (a zombie has exited: only its reaping is left to its new parent)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
     import ray
     from ray import serve
@@ -473,12 +504,21 @@ def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
         with lock:
             outcomes.append(outcome)
 
+    handle = ray.get_actor(replica_actor_name(app, victim), namespace="serve")
+    replica_pid = ray.get(handle.__ray_call__.remote(lambda replica: os.getpid()), timeout=30)
+    engine = engine_processes(replica_pid)  # VLLM::EngineCore and its VLLM::Worker
+    assert len(engine) >= 2, [(p.pid, p.name()) for p in psutil.Process(replica_pid).children(recursive=True)]
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(one, i) for i in range(48)]
-        time.sleep(1.5)
-        handle = ray.get_actor(replica_actor_name(app, victim), namespace="serve")
+        wait_for(lambda: replica_samples(app, "vllm:num_requests_running").get(victim, 0) >= 1,
+                 "the victim replica to be running requests", 60, 0.1)  # killed under load, not idle
         killed_at = time.monotonic()
-        ray.kill(handle, no_restart=True)
+        os.kill(replica_pid, signal.SIGKILL)  # the replica's process alone (issue 29), not its group
+        # its engine processes exit on their own (vtoken/vllm/lifetime.py), before Serve's replacement needs
+        # room: timed from the kill, while the clients still run
+        wait_for(lambda: not any(alive(p) for p in engine), "the killed replica's engine processes to exit",
+                 ENGINE_EXIT_BOUND_S, 0.2, lambda: [(p.pid, p.name()) for p in engine if alive(p)])
+        engine_gone_s = time.monotonic() - killed_at
         for f in futures:
             f.result()
     recovered = None
@@ -494,7 +534,8 @@ def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
         time.sleep(1)
     tally = Counter(outcomes)
     print(
-        f"\n[kill] outcomes {dict(tally)}; replica replaced and serving after "
+        f"\n[kill] outcomes {dict(tally)}; engine processes {[p.pid for p in engine]} gone "
+        f"{engine_gone_s:.1f} s after the SIGKILL; replica replaced and serving after "
         f"{recovered if recovered is None else round(recovered, 1)} s"
     )
     assert set(tally) <= {"200", "200-retried", "503", "503-stream"}, tally

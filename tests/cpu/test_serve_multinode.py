@@ -418,6 +418,25 @@ def test_an_autoscaling_update_through_serve_deploy_keeps_the_replicas_and_idle_
           f"the deploy; the registry lists {len(left)} endpoint")
 
 
+def test_ray_stop_force_on_a_node_leaves_no_engine_process_behind(cluster):
+    """``ray stop --force`` on a node (Ray's processes SIGKILLed, the vLLM engines its replica started left
+    alone, as the real command leaves them): the engines exit on their own within ``ENGINE_EXIT_BOUND_S``
+    (issue 29; vtoken/vllm/lifetime.py). Checked by process. Last in the module: it takes a node away."""
+    c = cluster
+    node_id = sorted(set(registered(c).values()))[0]  # after the downscale test: its one replica's node
+    victim = c.names[node_id]
+    killed_at = time.monotonic()
+    out = run("stop-ray", victim, "--state", c.state.state_dir)
+    engines = json.loads(out.rsplit("engine processes left ", 1)[1])
+    assert len(engines) >= 2, out  # VLLM::EngineCore and its VLLM::Worker, alive when Ray went away
+    wait_for(lambda: not procs.alive(engines), "the engine processes of the stopped node to exit",
+             ENGINE_EXIT_BOUND_S, 0.2, diagnose=lambda: f"still alive: {sorted(procs.alive(engines))}")
+    print(f"\n[multinode] {out.strip()}; all gone {time.monotonic() - killed_at:.1f} s after Ray was stopped")
+
+
+ENGINE_EXIT_BOUND_S = 20.0  # lifetime.py: a 1 s poll, SIGTERM (vLLM's shutdown), os._exit 5 s later
+
+
 def compress(values: list[int]) -> str:
     """``[2, 2, 1, 1, 1, 2]`` → ``2×2 1×3 2×1`` (the run-length form printed for the docs)."""
     out: list[list[int]] = []

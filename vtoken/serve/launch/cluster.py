@@ -231,6 +231,14 @@ def kill_node(state: ClusterState, name: str, timeout: float = 30.0) -> list[int
     return procs.kill_node_group(state.node(name).pgid, timeout)
 
 
+def stop_ray(state: ClusterState, name: str, timeout: float = 30.0) -> tuple[list[int], list[int]]:
+    """``ray stop --force`` on worker node ``name`` (``procs.kill_ray_of_node``: its Ray processes only;
+    on one machine the real command would stop every node). Returns (Ray pids killed, engine pids left)."""
+    if name == "head":
+        raise ValueError("stop-ray takes a worker node; `down` stops the head")
+    return procs.kill_ray_of_node(state.node(name).pgid, timeout)
+
+
 def stop(state_dir: Path = DEFAULT_STATE, grace_s: float = 10.0, echo=print,
          remove: bool = True) -> list[int]:
     """Stop every process of the cluster in ``state_dir`` (``procs.terminate``), then remove
@@ -280,6 +288,14 @@ def status_cmd(state: Path = STATE) -> None:
 def kill_node_cmd(name: str, state: Path = STATE) -> None:
     """SIGKILL every process of worker node NAME (as if its machine died)."""
     typer.echo(f"killed {name}: {len(kill_node(ClusterState.load(state), name))} processes")
+
+
+@cli.command("stop-ray")
+def stop_ray_cmd(name: str, state: Path = STATE) -> None:
+    """SIGKILL the Ray processes of worker node NAME, as `ray stop --force` does on a machine (its replicas'
+    vLLM engines are left to exit on their own)."""
+    killed, engines = stop_ray(ClusterState.load(state), name)
+    typer.echo(f"stopped Ray on {name}: {len(killed)} processes; engine processes left {engines}")
 
 
 @cli.command("down")

@@ -116,6 +116,35 @@ def kill_node_group(pgid: int, timeout: float = 30.0) -> list[int]:
     return sorted(first)
 
 
+def comm(pid: int) -> str:
+    """The process's name (``/proc/<pid>/comm``: what ``setproctitle`` sets, e.g. ``VLLM::EngineCor``);
+    ``""`` once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def is_engine(pid: int) -> bool:
+    """A vLLM engine process (``VLLM::EngineCore``, ``VLLM::Worker``), which is no Ray process."""
+    return comm(pid).startswith("VLLM")
+
+
+def kill_ray_of_node(pgid: int, timeout: float = 30.0) -> tuple[list[int], list[int]]:
+    """What ``ray stop --force`` does on a machine, for the node in process group ``pgid``: SIGKILL its Ray
+    processes (raylet, agents, Ray workers and actors — the replicas), *not* the vLLM engine processes the
+    replicas started, which must end on their own (vtoken/vllm/lifetime.py). Returns ``(Ray pids killed,
+    engine pids left)``. TimeoutError if a Ray process survives ``timeout`` seconds."""
+    first = node_pids(pgid)
+    engines = {pid for pid in first if is_engine(pid)}
+    ray_pids = first - engines
+    kill(ray_pids)
+    left = kill_until_gone(lambda: alive(ray_pids) | {p for p in node_pids(pgid) if not is_engine(p)}, timeout)
+    if left:
+        raise TimeoutError(f"processes {sorted(left)} of group {pgid} survived SIGKILL for {timeout:.0f} s")
+    return sorted(ray_pids), sorted(engines)
+
+
 def terminate(state_dir: Path, groups: Iterable[int], grace_s: float = 10.0) -> tuple[int, list[int]]:
     """SIGTERM every process of the cluster (``cluster_pids``), SIGKILL what is left after ``grace_s``
     (Ray's agents ignore SIGTERM). Returns (processes found, pids still alive: should be [])."""
