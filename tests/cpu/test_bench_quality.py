@@ -92,10 +92,22 @@ def test_quality_command_reports_full_cache_and_points(default_model, tmp_path):
     # in test_score_layers.py — each point is a SmolLM2 evaluation, so the command runs the two the docs show
     assert {(p["policy"], p["granularity"], p["budget"], p["score_layers"]) for p in report["points"]} == {
         ("h2o", g, 0.2, DEFAULT_SCORE_LAYERS) for g in ("token", "block")}
+    lm_full, rt_full = full["language_modelling"], full["retrieval"]
+    assert lm_full["evicted_tokens"] == rt_full["evicted_tokens"] == 0
+    assert full["perplexity"] == lm_full["perplexity"] and full["accuracy"] == rt_full["accuracy"]
     for p in report["points"]:
         assert 0.0 <= p["accuracy"] <= 1.0 and p["perplexity"] > 0
         assert p["retained_blocks_mean"] < full["retained_blocks_mean"]  # eviction really freed blocks
         assert p["retrieval"]["evicted_tokens"] > 0 and p["language_modelling"]["evicted_tokens"] > 0
+        # each point against its own counts: the same scored tokens as the full cache, the headline numbers
+        # are its sections', and repack holds exactly the packing bound (⌈live / B⌉ per request)
+        lm, rt = p["language_modelling"], p["retrieval"]
+        assert lm["tokens_scored"] == lm_full["tokens_scored"] > 0
+        assert (p["perplexity"], p["accuracy"]) == (lm["perplexity"], rt["accuracy"])
+        for section in (lm, rt, p):
+            assert section["retained_blocks_mean"] == section["packing_bound_mean"], (p["granularity"], section)
+        assert rt["retained_blocks_mean"] < rt_full["retained_blocks_mean"]
+        assert lm["retained_blocks_mean"] < lm_full["retained_blocks_mean"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

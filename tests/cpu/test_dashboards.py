@@ -131,7 +131,7 @@ class Replica:
 
 @pytest.mark.timeout(180)
 def test_every_panel_returns_data_from_prometheus_scraping_the_replica_exporter():
-    from serve_support import PrometheusServer
+    from serve_support import PrometheusServer, wait_for
 
     from vtoken.serve.launch.local import free_port
 
@@ -152,7 +152,9 @@ def test_every_panel_returns_data_from_prometheus_scraping_the_replica_exporter(
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and len(prom.query("vtoken:kv_utilization[10s]")) < 2:
                 time.sleep(1)
-            time.sleep(5)  # several 1 s scrapes, so rate() over 1m has points
+            wait_for(lambda: len(points := prom.query("count_over_time(vtoken:kv_utilization[1m])")) >= 2
+                     and all(float(p["value"][1]) >= 4 for p in points),
+                     "four scrapes of every replica, so rate() over 1m has points", 60, 0.5)
             empty = []
             for name, title, expr in all_queries():
                 result = prom.query(build.concrete(expr, rate="1m", range_="1m"))
