@@ -48,6 +48,8 @@ def make_scheduler(block_size=8, num_blocks=64, async_scheduling=True, vtoken=No
 
         cfg.compilation_config.mode = CompilationMode.VLLM_COMPILE
         cfg.compilation_config.cudagraph_mode = cudagraph_mode
+        # CUDA's split (the CPU platform leaves splitting_ops empty): attention between captured pieces
+        cfg.compilation_config.splitting_ops = list(cfg.compilation_config._attention_ops)
     cfg.cache_config.num_gpu_blocks = num_blocks
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=16, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
