@@ -38,7 +38,7 @@ from vtoken.kernels.gpu_layout import (
 )
 from vtoken.kernels.layout import TokenLayout
 from vtoken.kernels.moves import TorchSlotMover
-from vtoken.kernels.scores import RequestScores, ScoreAccumulator
+from vtoken.kernels.scores import RequestScores, ScoreAccumulator, layer_mean_probs
 from vtoken.policies.context import HISTORY_BITS
 
 BACKENDS = ("torch", "triton")
@@ -220,15 +220,6 @@ def compare_unimportance_bits(got: np.ndarray, ref: np.ndarray, probs: np.ndarra
     return BitsComparison(int(flipped.sum()) + extra, int(near.sum()))
 
 
-def _reference_rows(acc: ScoreAccumulator, rid: str) -> tuple[np.ndarray, np.ndarray]:
-    """The reference's ``[n_q, seq_len]`` layer-mean probabilities and causal visibility of one request, as
-    its ``finish`` computed the bits from them (after ``finish``; pure)."""
-    rs = acc.requests[rid]
-    probs = (rs.probs / rs.layers).cpu().numpy().astype(np.float64)
-    n_q, n_k = probs.shape
-    return probs, np.arange(n_k)[None, :] <= (np.arange(n_q)[:, None] + (n_k - n_q))
-
-
 def compare_scores(got: dict, ref: dict, ref_acc: ScoreAccumulator) -> dict:
     """``got`` vs ``ref`` (``finish`` results; ``ref_acc``: the reference accumulator after its ``finish``):
     max |Δ| over ``accumulated`` and ``last``, the unimportance bits' mismatches (near-ties apart). Pure."""
@@ -236,7 +227,7 @@ def compare_scores(got: dict, ref: dict, ref_acc: ScoreAccumulator) -> dict:
               for f in ("accumulated", "last"))
     bits = BitsComparison(0, 0)
     for k in ref:
-        probs, visible = _reference_rows(ref_acc, k)
+        probs, visible = layer_mean_probs(ref_acc.requests[k])
         bits += compare_unimportance_bits(got[k].unimportant, ref[k].unimportant, probs, visible)
     return {"scores_max_abs_err": err, "bits_mismatched": bits.mismatched,
             "bits_mismatched_near_threshold": bits.near_threshold, "bits_near_tie_rtol": NEAR_TIE_RTOL,
@@ -293,11 +284,12 @@ def large_offsets_check(name: str, shape: Shape, device: str, seed: int = 0) -> 
                                              ("staged_moves_exact", top - 1, 0, device)):
         src = torch.arange(bs, device=device) + src_block * bs
         dst = torch.arange(bs, device=device).flip(0) + dst_block * bs
+        others = slots[~torch.isin(slots, dst)]
         want = [gather(kv, layout, src) for kv in caches]
-        keep = [gather(kv, layout, slots[~torch.isin(slots, dst)]) for kv in caches]
+        keep = [gather(kv, layout, others) for kv in caches]
         TritonSlotMover(layout, capacity=bs).move(caches, src.to(where), dst.to(where))
         report[key] = all(torch.equal(gather(kv, layout, dst), w) for kv, w in zip(caches, want)) and all(
-            torch.equal(gather(kv, layout, slots[~torch.isin(slots, dst)]), k) for kv, k in zip(caches, keep))
+            torch.equal(gather(kv, layout, others), k) for kv, k in zip(caches, keep))
     # two requests over the highest blocks (rows [top, top-3] and [top-1, 0, top-2]), decode + chunk
     from vtoken.kernels.triton_scores import TritonScoreAccumulator
 

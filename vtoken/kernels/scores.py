@@ -70,6 +70,15 @@ class RequestScores:
         return self.q_end - self.q_start
 
 
+def layer_mean_probs(rs: RequestScores) -> tuple[np.ndarray, np.ndarray]:
+    """``(probs, visible)``: a request's ``[n_q, seq_len]`` probabilities, mean over its scored layers, and
+    their causal visibility (query ``i`` sees keys up to ``seq_len - n_q + i``), as ``finish`` reduces them
+    (reads ``rs.probs``: a host copy once ``to_host`` ran). Pure."""
+    probs = (rs.probs / rs.layers).cpu().numpy().astype(np.float64)
+    n_q, n_k = probs.shape
+    return probs, np.arange(n_k)[None, :] <= (np.arange(n_q)[:, None] + (n_k - n_q))
+
+
 @dataclass
 class ScoreAccumulator:
     """Collects one step's scores across the attention layers (one per worker, reset every step)."""
@@ -181,9 +190,7 @@ class ScoreAccumulator:
         for rid, rs in self.requests.items():
             stats: dict[str, np.ndarray] = {}
             if rs.probs is not None and rs.layers:
-                probs = (rs.probs / rs.layers).cpu().numpy().astype(np.float64)
-                n_q, n_k = probs.shape
-                visible = np.arange(n_k)[None, :] <= (np.arange(n_q)[:, None] + (n_k - n_q))
+                probs, visible = layer_mean_probs(rs)
                 stats.update(accumulated=probs.sum(axis=0), last=probs[-1].copy(),
                              unimportant=unimportance_bits(probs, visible))
                 if rs.window:

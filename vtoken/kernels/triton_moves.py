@@ -100,6 +100,7 @@ def _token_copy(cache_ptr, layer_off_ptr, src_ptr, dst_ptr, stage_ptr, index_ptr
 
 
 _COPY = TritonKernel(_token_copy, helpers=(_token_at,))
+KERNELS = {"_token_copy": _COPY}  # by name, for the device check's compiled-variant counts
 
 
 class TritonSlotMover:

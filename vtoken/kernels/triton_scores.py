@@ -163,6 +163,7 @@ _STATS = TritonKernel(_softmax_stats, helpers=(_kv_tile, _query_tile, _logits),
 _PROBS = TritonKernel(_probs, helpers=(_kv_tile, _query_tile, _logits),
                       do_not_specialize=("q_st", "bt_stride", "kmax"))
 NO_ROW = -1  # a query whose probabilities no kept row records (q_row)
+KERNELS = {"_softmax_stats": _STATS, "_probs": _PROBS}  # by name, for the device check's variant counts
 
 
 def _device_meta(device: torch.device, tok: list[int], req: list[int], vis: list[int], row: list[int],
