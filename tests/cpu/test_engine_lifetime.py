@@ -15,11 +15,15 @@ import time
 
 import pytest
 
+from vtoken.serve.launch import procs
 from vtoken.vllm.lifetime import EXIT_WITH_PARENT_ENV, GRACE_S, POLL_PERIOD_S
 
 EXIT_BOUND_S = POLL_PERIOD_S + 5.0  # a poll period, then SIGTERM's default action (GRACE_S only if it hangs)
 
-CHILD = "import time; from vtoken.vllm.plugin import register; register(); time.sleep(120)"
+# the child says when vLLM's plugin call returned (it shares the replica's stdout); both then sleep until
+# the test kills them (the test's `finally` SIGKILLs whatever is left)
+CHILD = ("import time; from vtoken.vllm.plugin import register; register(); print('registered', flush=True); "
+         "time.sleep(120)")
 REPLICA = f"""
 import subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", {CHILD!r}])
@@ -29,12 +33,8 @@ time.sleep(120)
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped by its new parent) is gone
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    """Running, not a zombie (``procs.alive``: an exited orphan only waits for its new parent to reap it)."""
+    return bool(procs.alive([pid]))
 
 
 def _start(env_value: str | None) -> tuple[subprocess.Popen, int]:
@@ -44,7 +44,7 @@ def _start(env_value: str | None) -> tuple[subprocess.Popen, int]:
     replica = subprocess.Popen([sys.executable, "-c", REPLICA], stdout=subprocess.PIPE, text=True, env=env,
                                start_new_session=True)
     child = int(replica.stdout.readline())
-    time.sleep(POLL_PERIOD_S + 2.0)  # the child has imported vToken and registered
+    assert replica.stdout.readline().strip() == "registered"  # the watchdog (if asked) is running
     assert _alive(child)
     return replica, child
 
@@ -59,7 +59,7 @@ def test_engine_process_exits_when_its_replica_is_sigkilled_alone(asked):
         while _alive(child) and time.monotonic() < deadline:
             time.sleep(0.1)
         if asked:
-            assert not _alive(child), f"the orphaned child {child} still runs {EXIT_BOUND_S} s after its parent died"
+            assert not _alive(child), f"orphan {child} still runs {EXIT_BOUND_S} s after its parent died"
         else:  # without the setting nothing changes (a user's own vLLM may outlive its shell on purpose)
             assert _alive(child)
     finally:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from serve_support import wait_for
 
 from vtoken.serve.telemetry import discovery
 from vtoken.serve.telemetry.discovery import MetricsRegistry, file_sd_content, target_address
@@ -72,10 +73,8 @@ def test_the_sweeper_expires_on_the_registry_clock(tmp_path, monkeypatch):
         reg.register("b", "127.0.0.1:2", {"node": "n2"})
         assert json.loads(path.read_text()) != []
         clock[0] = 107.0
-        deadline = time.monotonic() + 10  # the real clock: a bound on a stalled thread, not the TTL
-        while json.loads(path.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert json.loads(path.read_text()) == []
+        # the real clock: a bound on a stalled thread, not the TTL
+        wait_for(lambda: json.loads(path.read_text()) == [], "the sweeper to expire b", 10.0, 0.005)
     finally:
         reg._stop.set()
 
