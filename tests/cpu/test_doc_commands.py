@@ -2,7 +2,8 @@
 
 Every ``vtoken serve …`` line of a fenced shell block is run with ``show-config`` (the whole config is
 validated, nothing starts): a documented command that exits 2 fails here. Every ``vtoken bench SUB …`` and
-``vtoken verify …`` line is checked against the subcommand's ``--help``: each ``--option`` it uses exists.
+``vtoken verify …`` line is parsed by the CLI as it would run it (``cli_support.parse_vtoken``: every option
+and value checked, nothing runs).
 The commands themselves (minutes to hours of benchmarks) run where their results are produced.
 """
 
@@ -12,10 +13,10 @@ import re
 import shlex
 import subprocess
 import sys
-from functools import cache
 from pathlib import Path
 
 import pytest
+from cli_support import parse_vtoken
 
 ROOT = Path(__file__).resolve().parents[2]
 SHELL_TAGS = ("", "bash", "sh", "shell", "console")
@@ -76,24 +77,7 @@ def test_documented_serve_command_validates(doc, command):
     assert out.returncode == 0, f"{doc}: `{command}` is refused:\n{out.stderr[-1500:]}"
 
 
-@cache
-def _help(words: tuple[str, ...]) -> str:
-    out = subprocess.run([*VTOKEN, *words, "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                         env={"COLUMNS": "300", "TERM": "dumb", **_env()})
-    assert out.returncode == 0, f"`vtoken {' '.join(words)} --help` failed:\n{out.stderr[-1500:]}"
-    return out.stdout
-
-
-def _env() -> dict:
-    import os
-
-    return {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TERM")}
-
-
 @pytest.mark.parametrize(("doc", "command"), OTHERS, ids=[c[:80] for _, c in OTHERS])
 def test_documented_bench_and_verify_options_exist(doc, command):
-    args = shlex.split(command)[1:]
-    words = tuple(args[:2]) if args[0] == "bench" else (args[0],)
-    text = _help(words)
-    missing = [a.split("=")[0] for a in args if a.startswith("--") and a.split("=")[0] not in text]
-    assert not missing, f"{doc}: `{command}` uses options `vtoken {' '.join(words)}` does not have: {missing}"
+    """Parsed by the CLI as it would run it (options and values checked; nothing runs)."""
+    parse_vtoken(command)
