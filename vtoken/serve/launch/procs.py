@@ -105,12 +105,16 @@ def kill_until_gone(collect, timeout: float, period: float = 0.2) -> set[int]:
         time.sleep(period)
 
 
-def kill_node_group(pgid: int, timeout: float = 30.0) -> list[int]:
-    """SIGKILL every process of the node in process group ``pgid`` at once (``node_pids``), then anything
-    it forked meanwhile; returns the pids it had. TimeoutError if one survives ``timeout`` seconds."""
-    first = node_pids(pgid)  # orphans are re-parented once the raylet dies: keep this snapshot
+def kill_node_group(pgid: int, timeout: float = 30.0, spare=lambda pid: False) -> list[int]:
+    """SIGKILL every process of the node in process group ``pgid`` at once (``node_pids``) but those
+    ``spare(pid)`` names, then anything it forked meanwhile; returns the pids it killed. TimeoutError if one
+    survives ``timeout`` seconds."""
+    def targets() -> set[int]:
+        return {pid for pid in node_pids(pgid) if not spare(pid)}
+
+    first = targets()  # orphans are re-parented once the raylet dies: keep this snapshot
     kill(first)
-    left = kill_until_gone(lambda: alive(first) | node_pids(pgid), timeout)
+    left = kill_until_gone(lambda: alive(first) | targets(), timeout)
     if left:
         raise TimeoutError(f"processes {sorted(left)} of group {pgid} survived SIGKILL for {timeout:.0f} s")
     return sorted(first)
@@ -135,14 +139,8 @@ def kill_ray_of_node(pgid: int, timeout: float = 30.0) -> tuple[list[int], list[
     processes (raylet, agents, Ray workers and actors — the replicas), *not* the vLLM engine processes the
     replicas started, which must end on their own (vtoken/vllm/lifetime.py). Returns ``(Ray pids killed,
     engine pids left)``. TimeoutError if a Ray process survives ``timeout`` seconds."""
-    first = node_pids(pgid)
-    engines = {pid for pid in first if is_engine(pid)}
-    ray_pids = first - engines
-    kill(ray_pids)
-    left = kill_until_gone(lambda: alive(ray_pids) | {p for p in node_pids(pgid) if not is_engine(p)}, timeout)
-    if left:
-        raise TimeoutError(f"processes {sorted(left)} of group {pgid} survived SIGKILL for {timeout:.0f} s")
-    return sorted(ray_pids), sorted(engines)
+    engines = sorted(pid for pid in node_pids(pgid) if is_engine(pid))
+    return kill_node_group(pgid, timeout, spare=is_engine), engines
 
 
 def terminate(state_dir: Path, groups: Iterable[int], grace_s: float = 10.0) -> tuple[int, list[int]]:
