@@ -297,3 +297,26 @@ def test_repeats_are_summarised_as_medians_of_ratios_computed_within_each_repeat
     assert (naive["max_rate_at_target"]["median"], naive["max_rate_at_target"]["n"]) == (1.625, 4)
     assert "naive/h2o / none" in got["ratios"] and "none / none" not in got["ratios"]
     assert "repack/h2o / naive/h2o: 1.625× (min 0, max 2; 4 of 5 repeats)" in headline(got)
+
+
+def test_a_variant_that_met_the_grid_top_makes_its_ratios_lower_bounds():
+    """Repack met every rate up to the grid's top (0.6) in two repeats and missed 0.5 in a third: those two
+    ratios are lower bounds, counted, and the headline says so; when every repeat is one it writes "≥"."""
+    from vtoken.bench.serve_summary import at_grid_top, headline, summarize
+
+    def v(mode, rate, ran):
+        runs = [{"rate": r} for r in ran]
+        return {**_variant(mode, "h2o" if mode != "none" else None, mode != "none", rate, rate), "runs": runs}
+
+    grid = [0.2, 0.25, 0.3, 0.4, 0.5, 0.6]
+    table = [(0.25, 0.2, 0.6, grid), (0.25, 0.25, 0.6, grid), (0.2, 0.2, 0.4, grid[:5])]
+    repeats = [[v("none", n, grid[:3]), v("naive", nv, grid[:3]), v("repack", r, ran)] for n, nv, r, ran in table]
+    assert at_grid_top(repeats[0][2]) and not at_grid_top(repeats[2][2]) and not at_grid_top(repeats[0][0])
+    assert not at_grid_top(_variant("none", None, False, 0.2, 0.2))  # no runs recorded: no claim
+    got = summarize(repeats)
+    stock = got["ratios"]["repack/h2o +admission / none"]
+    assert stock["max_rate_at_target"]["values"] == [2.4, 2.4, 2.0] and stock["lower_bounds"] == 2
+    assert "repack/h2o +admission / none: 2.4× (min 2, max 2.4; 3 of 3 repeats; 2 a lower bound: met the " \
+           "grid's top)" in headline(got)
+    every = summarize(repeats[:2])
+    assert "repack/h2o +admission / none: ≥ 2.4× (min 2.4, max 2.4; 2 of 2 repeats)" in headline(every)

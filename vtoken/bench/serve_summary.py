@@ -12,7 +12,9 @@ The baselines of an evicting variant are stock vLLM (``none`` without admission:
 engine) and Naive-Evict with the same policy and admission setting. A variant that met no rate (it missed
 the lowest one) counts as 0 against a baseline that met one: its ratio is 0, a loss, never left out. A ratio
 over a baseline that met no rate is ``None`` (undefined, not infinite) and is left out of the median; ``n``
-says how many repeats it covers. All pure.
+says how many repeats it covers. A variant that met the highest rate it ran (the grid's top: it never
+missed) has no measured limit, only a lower bound; a ratio with such a numerator is a lower bound too
+(``lower_bounds`` counts those repeats, and the headline writes "≥" when every repeat is one). All pure.
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ def _key(v: dict) -> tuple:
     return (v["mode"], v["policy"], bool(v["admission"]))
 
 
+def at_grid_top(v: dict | None) -> bool:
+    """The variant met the highest rate it ran: its max rate is a lower bound, not its limit."""
+    runs = (v or {}).get("runs") or []
+    return bool(runs) and v.get("max_rate_at_target") is not None and \
+        v["max_rate_at_target"] >= max(r["rate"] for r in runs)
+
+
 def baselines(variant: tuple) -> list[tuple[str, tuple]]:
     """``[(name, baseline variant)]`` an evicting ``(mode, policy, admission)`` is compared with (pure)."""
     mode, policy, admission = variant
@@ -72,7 +81,9 @@ def summarize(repeats: list[list[dict]]) -> dict:
             ratios[f"{label} / {variant_label(*base)}"] = {
                 "baseline": name,
                 **{k: spread([_ratio(rep.get(key, {}).get(k), rep.get(base, {}).get(k)) for rep in by_repeat])
-                   for k in RATE_KEYS}}
+                   for k in RATE_KEYS},
+                "lower_bounds": sum(at_grid_top(rep.get(key)) and not at_grid_top(rep.get(base))
+                                    and bool(rep.get(base, {}).get("max_rate_at_target")) for rep in by_repeat)}
     return {"repeats": len(repeats), "variants": variants, "ratios": ratios}
 
 
@@ -84,6 +95,8 @@ def headline(summary: dict) -> list[str]:
         if s["median"] is None:
             lines.append(f"{name}: undefined (the baseline met no rate in any repeat)")
         else:
-            lines.append(f"{name}: {s['median']:g}× (min {s['min']:g}, max {s['max']:g}; "
-                         f"{s['n']} of {summary['repeats']} repeats)")
+            bounds = r.get("lower_bounds", 0)
+            lines.append(f"{name}: {'≥ ' if bounds == s['n'] else ''}{s['median']:g}× (min {s['min']:g}, "
+                         f"max {s['max']:g}; {s['n']} of {summary['repeats']} repeats"
+                         + (f"; {bounds} a lower bound: met the grid's top)" if 0 < bounds < s["n"] else ")"))
     return lines
