@@ -74,11 +74,11 @@ def test_passkey_cases_and_text_windows_follow_the_seed(default_model):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quality_command_reports_full_cache_and_points(default_model, tmp_path):
-    out, png = tmp_path / "q.json", tmp_path / "q.png"
+    out, png, ruler_png = tmp_path / "q.json", tmp_path / "q.png", tmp_path / "r.png"
     run = subprocess.run(
         [VTOKEN, "bench", "quality", "--quick", "--policies", "h2o", "--budgets", "0.2",
          "--granularities", "token,block", "--json", "--out", str(out),
-         "--plot", str(png)],
+         "--plot", str(png), "--plot-ruler", str(ruler_png)],
         capture_output=True, text=True, timeout=900,
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -109,11 +109,43 @@ def test_quality_command_reports_full_cache_and_points(default_model, tmp_path):
         assert rt["retained_blocks_mean"] < rt_full["retained_blocks_mean"]
         assert lm["retained_blocks_mean"] < lm_full["retained_blocks_mean"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the quick preset's yardstick: niah_single_1 at 512 tokens (8 samples), fidelity on 2 prompts × 64 tokens
+    [task] = report["ruler"]["tasks"]
+    assert (task["task"], task["length"], task["samples"]) == ("niah_single_1", 512, 8)
+    assert task["prompt_tokens_max"] + 128 <= 512 and report["ruler"]["skipped"] == []
+    full_niah = full["ruler"]["niah_single_1@512"]
+    assert full_niah["n"] == 8 and full_niah["rate"] >= 0.75, "the full cache must solve the quick RULER task"
+    assert full_niah["ci95"][0] <= full_niah["rate"] <= full_niah["ci95"][1] and full_niah["evicted_tokens"] == 0
+    assert report["fidelity"]["tokens"] == 64 and len(report["fidelity"]["prompts"]) == 2
+    fid_full = full["fidelity"]
+    assert fid_full["top1_agreement"] == 1.0 and fid_full["kl_lower_bound_mean"] == 0.0  # itself
+    assert fid_full["tokens_to_divergence_median"] == 64 and fid_full["evicted_tokens"] == 0
+    for p in report["points"]:
+        r = p["ruler"]["niah_single_1@512"]
+        assert r["n"] == 8 and 0 <= r["solved"] <= 8 and r["evicted_tokens"] > 0
+        assert r["retained_blocks_mean"] < full_niah["retained_blocks_mean"]
+        assert p["ruler"]["at_parity"] == (full_niah["ci95"][0] <= r["rate"] <= full_niah["ci95"][1])
+        f = p["fidelity"]
+        assert 0 <= f["tokens_to_divergence_median"] <= 64 and 0.0 <= f["top1_agreement"] <= 1.0
+        assert f["kl_lower_bound_mean"] >= 0.0 and f["evicted_tokens"] > 0
+        assert f["keeps_fidelity"] == (f["top1_agreement"] >= report["fidelity"]["top1_bound"])
+    assert ruler_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and report["plot_ruler"] == str(ruler_png)
+    [parity] = [r for r in report["parity"] if r["granularity"] == "token"]
+    h2o = next(p for p in report["points"] if p["granularity"] == "token")
+    ok = h2o["ruler"]["at_parity"] and h2o["fidelity"]["keeps_fidelity"]
+    assert parity["parity_budget"] == (0.2 if ok else None)
+    from vtoken.bench.yardstick_plot import yardstick_table
+
+    table = yardstick_table(report)
+    assert "niah_single_1@512" in table and table.count("\n") == 4  # head, rule, full cache, h2o 0.2
 
 
 def test_quality_bad_input_exits_2_naming_the_value():
     for args, named in ((["--policies", "lru"], "lru"), (["--granularities", "page"], "page"),
-                        (["--budgets", "2.5"], "2.5"), (["--chunk", "4"], "--chunk 4")):
+                        (["--budgets", "2.5"], "2.5"), (["--chunk", "4"], "--chunk 4"),
+                        (["--tasks", "niah_x"], "'niah_x'"), (["--lengths", "100"], "--lengths '100'"),
+                        (["--lengths", "1k"], "--lengths '1k'"),
+                        (["--tasks", "none", "--fidelity-prompts", "0", "--plot-ruler", "x.png"], "--plot-ruler")):
         run = subprocess.run([VTOKEN, "bench", "quality", "--quick", *args], capture_output=True, text=True,
                              timeout=120)
         assert run.returncode == 2 and named in run.stderr and "Traceback" not in run.stderr, run.stderr[-800:]

@@ -118,3 +118,22 @@ def test_the_kl_bound_from_two_top_k_maps_never_exceeds_the_true_kl(seed, k, tem
     assert 0.0 <= bound <= true_kl + 1e-9
     if k >= vocab:  # nothing hidden: the bound is the KL
         assert bound == pytest.approx(true_kl, rel=1e-6)
+
+
+def test_the_parity_budget_is_the_smallest_with_every_larger_one_at_parity_too():
+    from vtoken.bench.quality import parity_budgets
+
+    def point(policy, budget, parity, fidelity=True, granularity="token"):
+        return {"policy": policy, "granularity": granularity, "score_layers": 1, "budget": budget,
+                "ruler": {"at_parity": parity}, "fidelity": {"keeps_fidelity": fidelity}}
+
+    pts = [point("h2o", 0.5, True), point("h2o", 0.3, True), point("h2o", 0.1, True), point("h2o", 0.2, False),
+           point("tova", 0.5, False), point("tova", 0.2, True),
+           point("snapkv", 0.5, True), point("snapkv", 0.2, True, fidelity=False),
+           point("h2o", 96, True), point("h2o", 0.5, True, granularity="block"),
+           {**point("knorm", 0.5, True), "ruler": {}}]  # no RULER task ran: no claim
+    got = {(r["policy"], r["granularity"], r["budget_kind"]): r["parity_budget"] for r in parity_budgets(pts)}
+    assert got == {("h2o", "token", "fraction"): 0.3,  # 0.1 is at parity, but 0.2 is not: noise, not a setting
+                   ("tova", "token", "fraction"): None, ("snapkv", "token", "fraction"): 0.5,
+                   ("h2o", "token", "tokens"): 96, ("h2o", "block", "fraction"): 0.5}
+    assert parity_budgets([{**point("h2o", 0.5, True), "fidelity": None}])[0]["parity_budget"] == 0.5

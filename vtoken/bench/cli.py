@@ -146,9 +146,11 @@ def capacity_cmd(
     main(setup, chosen, requests, ttft_slo, tpot_slo, repeats, out)
 
 
-QUALITY_PRESETS = {  # (policies, budgets, depths, per_depth, windows, window_tokens)
-    "quick": ("h2o,tova,snapkv,streamingllm", "0.2,0.5", "0.2,0.5,0.8", 1, 2, 256),
-    "full": ("all", "0.1,0.2,0.3,0.4,0.5", "0.1,0.3,0.5,0.7,0.9", 2, 4, 512),
+QUALITY_PRESETS = {  # (policies, budgets, depths, per_depth, windows, window_tokens, ruler tasks, lengths, samples,
+    #                     fidelity prompts, fidelity tokens)
+    "quick": ("h2o,tova,snapkv,streamingllm", "0.2,0.5", "0.2,0.5,0.8", 1, 2, 256, "niah_single_1", "512", 8,
+              2, 64),
+    "full": ("all", "0.1,0.2,0.3,0.4,0.5", "0.1,0.3,0.5,0.7,0.9", 2, 4, 512, "all", "512,1024", 50, 20, 256),
 }
 
 
@@ -201,6 +203,32 @@ def _score_layers(text: str) -> int | None:
     return VTokenConfig(score_layers=n).score_layers
 
 
+def _ruler_tasks(text: str) -> tuple[str, ...]:
+    """'all' | 'none' | comma-separated RULER task names (ConfigError naming an unknown one)."""
+    from vtoken.bench.ruler_tasks import TASKS
+    from vtoken.errors import ConfigError
+
+    if text.strip() == "none":
+        return ()
+    names = tuple(TASKS) if text.strip() == "all" else tuple(t.strip() for t in text.split(",") if t.strip())
+    for name in names:
+        if name not in TASKS:
+            raise ConfigError(f"--tasks {name!r}: one of {', '.join(TASKS)}, 'all' or 'none'")
+    return names
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    from vtoken.errors import ConfigError
+
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"--lengths {text!r}: give comma-separated token counts") from None
+    if not values or min(values) < 256:
+        raise ConfigError(f"--lengths {text!r}: every length must be ≥ 256 tokens")
+    return values
+
+
 @bench_app.command("quality")
 def quality_cmd(
     quick: bool = typer.Option(False, "--quick", help="a few points, a few minutes (else the full sweep)"),
@@ -215,13 +243,24 @@ def quality_cmd(
     seed: int = typer.Option(0, help="draws other pass keys, needle positions and text windows"),
     context_tokens: int = typer.Option(400, "--context-tokens", help="filler tokens around the pass key"),
     chunk: int = typer.Option(64, help="prefill chunk of the language-modelling task (tokens)"),
+    tasks: str = typer.Option(None, help="RULER-style tasks: comma-separated names, 'all' or 'none' "
+                                         "(default: the preset's)"),
+    lengths: str = typer.Option(None, help="RULER lengths in tokens, comma-separated (default: the preset's)"),
+    samples: int = typer.Option(None, min=1, help="RULER samples per task × length (default: the preset's)"),
+    fidelity_prompts: int = typer.Option(None, "--fidelity-prompts", min=0,
+                                         help="long-generation fidelity prompts, 0 skips it (default: the preset's)"),
+    fidelity_tokens: int = typer.Option(None, "--fidelity-tokens", min=1,
+                                        help="tokens each fidelity prompt generates (default: the preset's)"),
     as_json: bool = typer.Option(False, "--json", help="print the JSON report only (always printed)"),
     plot: str = typer.Option(None, help="write the Pareto plot (PNG) here"),
+    plot_ruler: str = typer.Option(None, "--plot-ruler",
+                                   help="write the RULER rates with 95 % intervals and fidelity (PNG) here"),
     out: str = typer.Option(None, help="also write the JSON here"),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
                                              help="TP ranks (CPU: one process and core each)"),
 ) -> None:
-    """Task quality (pass-key accuracy, perplexity) per policy × granularity × budget vs retained blocks."""
+    """Task quality (pass key, perplexity, RULER-style tasks with 95 % intervals, long-generation fidelity)
+    per policy × granularity × budget vs retained blocks."""
     from rich.console import Console
 
     from vtoken.bench.quality import QualitySetup, run_quality
@@ -245,6 +284,11 @@ def quality_cmd(
                 VTokenConfig(policy=p, **({"granularity": g} if g != "token" else {}))
         if chunk < 16 or context_tokens < 32:
             raise ConfigError(f"--chunk {chunk} / --context-tokens {context_tokens}: need ≥ 16 / ≥ 32")
+        ruler_tasks = _ruler_tasks(tasks or preset[6])
+        ruler_lengths = _lengths(lengths or preset[7])
+        fid_prompts = preset[9] if fidelity_prompts is None else fidelity_prompts
+        if plot_ruler and not (ruler_tasks or fid_prompts):
+            raise ConfigError("--plot-ruler: nothing to plot with --tasks none and --fidelity-prompts 0")
         from vtoken.models.default import resolve_model
 
         path = str(resolve_model(model))
@@ -255,6 +299,9 @@ def quality_cmd(
         depths=tuple(float(d) for d in preset[2].split(",")), per_depth=preset[3], context_tokens=context_tokens,
         windows=preset[4], window_tokens=preset[5], chunk=chunk, seed=seed,
         tensor_parallel_size=tensor_parallel_size, score_layers=layer_values or (DEFAULT_SCORE_LAYERS,),
+        ruler_tasks=ruler_tasks, ruler_lengths=ruler_lengths, ruler_samples=samples or preset[8],
+        fidelity_prompts=fid_prompts,
+        fidelity_tokens=fidelity_tokens or preset[10],
     )
     console = Console(stderr=True)
     with console.status("quality benchmark", spinner="dots") as status:
@@ -264,6 +311,11 @@ def quality_cmd(
 
         plot_quality(report, plot)
         report["plot"] = plot
+    if plot_ruler:
+        from vtoken.bench.yardstick_plot import plot_yardstick
+
+        plot_yardstick(report, plot_ruler)
+        report["plot_ruler"] = plot_ruler
     emit(report, out)
 
 

@@ -21,25 +21,16 @@ from __future__ import annotations
 import math
 import random
 import statistics
-import tempfile
-from dataclasses import dataclass
+from dataclasses import replace
 
-from vtoken.bench.quality_runs import blocks_summary, run_points
-from vtoken.bench.quality_tasks import prose_sources
+from vtoken.bench.quality_runs import blocks_summary, run_on_engine
+from vtoken.bench.quality_tasks import TextWindow, prose_sources
 
 TOP_K = 20  # vLLM's default max_logprobs
 FIDELITY_TOP1_BOUND = 0.9  # stated before measuring: a point keeps fidelity when its mean top-1 agreement ≥ this
 
 
-@dataclass(frozen=True)
-class FidelityPrompt:
-    name: str
-    source: str
-    offset: int
-    prompt_ids: tuple[int, ...]
-
-
-def fidelity_prompts(tokenizer, tokens: int, count: int, seed: int) -> list[FidelityPrompt]:
+def fidelity_prompts(tokenizer, tokens: int, count: int, seed: int) -> list[TextWindow]:
     """``count`` prompts of ``tokens`` tokens, round-robin over the prose sources at seeded offsets (pure)."""
     rng = random.Random(seed)
     sources = prose_sources()
@@ -49,7 +40,7 @@ def fidelity_prompts(tokenizer, tokens: int, count: int, seed: int) -> list[Fide
     for i in range(count):
         name = names[i % len(names)]
         offset = rng.randint(0, len(ids[name]) - tokens)
-        out.append(FidelityPrompt(f"fid-{i}", name, offset, tuple(ids[name][offset : offset + tokens])))
+        out.append(TextWindow(f"fid-{i}", name, offset, tuple(ids[name][offset : offset + tokens])))
     return out
 
 
@@ -96,36 +87,24 @@ def run_fidelity(setup, tokenizer, pts, on_phase) -> dict:
     ``fidelity_tokens`` generated); ``{"prompts": [...], "points": {key: {...}}}``."""
     from vllm import SamplingParams
 
-    from vtoken.vllm.launch import start_engine
-
     prompts = fidelity_prompts(tokenizer, setup.fidelity_prompt_tokens, setup.fidelity_prompts, setup.seed)
     n_gen = setup.fidelity_tokens
     max_len = setup.fidelity_prompt_tokens + n_gen + 8
     on_phase(f"fidelity: {len(pts)} points × {len(prompts)} prompts, {n_gen} tokens generated")
-    with tempfile.TemporaryDirectory(prefix="vtoken-fidelity-") as tmp:
-        llm = start_engine(setup.model, setup.block_size, tmp, sinks=setup.sinks, recent=setup.recent,
-                           seed=setup.seed, check=False, max_model_len=max_len,
-                           tensor_parallel_size=setup.tensor_parallel_size)
 
-        def greedy(extra, case):
-            return SamplingParams(max_tokens=n_gen, temperature=0.0, ignore_eos=True, extra_args=extra)
+    def greedy(extra, case):
+        return SamplingParams(max_tokens=n_gen, temperature=0.0, ignore_eos=True, extra_args=extra)
 
-        generated = run_points(llm, tmp, prompts, pts, greedy)
-        del llm
+    def forced(extra, case):
+        return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP_K, extra_args=extra)
+
+    generated = run_on_engine(setup, prompts, pts, greedy, max_model_len=max_len)
     full_key = pts[0].key  # the full cache comes first (quality.points)
     teacher = {p.name: tuple(generated[(full_key, p.name)][0].outputs[0].token_ids) for p in prompts}
-    forced_cases = [FidelityPrompt(p.name, p.source, p.offset, p.prompt_ids + teacher[p.name]) for p in prompts]
-    with tempfile.TemporaryDirectory(prefix="vtoken-fidelity-") as tmp:
-        llm = start_engine(setup.model, setup.block_size, tmp, sinks=setup.sinks, recent=setup.recent,
-                           seed=setup.seed, check=False, max_model_len=max_len,
-                           tensor_parallel_size=setup.tensor_parallel_size,
+    forced_cases = [replace(p, prompt_ids=p.prompt_ids + teacher[p.name]) for p in prompts]
+    # one block per prefill chunk: the policy evicts as the teacher's continuation grows
+    scored = run_on_engine(setup, forced_cases, pts, forced, max_model_len=max_len,
                            max_num_batched_tokens=setup.block_size, enable_chunked_prefill=True)
-
-        def forced(extra, case):
-            return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP_K, extra_args=extra)
-
-        scored = run_points(llm, tmp, forced_cases, pts, forced)
-        del llm
     start = setup.fidelity_prompt_tokens
     full_dists = {p.name: _dists(scored[(full_key, p.name)][0], start) for p in prompts}
     out = {}

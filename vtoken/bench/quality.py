@@ -23,11 +23,14 @@ from __future__ import annotations
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
+from vtoken.bench.fidelity import run_fidelity
+from vtoken.bench.intervals import rate
+from vtoken.bench.quality_runs import blocks_summary, run_on_engine
 from vtoken.bench.quality_tasks import passkey_cases, perplexity, text_windows
+from vtoken.bench.ruler import run_ruler
 from vtoken.core.config import DEFAULT_SCORE_LAYERS
 
 
@@ -52,6 +55,12 @@ class QualitySetup:
     answer_tokens: int = 12
     tensor_parallel_size: int = 1  # > 1: vLLM's multiprocess executor (start_engine)
     score_layers: tuple[int | None, ...] = (DEFAULT_SCORE_LAYERS,)  # each point once per value (None: every layer)
+    ruler_tasks: tuple[str, ...] = ()  # RULER-style tasks (ruler_tasks.TASKS); () skips them
+    ruler_lengths: tuple[int, ...] = (1024,)  # each task at each length (prompt + lm-eval's answer budget)
+    ruler_samples: int = 50
+    fidelity_prompts: int = 0  # long-generation fidelity: prompts (0 skips it)
+    fidelity_prompt_tokens: int = 32
+    fidelity_tokens: int = 256
 
 
 @dataclass(frozen=True)
@@ -89,7 +98,7 @@ FULL = Point("h2o", "token", None)
 # the top-level keys ``run_quality`` returns; the CLI adds ``plot`` with ``--plot`` and ``report.emit`` adds
 # ``environment`` (tests/cpu/test_bench.py holds the builder and the committed quality-*.json to them)
 REPORT_KEYS = frozenset({"bench", "command", "model", "setup", "full_cache", "points", "retrieval",
-                         "language_modelling", "seconds"})
+                         "language_modelling", "ruler", "fidelity", "parity", "seconds"})
 
 
 def points(setup: QualitySetup) -> list[Point]:
@@ -97,51 +106,21 @@ def points(setup: QualitySetup) -> list[Point]:
                      for n in setup.score_layers]
 
 
-def _run(llm, trace_dir: str, cases, pts: list[Point], params_for) -> dict:
-    """Every (point, case) as one request; returns ``{(point key, case name): (output, trace)}``."""
-    from vtoken.vllm.trace import RequestTrace
-
-    prompts, params, keys = [], [], []
-    for pt in pts:
-        for i, case in enumerate(cases):
-            tid = f"{pt.key}__{case.name}".replace("/", "_")
-            prompts.append({"prompt_token_ids": list(case.prompt_ids)})
-            params.append(params_for(pt.extra(tid, salt=1000 + i)))
-            keys.append((pt.key, case.name, tid))
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return {(k, c): (out, RequestTrace.read_id(trace_dir, tid)) for (k, c, tid), out in zip(keys, outs)}
-
-
-def _blocks(traces) -> dict:
-    held = [statistics.fmean(t.held_blocks) for t in traces if t.held_blocks]
-    bound = [statistics.fmean(t.packing_bound) for t in traces if t.packing_bound]
-    return {"retained_blocks_mean": round(statistics.fmean(held), 3) if held else None,
-            "packing_bound_mean": round(statistics.fmean(bound), 3) if bound else None,
-            "evicted_tokens": sum(t.evicted for t in traces)}
-
-
 def run_retrieval(setup: QualitySetup, tokenizer, pts: list[Point], on_phase) -> dict:
     from vllm import SamplingParams
-
-    from vtoken.vllm.launch import start_engine
 
     cases = passkey_cases(tokenizer, setup.context_tokens, setup.depths, setup.per_depth, setup.seed)
     longest = max(len(c.prompt_ids) for c in cases)
     on_phase(f"retrieval: {len(pts)} points × {len(cases)} prompts of ≈{longest} tokens")
-    with tempfile.TemporaryDirectory(prefix="vtoken-quality-") as tmp:
-        # one prefill step per prompt, whatever else runs: with chunking, concurrent decodes would split
-        # some prompts and the policy would evict between their chunks (not this task's setting)
-        max_len = longest + setup.answer_tokens + 8
-        llm = start_engine(setup.model, setup.block_size, tmp, sinks=setup.sinks, recent=setup.recent,
-                           seed=setup.seed, check=False, max_model_len=max_len,
-                           tensor_parallel_size=setup.tensor_parallel_size,
-                           max_num_batched_tokens=max_len + 256, enable_chunked_prefill=False)
 
-        def params_for(extra):
-            return SamplingParams(max_tokens=setup.answer_tokens, temperature=0.0, extra_args=extra)
+    def params_for(extra, case):
+        return SamplingParams(max_tokens=setup.answer_tokens, temperature=0.0, extra_args=extra)
 
-        results = _run(llm, tmp, cases, pts, params_for)
-        del llm
+    # one prefill step per prompt, whatever else runs: with chunking, concurrent decodes would split
+    # some prompts and the policy would evict between their chunks (not this task's setting)
+    max_len = longest + setup.answer_tokens + 8
+    results = run_on_engine(setup, cases, pts, params_for, max_model_len=max_len,
+                            max_num_batched_tokens=max_len + 256, enable_chunked_prefill=False)
     out = {}
     for pt in pts:
         rows = [(c, *results[(pt.key, c.name)]) for c in cases]
@@ -149,7 +128,8 @@ def run_retrieval(setup: QualitySetup, tokenizer, pts: list[Point], on_phase) ->
         by_depth = {f"{d:g}": statistics.fmean(ok for (c, _, _), ok in zip(rows, correct) if c.depth == d)
                     for d in setup.depths}
         out[pt.key] = {"accuracy": round(statistics.fmean(correct), 4), "accuracy_by_depth": by_depth,
-                       **_blocks([t for _, _, t in rows])}
+                       "ci95": rate(sum(correct), len(correct))["ci95"],
+                       **blocks_summary([t for _, _, t in rows])}
     return {"cases": [{"name": c.name, "depth": c.depth, "prompt_tokens": len(c.prompt_ids)} for c in cases],
             "points": out}
 
@@ -157,21 +137,14 @@ def run_retrieval(setup: QualitySetup, tokenizer, pts: list[Point], on_phase) ->
 def run_language_modelling(setup: QualitySetup, tokenizer, pts: list[Point], on_phase) -> dict:
     from vllm import SamplingParams
 
-    from vtoken.vllm.launch import start_engine
-
     windows = text_windows(tokenizer, setup.window_tokens, setup.windows, setup.seed)
     on_phase(f"language modelling: {len(pts)} points × {len(windows)} windows of {setup.window_tokens} tokens")
-    with tempfile.TemporaryDirectory(prefix="vtoken-quality-") as tmp:
-        llm = start_engine(setup.model, setup.block_size, tmp, sinks=setup.sinks, recent=setup.recent,
-                           seed=setup.seed, check=False, max_model_len=setup.window_tokens + 8,
-                           tensor_parallel_size=setup.tensor_parallel_size,
-                           max_num_batched_tokens=setup.chunk, enable_chunked_prefill=True)
 
-        def params_for(extra):
-            return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, extra_args=extra)
+    def params_for(extra, case):
+        return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, extra_args=extra)
 
-        results = _run(llm, tmp, windows, pts, params_for)
-        del llm
+    results = run_on_engine(setup, windows, pts, params_for, max_model_len=setup.window_tokens + 8,
+                            max_num_batched_tokens=setup.chunk, enable_chunked_prefill=True)
     out = {}
     for pt in pts:
         lps, traces = [], []
@@ -179,9 +152,32 @@ def run_language_modelling(setup: QualitySetup, tokenizer, pts: list[Point], on_
             o, t = results[(pt.key, w.name)]
             lps += [d[tok].logprob for d, tok in zip(o.prompt_logprobs[1:], w.prompt_ids[1:])]
             traces.append(t)
-        out[pt.key] = {"perplexity": round(perplexity(lps), 4), "tokens_scored": len(lps), **_blocks(traces)}
+        out[pt.key] = {"perplexity": round(perplexity(lps), 4), "tokens_scored": len(lps), **blocks_summary(traces)}
     return {"windows": [{"name": w.name, "offset": w.offset, "tokens": len(w.prompt_ids)} for w in windows],
             "points": out}
+
+
+def parity_budgets(merged_points: list[dict]) -> list[dict]:
+    """Per policy × granularity × score_layers × budget kind (fraction or token count): the smallest budget
+    at quality parity — inside the full cache's 95 % interval on every RULER task (``ruler.at_parity``) and,
+    where fidelity ran, ``keeps_fidelity`` — *with every larger budget measured at parity too* (one lucky
+    small budget under a failing larger one is noise, not a setting to bank); ``None`` when the largest
+    budget is not at parity. Empty without RULER tasks (the pass key's three prompts cannot say). Pure."""
+    groups: dict[tuple, list[dict]] = {}
+    for p in merged_points:
+        if "at_parity" in p["ruler"]:
+            kind = "tokens" if isinstance(p["budget"], int) else "fraction"
+            groups.setdefault((p["policy"], p["granularity"], p["score_layers"], kind), []).append(p)
+    out = []
+    for (policy, granularity, layers, kind), group in groups.items():
+        best = None
+        for p in sorted(group, key=lambda p: p["budget"], reverse=True):
+            if not (p["ruler"]["at_parity"] and (p["fidelity"] is None or p["fidelity"]["keeps_fidelity"])):
+                break
+            best = p["budget"]
+        out.append({"policy": policy, "granularity": granularity, "score_layers": layers, "budget_kind": kind,
+                    "budgets": sorted(p["budget"] for p in group), "parity_budget": best})
+    return out
 
 
 def run_quality(setup: QualitySetup, on_phase=lambda text: None) -> dict:
@@ -194,6 +190,10 @@ def run_quality(setup: QualitySetup, on_phase=lambda text: None) -> dict:
     pts = points(setup)
     retrieval = run_retrieval(setup, tokenizer, pts, on_phase)
     lm = run_language_modelling(setup, tokenizer, pts, on_phase)
+    ruler = (run_ruler(setup, tokenizer, pts, on_phase) if setup.ruler_tasks
+             else {"tasks": [], "skipped": [], "points": {}})
+    fidelity = (run_fidelity(setup, tokenizer, pts, on_phase) if setup.fidelity_prompts
+                else {"prompts": [], "points": {}})
 
     def merged(pt: Point) -> dict:
         r, m = retrieval["points"][pt.key], lm["points"][pt.key]
@@ -204,19 +204,24 @@ def run_quality(setup: QualitySetup, on_phase=lambda text: None) -> dict:
         return {"policy": pt.policy, "granularity": pt.granularity, "mode": pt.mode, "budget": pt.budget,
                 "score_layers": pt.score_layers, "accuracy": r["accuracy"], "perplexity": m["perplexity"],
                 "retained_blocks_mean": both("retained_blocks_mean"),
-                "packing_bound_mean": both("packing_bound_mean"), "retrieval": r, "language_modelling": m}
+                "packing_bound_mean": both("packing_bound_mean"), "retrieval": r, "language_modelling": m,
+                "ruler": ruler["points"].get(pt.key, {}), "fidelity": fidelity["points"].get(pt.key)}
 
     full = merged(FULL)
     for key in ("policy", "granularity", "budget", "score_layers"):
         full.pop(key)
+    merged_points = [merged(pt) for pt in pts if pt is not FULL]
     return {
         "bench": "quality",
         "command": "vtoken " + shlex.join(sys.argv[1:]),
         "model": setup.model,
         "setup": {k: v for k, v in setup.__dict__.items() if k != "model"},
         "full_cache": full,
-        "points": [merged(pt) for pt in pts if pt is not FULL],
+        "points": merged_points,
+        "parity": parity_budgets(merged_points),
         "retrieval": {"cases": retrieval["cases"]},
         "language_modelling": {"windows": lm["windows"], "chunk": setup.chunk},
+        "ruler": {"tasks": ruler["tasks"], "skipped": ruler["skipped"]},
+        "fidelity": {k: v for k, v in fidelity.items() if k != "points"},
         "seconds": round(time.perf_counter() - start, 1),
     }

@@ -8,6 +8,7 @@ trace (``held_blocks`` per step, read from vLLM's block rows) gives the retained
 from __future__ import annotations
 
 import statistics
+import tempfile
 
 
 def run_points(llm, trace_dir: str, cases, pts, params_for) -> dict:
@@ -24,6 +25,22 @@ def run_points(llm, trace_dir: str, cases, pts, params_for) -> dict:
             keys.append((pt.key, case.name, tid))
     outs = llm.generate(prompts, params, use_tqdm=False)
     return {(k, c): (out, RequestTrace.read_id(trace_dir, tid)) for (k, c, tid), out in zip(keys, outs)}
+
+
+def run_on_engine(setup, cases, pts, params_for, **engine) -> dict:
+    """Start an in-process engine with ``setup``'s model, block size, sinks, recent window, seed and TP
+    (``engine``: more vLLM options), run every (point, case) on it (``run_points``), and let it go. The
+    traces live in a temporary directory removed on return (they are read before)."""
+    from vtoken.vllm.launch import start_engine
+
+    with tempfile.TemporaryDirectory(prefix="vtoken-quality-") as tmp:
+        llm = start_engine(setup.model, setup.block_size, tmp, sinks=setup.sinks, recent=setup.recent,
+                           seed=setup.seed, check=False, tensor_parallel_size=setup.tensor_parallel_size,
+                           **engine)
+        try:
+            return run_points(llm, tmp, cases, pts, params_for)
+        finally:
+            del llm
 
 
 def blocks_summary(traces) -> dict:
