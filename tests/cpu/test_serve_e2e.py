@@ -20,11 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
-import psutil
 import pytest
 from serve_support import PrometheusServer, malformed_cases, vllm_cli_command, wait_for
 
 from vtoken.serve.config import ServeAppConfig
+from vtoken.serve.launch import procs
 from vtoken.serve.launch.local import LocalCluster, free_port
 from vtoken.serve.replica.deployment import FAULT_FILE_ENV
 
@@ -448,19 +448,6 @@ def test_vllm_bench_serve_gets_completions(app):
 ENGINE_EXIT_BOUND_S = 20.0  # lifetime.py: a 1 s poll, then SIGTERM (vLLM's shutdown), os._exit 5 s later
 
 
-def engine_processes(pid: int) -> list[psutil.Process]:
-    """The vLLM engine processes (``VLLM::EngineCore``, ``VLLM::Worker``) under process ``pid``."""
-    return [p for p in psutil.Process(pid).children(recursive=True) if p.name().startswith("VLLM")]
-
-
-def alive(p: psutil.Process) -> bool:
-    """Running (a zombie has exited: only its reaping is left to its new parent)."""
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
     import ray
     from ray import serve
@@ -506,8 +493,9 @@ def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
 
     handle = ray.get_actor(replica_actor_name(app, victim), namespace="serve")
     replica_pid = ray.get(handle.__ray_call__.remote(lambda replica: os.getpid()), timeout=30)
-    engine = engine_processes(replica_pid)  # VLLM::EngineCore and its VLLM::Worker
-    assert len(engine) >= 2, [(p.pid, p.name()) for p in psutil.Process(replica_pid).children(recursive=True)]
+    below = procs.with_descendants([replica_pid], procs.snapshot()) - {replica_pid}
+    engine = sorted(pid for pid in below if procs.is_engine(pid))  # VLLM::EngineCore and its VLLM::Worker
+    assert len(engine) >= 2, [(pid, procs.comm(pid)) for pid in below]
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(one, i) for i in range(48)]
         wait_for(lambda: replica_samples(app, "vllm:num_requests_running").get(victim, 0) >= 1,
@@ -516,8 +504,9 @@ def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
         os.kill(replica_pid, signal.SIGKILL)  # the replica's process alone (issue 29), not its group
         # its engine processes exit on their own (vtoken/vllm/lifetime.py), before Serve's replacement needs
         # room: timed from the kill, while the clients still run
-        wait_for(lambda: not any(alive(p) for p in engine), "the killed replica's engine processes to exit",
-                 ENGINE_EXIT_BOUND_S, 0.2, lambda: [(p.pid, p.name()) for p in engine if alive(p)])
+        # (procs.alive: not a zombie — an exited process only waits for its new parent to reap it)
+        wait_for(lambda: not procs.alive(engine), "the killed replica's engine processes to exit",
+                 ENGINE_EXIT_BOUND_S, 0.2, lambda: [(pid, procs.comm(pid)) for pid in procs.alive(engine)])
         engine_gone_s = time.monotonic() - killed_at
         for f in futures:
             f.result()
@@ -534,7 +523,7 @@ def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
         time.sleep(1)
     tally = Counter(outcomes)
     print(
-        f"\n[kill] outcomes {dict(tally)}; engine processes {[p.pid for p in engine]} gone "
+        f"\n[kill] outcomes {dict(tally)}; engine processes {engine} gone "
         f"{engine_gone_s:.1f} s after the SIGKILL; replica replaced and serving after "
         f"{recovered if recovered is None else round(recovered, 1)} s"
     )

@@ -33,6 +33,31 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def check_lm_eval_requests(url: str) -> None:
+    """The two requests lm-eval 0.4.13's ``local-completions`` sends (docs/quality.md's recipe), verbatim:
+    ``generate_until`` (RULER, a list of prompts, stop sequences, a seed) and ``loglikelihood`` (echo with
+    logprobs); each answer has the fields its parser reads (``parse_generations``, ``parse_logprobs``)."""
+    import httpx
+
+    prompt = "The grass is green. The sky is blue. The sun is"
+    gen = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "prompt": [prompt], "model": "tiny-llama", "max_tokens": 16, "temperature": 0, "stop": ["</s>"],
+        "seed": 1234})
+    assert gen.status_code == 200, gen.text
+    choices = gen.json()["choices"]
+    assert [c["index"] for c in choices] == [0] and isinstance(choices[0]["text"], str)
+    ll = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": "tiny-llama", "prompt": [prompt], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+        "seed": 1234, "echo": True})
+    assert ll.status_code == 200, ll.text
+    body = ll.json()
+    logprobs, n = body["choices"][0]["logprobs"], body["usage"]["prompt_tokens"]
+    assert body["choices"][0]["text"].startswith(prompt)  # echo: the prompt, then the one generated token
+    assert len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == n + 1
+    assert all(isinstance(x, float) for x in logprobs["token_logprobs"][1:])
+    assert all(isinstance(t, dict) and t for t in logprobs["top_logprobs"][1:])
+
+
 def test_vtoken_serve_prints_examples_answers_and_stops_cleanly_on_ctrl_c():
     import openai
 
@@ -92,6 +117,7 @@ def test_vtoken_serve_prints_examples_answers_and_stops_cleanly_on_ctrl_c():
         code = "\n".join(line[4:] for line in snippet.splitlines())
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert run.returncode == 0 and run.stdout.strip(), run.stderr
+        check_lm_eval_requests(url)
     finally:
         stopped = time.monotonic()
         proc.send_signal(signal.SIGINT)
