@@ -71,9 +71,10 @@ def passkey_cases(tokenizer, context_tokens: int, depths: tuple[float, ...], per
 
 
 def prose_sources() -> dict[str, str]:
-    """``{name: text}``: the embedded passages and the held-out ones (reads package data only)."""
+    """``{name: text}``: the held-out passages first, then the embedded ones, each group by name (reads
+    package data only). Callers take windows in this order."""
     out = {}
-    for package, folder in (("vtoken.sim", "texts"), ("vtoken.bench", "texts")):
+    for package, folder in (("vtoken.bench", "texts"), ("vtoken.sim", "texts")):
         root = resources.files(package).joinpath(folder)
         for name in sorted(p.name for p in root.iterdir() if p.name.endswith(".txt")):
             out[f"{package.split('.')[-1]}/{name}"] = root.joinpath(name).read_text(encoding="utf-8")
@@ -87,7 +88,7 @@ def text_windows(tokenizer, tokens: int, count: int, seed: int) -> list[TextWind
     """
     rng = random.Random(seed)
     sources = prose_sources()
-    order = sorted(sources, key=lambda n: (not n.startswith("bench/"), n))
+    order = list(sources)
     if count > len(order):
         raise ValueError(f"{count} text windows asked for, {len(order)} prose sources available")
     windows = []

@@ -193,9 +193,11 @@ def ruler_cases(tokenizer, task: str, length: int, samples: int, seed: int) -> l
     build = _BUILD[spec.kind]
     rng = random.Random(seed * 1_000_003 + zlib.crc32(f"{task}@{length}".encode()))
 
-    def fits(units: int) -> tuple[str, tuple[str, ...]] | None:
+    def fits(units: int) -> tuple[list[int], tuple[str, ...]] | None:
+        """An instance of ``units`` haystack units as (token ids, answers), or None if it is too long."""
         text, answers = build(spec, units, rng)
-        return (text, answers) if len(tokenizer(text)["input_ids"]) + spec.budget_tokens <= length else None
+        ids = tokenizer(text)["input_ids"]
+        return (ids, answers) if len(ids) + spec.budget_tokens <= length else None
 
     minimum = {"niah": spec.num_k * spec.num_v, "vt": 6, "cwe": 11}[spec.kind]  # room for every needle / chain
     if fits(minimum) is None:
@@ -210,7 +212,7 @@ def ruler_cases(tokenizer, task: str, length: int, samples: int, seed: int) -> l
             made, size = fits(size), size - spec.step
         if made is None:
             raise ValueError(f"task {task}: sample {i} does not fit {length} tokens")
-        text, answers = made
-        ids = tuple(int(t) for t in tokenizer(text)["input_ids"])
-        cases.append(RulerCase(f"{task}@{length}-{i}", task, length, answers, ids, spec.answer_tokens))
+        ids, answers = made
+        cases.append(RulerCase(f"{task}@{length}-{i}", task, length, answers, tuple(int(t) for t in ids),
+                               spec.answer_tokens))
     return cases
