@@ -258,6 +258,18 @@ def test_router_ranks_replicas_across_nodes_by_free_kv(cluster):
 SHORTS, ROUNDS = 20, 3
 
 
+def polls_after(c, extra: int) -> None:
+    """Wait until Serve has taken every registered replica's routing stats ``extra`` more times (each
+    replica counts them in ``vtoken:routing_stats_polls_total``): the router then ranks on stats taken
+    after everything that happened before the call. A counter, not a sleep: under load the polls run late."""
+    def polls() -> dict[str, float]:
+        return {node: v.get("vtoken:routing_stats_polls_total") or 0.0 for node, v in exported(c).items()}
+
+    start = polls()
+    wait_for(lambda: all(polls().get(node, 0.0) >= n + extra for node, n in start.items()),
+             f"{extra} routing-stats polls of every replica", 60, STATS_PERIOD_S / 2, lambda: diagnosis(c))
+
+
 def router_round(c) -> tuple[str, str, Counter, float]:
     """Start the long-prompt generation, let four stats polls pass, start the short-prompt one (it must go
     to the other node), then send up to ``SHORTS`` short requests one by one while both run; close both
@@ -286,7 +298,7 @@ def router_round(c) -> tuple[str, str, Counter, float]:
     threads[0].start()
     try:
         assert started["big"].wait(120) and codes["big"] == 200, codes
-        time.sleep(4 * STATS_PERIOD_S)  # four stats polls: the router sees the big request's blocks
+        polls_after(c, 4)  # four stats polls of each replica: the router sees the big request's blocks
         threads.append(threading.Thread(target=generate, args=("small", "hi"), daemon=True))
         threads[1].start()
         assert started["small"].wait(120) and codes["small"] == 200, codes
@@ -296,8 +308,8 @@ def router_round(c) -> tuple[str, str, Counter, float]:
             f"{diagnosis(c)}")
         # four more: the router sees the second generation running (until then Serve's queue counts it
         # as queued, charged ``tokens_per_queued_request``); the router's copy of the stats cannot be read
-        # from here, so the wait is in poll periods
-        time.sleep(4 * STATS_PERIOD_S)
+        # from here, so the wait is on each replica's count of the polls that took its stats
+        polls_after(c, 4)
         shorts: Counter = Counter()
         for _ in range(SHORTS):  # only answers routed while both long generations still run count
             node = complete(c.http, max_tokens=2).headers["x-vtoken-node"]
