@@ -185,3 +185,56 @@ def test_every_step_evicts_exactly_down_to_the_budget(policy, mode, trigger, bud
         assert set(range(min(E_SINKS, seen))) | set(range(max(seen - E_RECENT, 0), seen)) <= set(live.tolist())
         m.observe("req-0", step_scores(source, 0, live, seen - n_new, n_new))
     assert evicting_steps >= (2 if trigger == "block" else 10)  # the recurrence was exercised
+
+
+PROTECTIONS = {"tail": {"prompt_tail": 24}, "generated": {"scope": "generated"},
+               "generated+tail": {"scope": "generated", "prompt_tail": 24}}
+
+
+@pytest.mark.parametrize("mode", [Mode.NAIVE, Mode.REPACK], ids=lambda m: m.value)
+@pytest.mark.parametrize("protection", PROTECTIONS.values(), ids=PROTECTIONS.keys())
+@pytest.mark.parametrize("policy", policy_names())
+def test_the_protected_prompt_is_never_evicted_and_the_budget_counts_what_the_scope_says(
+        policy, protection, mode, source):
+    """``prompt_tail``: the prompt's last tokens stay live at every step; ``scope=generated``: every prompt
+    token stays, and the live generated tokens are exactly the budget of the generated ones (above the
+    recent window). The rest of the budget arithmetic is unchanged (``kept_live``)."""
+    cfg = VTokenConfig(policy=policy, budget=BUDGET, mode=mode, block_size=B, sinks=SINKS, recent=RECENT,
+                       **protection)
+    m = CacheManager(cfg, num_blocks=64)
+    m.add_request("r", prompt_len=P)
+    m.place("r", P, source.key_norm[0, :P])
+    total, last, bits, window = source.prefill(P, need_bits=True, need_window=True)
+    m.observe("r", StepScores(np.arange(P), P, total[0], last[0], bits[0], window=window[0]))
+    lo, hi = cfg.kept_prompt(P)
+    assert (lo, hi) == ((0, P) if cfg.scope.value == "generated" else (P - 24, P))
+    evicted = 0
+    for d in range(M):
+        n = P + d
+        m.step("r", 1, source.key_norm[0, n : n + 1])
+        t = m.tables["r"]
+        live = t.live_logicals()
+        assert set(range(lo, hi)) <= set(live.tolist()), "a protected prompt token was evicted"
+        generated_seen = t.seen - P
+        if cfg.scope.value == "generated":
+            kept_generated = live.size - P
+            g = generated_seen - 1  # generated before this step's token, which is placed after eviction
+            assert kept_generated == min(g + 1, max(math.ceil(BUDGET * g - 1e-9), min(RECENT, g)) + 1), d
+        else:
+            assert live.size <= max(math.ceil(BUDGET * (t.seen - 1)) + 1, SINKS + RECENT + 24 + 1)
+        evicted = t.evicted_total
+        a = source.attention_row(0, n, live)
+        m.observe("r", StepScores(live, 1, a, a, (a < 1 / (n + 1)).astype(np.uint64)))
+        check_integrity(m, dense=True)
+    assert evicted > 0, "nothing was evicted: the test would prove nothing"
+
+
+def test_kept_live_and_kept_prompt_known_answers():
+    all_ = VTokenConfig(budget=0.25, prompt_tail=10)
+    gen = VTokenConfig(budget=0.25, scope="generated")
+    assert all_.kept_prompt(100) == (90, 100) and all_.kept_prompt(4) == (0, 4)
+    assert gen.kept_prompt(100) == (0, 100)
+    assert all_.kept_live(seen=120, prompt_len=100) == 30  # 25 % of everything seen
+    assert gen.kept_live(seen=120, prompt_len=100) == 100 + 5  # the prompt + 25 % of the 20 generated
+    assert gen.kept_live(seen=60, prompt_len=100) == 60  # mid-prefill: nothing generated, nothing to evict
+    assert VTokenConfig(budget=8, scope="generated").kept_live(seen=150, prompt_len=100) == 108

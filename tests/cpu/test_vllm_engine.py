@@ -168,6 +168,37 @@ def test_score_layers_subset_is_exact_and_changes_the_decisions(prefix_engine, r
     assert not np.array_equal(ev["sl-repack-1"], ev["sl-repack-all"]), "the subset did not change the scores"
 
 
+@pytest.mark.parametrize("protection", [{"prompt_tail": 40}, {"scope": "generated"}], ids=["tail", "generated"])
+def test_protected_prompt_is_kept_exact_and_paired(protection, prefix_engine, ref_llama):
+    """Per-request ``prompt_tail`` / ``scope`` through vLLM (64-token prefill chunks, so eviction runs between
+    a prompt's chunks too): the protected prompt tokens are never evicted, tokens still are, and the output
+    equals the HF masked reference and the paired naive run."""
+    from vllm import SamplingParams
+
+    llm, d = prefix_engine
+    P = 150
+    prompt = np.random.default_rng(5).integers(10, 500, P).tolist()
+    tag = next(iter(protection))
+
+    def params(trace_id, mode):
+        vt = {"policy": "h2o", "mode": mode, "budget": 0.3, "salt": 13, "trace_id": trace_id, **protection}
+        return SamplingParams(max_tokens=60, temperature=0.0, logprobs=0, ignore_eos=True,
+                              skip_reading_prefix_cache=True, extra_args={"vtoken": vt})
+
+    runs = [(f"kp-{tag}-repack", "repack"), (f"kp-{tag}-naive", "naive")]
+    outs = [llm.generate([{"prompt_token_ids": prompt}], [params(*r)], use_tqdm=False)[0] for r in runs]
+    traces = [RequestTrace.read(d / f"{name}.json") for name, _ in runs]
+    tokens = check_against_reference(ref_llama, prompt, outs[0], traces[0])
+    assert tokens == list(outs[1].outputs[0].token_ids), "tokens differ from the paired naive run"
+    ev = np.asarray(traces[0].epochs[0].evicted_round)
+    assert np.array_equal(ev, np.asarray(traces[1].epochs[0].evicted_round))
+    kept = slice(0, P) if tag == "scope" else slice(P - 40, P)
+    assert not np.any(ev[kept] >= 0), "a protected prompt token was evicted"
+    assert np.any(ev >= 0), "nothing was evicted: the test would prove nothing"
+    if tag == "scope":
+        assert np.any(ev[P:] >= 0)  # generated tokens go
+
+
 def test_abort_frees_state_and_blocks(prefix_engine):
     llm, _ = prefix_engine
     eng = llm.llm_engine

@@ -188,6 +188,18 @@ def prefix_cmd(
     prefix(model, block_size, chosen, policy, budget, requests, system_len, user_len, gen_len, repeats, seed, out)
 
 
+def _prompt_tail(text: str) -> int:
+    """``--prompt-tails`` item: a non-negative token count (``ConfigError`` naming it)."""
+    from vtoken.core.config import VTokenConfig
+    from vtoken.errors import ConfigError
+
+    try:
+        n = int(text.strip())
+    except ValueError:
+        raise ConfigError(f"--prompt-tails {text.strip()!r}: give non-negative token counts") from None
+    return VTokenConfig(prompt_tail=n).prompt_tail
+
+
 def _score_layers(text: str) -> int | None:
     """``--score-layers`` item: ``all`` → None (every layer), else a count (``ConfigError`` naming it)."""
     from vtoken.core.config import VTokenConfig
@@ -239,6 +251,11 @@ def quality_cmd(
                                      help="comma-separated: 'all' (every attention layer scores) and/or layer "
                                           "counts N (N layers, evenly spread, last included); each point per value "
                                           "(default: the engine's default score_layers)"),
+    prompt_tails: str = typer.Option("0", "--prompt-tails",
+                                     help="comma-separated prompt_tail values (the prompt's last tokens never "
+                                          "evicted); each point per value"),
+    scopes: str = typer.Option("all", help="comma-separated scopes: all and/or generated (decode-only eviction, "
+                                           "the prompt kept whole); each point per value"),
     model: str = typer.Option("default", help="a trained model: default | smollm2 | PATH"),
     seed: int = typer.Option(0, help="draws other pass keys, needle positions and text windows"),
     context_tokens: int = typer.Option(400, "--context-tokens", help="filler tokens around the pass key"),
@@ -279,6 +296,8 @@ def quality_cmd(
     try:
         budget_values = tuple(Budget.parse(b.strip()).to_json() for b in (budgets or preset[1]).split(","))
         layer_values = tuple(_score_layers(v) for v in score_layers.split(",") if v.strip())
+        tail_values = tuple(_prompt_tail(v) for v in prompt_tails.split(",") if v.strip()) or (0,)
+        scope_values = tuple(VTokenConfig(scope=v.strip()).scope.value for v in scopes.split(",") if v.strip())
         for p in chosen:
             for g in grans:
                 VTokenConfig(policy=p, **({"granularity": g} if g != "token" else {}))
@@ -299,7 +318,7 @@ def quality_cmd(
         depths=tuple(float(d) for d in preset[2].split(",")), per_depth=preset[3], context_tokens=context_tokens,
         windows=preset[4], window_tokens=preset[5], chunk=chunk, seed=seed,
         tensor_parallel_size=tensor_parallel_size, score_layers=layer_values or (DEFAULT_SCORE_LAYERS,),
-        ruler_tasks=ruler_tasks, ruler_lengths=ruler_lengths, ruler_samples=samples or preset[8],
+        prompt_tails=tail_values, scopes=scope_values or ("all",), ruler_tasks=ruler_tasks, ruler_lengths=ruler_lengths, ruler_samples=samples or preset[8],
         fidelity_prompts=fid_prompts,
         fidelity_tokens=fidelity_tokens or preset[10],
     )

@@ -55,6 +55,8 @@ class QualitySetup:
     answer_tokens: int = 12
     tensor_parallel_size: int = 1  # > 1: vLLM's multiprocess executor (start_engine)
     score_layers: tuple[int | None, ...] = (DEFAULT_SCORE_LAYERS,)  # each point once per value (None: every layer)
+    prompt_tails: tuple[int, ...] = (0,)  # VTokenConfig.prompt_tail: each point once per value
+    scopes: tuple[str, ...] = ("all",)  # VTokenConfig.scope: each point once per value
     ruler_tasks: tuple[str, ...] = ()  # RULER-style tasks (ruler_tasks.TASKS); () skips them
     ruler_lengths: tuple[int, ...] = (1024,)  # each task at each length (prompt + lm-eval's answer budget)
     ruler_samples: int = 50
@@ -71,6 +73,8 @@ class Point:
     granularity: str
     budget: float | int | None  # None: the full cache
     score_layers: int | None = None  # attention layers that score (None: every layer)
+    prompt_tail: int = 0  # the prompt's last tokens never evicted
+    scope: str = "all"  # "generated": decode-only eviction, the prompt kept whole
 
     @property
     def mode(self) -> str:
@@ -81,6 +85,8 @@ class Point:
     @property
     def key(self) -> str:
         tail = "" if self.score_layers is None else f"@{self.score_layers}"
+        tail += f"_tail{self.prompt_tail}" if self.prompt_tail else ""
+        tail += f"_{self.scope}" if self.scope != "all" else ""
         return f"{self.policy}_{self.granularity}_{self.budget}{tail}"
 
     def extra(self, trace_id: str, salt: int) -> dict:
@@ -90,6 +96,10 @@ class Point:
         if self.granularity != "token":
             vt["granularity"] = self.granularity
         vt["score_layers"] = self.score_layers  # None: every layer (explicit, the engine default is fewer)
+        if self.prompt_tail:
+            vt["prompt_tail"] = self.prompt_tail
+        if self.scope != "all":
+            vt["scope"] = self.scope
         return {"vtoken": vt}
 
 
@@ -102,8 +112,9 @@ REPORT_KEYS = frozenset({"bench", "command", "model", "setup", "full_cache", "po
 
 
 def points(setup: QualitySetup) -> list[Point]:
-    return [FULL] + [Point(p, g, b, n) for p in setup.policies for g in setup.granularities for b in setup.budgets
-                     for n in setup.score_layers]
+    return [FULL] + [Point(p, g, b, n, t, s) for p in setup.policies for g in setup.granularities
+                     for b in setup.budgets for n in setup.score_layers for t in setup.prompt_tails
+                     for s in setup.scopes]
 
 
 def run_retrieval(setup: QualitySetup, tokenizer, pts: list[Point], on_phase) -> dict:
@@ -158,7 +169,8 @@ def run_language_modelling(setup: QualitySetup, tokenizer, pts: list[Point], on_
 
 
 def parity_budgets(merged_points: list[dict]) -> list[dict]:
-    """Per policy × granularity × score_layers × budget kind (fraction or token count): the smallest budget
+    """Per policy × granularity × score_layers × prompt_tail × scope × budget kind (fraction or token count):
+    the smallest budget
     at quality parity — inside the full cache's 95 % interval on every RULER task (``ruler.at_parity``) and,
     where fidelity ran, ``keeps_fidelity`` — *with every larger budget measured at parity too* (one lucky
     small budget under a failing larger one is noise, not a setting to bank); ``None`` when the largest
@@ -167,15 +179,17 @@ def parity_budgets(merged_points: list[dict]) -> list[dict]:
     for p in merged_points:
         if "at_parity" in p["ruler"]:
             kind = "tokens" if isinstance(p["budget"], int) else "fraction"
-            groups.setdefault((p["policy"], p["granularity"], p["score_layers"], kind), []).append(p)
+            groups.setdefault((p["policy"], p["granularity"], p["score_layers"], p.get("prompt_tail", 0),
+                               p.get("scope", "all"), kind), []).append(p)
     out = []
-    for (policy, granularity, layers, kind), group in groups.items():
+    for (policy, granularity, layers, tail, scope, kind), group in groups.items():
         best = None
         for p in sorted(group, key=lambda p: p["budget"], reverse=True):
             if not (p["ruler"]["at_parity"] and (p["fidelity"] is None or p["fidelity"]["keeps_fidelity"])):
                 break
             best = p["budget"]
-        out.append({"policy": policy, "granularity": granularity, "score_layers": layers, "budget_kind": kind,
+        out.append({"policy": policy, "granularity": granularity, "score_layers": layers, "prompt_tail": tail,
+                    "scope": scope, "budget_kind": kind,
                     "budgets": sorted(p["budget"] for p in group), "parity_budget": best})
     return out
 
@@ -202,13 +216,14 @@ def run_quality(setup: QualitySetup, on_phase=lambda text: None) -> dict:
             return round(statistics.fmean(values), 3) if values else None
 
         return {"policy": pt.policy, "granularity": pt.granularity, "mode": pt.mode, "budget": pt.budget,
-                "score_layers": pt.score_layers, "accuracy": r["accuracy"], "perplexity": m["perplexity"],
+                "score_layers": pt.score_layers, "prompt_tail": pt.prompt_tail, "scope": pt.scope,
+                "accuracy": r["accuracy"], "perplexity": m["perplexity"],
                 "retained_blocks_mean": both("retained_blocks_mean"),
                 "packing_bound_mean": both("packing_bound_mean"), "retrieval": r, "language_modelling": m,
                 "ruler": ruler["points"].get(pt.key, {}), "fidelity": fidelity["points"].get(pt.key)}
 
     full = merged(FULL)
-    for key in ("policy", "granularity", "budget", "score_layers"):
+    for key in ("policy", "granularity", "budget", "score_layers", "prompt_tail", "scope"):
         full.pop(key)
     merged_points = [merged(pt) for pt in pts if pt is not FULL]
     return {

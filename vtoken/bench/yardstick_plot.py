@@ -12,6 +12,17 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def setting(point: dict) -> str:
+    """A point's policy with its prompt protection, as the plot's legend and the table name it:
+    ``h2o``, ``h2o tail 64``, ``h2o decode-only``. Pure."""
+    name = point["policy"]
+    if point.get("prompt_tail"):
+        name += f" tail {point['prompt_tail']}"
+    if point.get("scope", "all") == "generated":
+        name += " decode-only"
+    return name
+
+
 def plot_yardstick(report: dict, path: str | Path) -> None:
     import matplotlib
 
@@ -23,12 +34,12 @@ def plot_yardstick(report: dict, path: str | Path) -> None:
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.8 * rows), squeeze=False)
-    policies = sorted({p["policy"] for p in report["points"]})
+    policies = sorted({setting(p) for p in report["points"]})
     colours = {name: plt.cm.tab10(i % 10) for i, name in enumerate(policies)}
     full = report["full_cache"]
     for ax, panel in zip(axes.ravel(), panels):
         for name in policies:
-            row = sorted((p for p in report["points"] if p["policy"] == name and p["granularity"] == "token"),
+            row = sorted((p for p in report["points"] if setting(p) == name and p["granularity"] == "token"),
                          key=lambda p: p["budget"])
             if panel == "fidelity":
                 xs = [p["fidelity"]["retained_blocks_mean"] for p in row]
@@ -64,7 +75,7 @@ def plot_yardstick(report: dict, path: str | Path) -> None:
 
 
 def yardstick_table(report: dict) -> str:
-    """One row per policy and budget (token granularity): each task's solved rate with its 95 % interval,
+    """One row per setting (policy and prompt protection, ``setting``) and budget (token granularity): each task's solved rate with its 95 % interval,
     fidelity (top-1 agreement, median tokens to the first divergence), and whether the point is at parity;
     the full cache first. Pure."""
     tasks = [f"{t['task']}@{t['length']}" for t in report["ruler"]["tasks"]]
@@ -82,10 +93,10 @@ def yardstick_table(report: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines.append("| " + " | ".join(["full cache", "–", *cells(report["full_cache"]), "–"]) + " |")
     for p in sorted((p for p in report["points"] if p["granularity"] == "token"),
-                    key=lambda p: (p["policy"], p["budget"])):
+                    key=lambda p: (setting(p), p["budget"])):
         parity = p["ruler"].get("at_parity")
         if fid and parity is not None:
             parity = parity and p["fidelity"]["keeps_fidelity"]
-        lines.append("| " + " | ".join([p["policy"], f"{p['budget']:g}", *cells(p),
+        lines.append("| " + " | ".join([setting(p), f"{p['budget']:g}", *cells(p),
                                         "yes" if parity else "no"]) + " |")
     return "\n".join(lines) + "\n"

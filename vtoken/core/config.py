@@ -15,7 +15,7 @@ from typing import Any
 from vtoken.errors import ConfigError
 from vtoken.policies import get_policy_class, make_policy
 
-__all__ = ["Budget", "Granularity", "Mode", "Trigger", "VTokenConfig", "check_block_size", "reject_unknown",
+__all__ = ["Budget", "Granularity", "Mode", "Scope", "Trigger", "VTokenConfig", "check_block_size", "reject_unknown",
            "score_layer_indices"]
 
 
@@ -114,6 +114,28 @@ class Granularity(StrEnum):
         return _edge_schema(cls.parse, str, tuple(g.value for g in cls))
 
 
+class Scope(StrEnum):
+    """Which tokens eviction may remove (the protected ones — sinks, recent window, prompt tail, shared
+    prefix blocks — never).
+
+    ``all``        prompt and generated tokens alike; the budget counts every token seen.
+    ``generated``  decode-only eviction: the prompt is kept whole (so its blocks stay prefix-cacheable and
+                   the question is never lost), only tokens generated after it are candidates, and the
+                   budget counts generated tokens — a request keeps its prompt plus ``budget`` of its output.
+    """
+
+    ALL = "all"
+    GENERATED = "generated"
+
+    @classmethod
+    def parse(cls, value: str | Scope) -> Scope:
+        return _parse_member(cls, value, "eviction scope", "scopes")
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        return _edge_schema(cls.parse, str, tuple(s.value for s in cls))
+
+
 @dataclass(frozen=True)
 class Budget:
     """How many tokens a request may keep: a fixed count, or a fraction of the context seen so far.
@@ -187,6 +209,9 @@ class VTokenConfig:
     ``mode``: reclamation mode. ``block_size``: tokens per KV block (a power of two).
     ``sinks``: the first ``sinks`` logical tokens are never evicted (attention sinks).
     ``recent``: the last ``recent`` logical tokens are never evicted (recent window).
+    ``prompt_tail``: the prompt's last ``prompt_tail`` tokens are never evicted (where a task puts its
+    question or instruction; counted in the budget like any live token).
+    ``scope``: which tokens may be evicted (``Scope``: every token, or only generated ones).
     ``trigger``: when eviction runs. ``granularity``: evict single tokens or whole original blocks.
     ``seed``: seed of the ``random`` policy.
     ``score_layers``: how many attention layers contribute to the attention statistics (H2O, TOVA,
@@ -206,6 +231,8 @@ class VTokenConfig:
     block_size: int = 32
     sinks: int = 4
     recent: int = 16
+    prompt_tail: int = 0
+    scope: Scope = Scope.ALL
     trigger: Trigger = Trigger.STEP
     granularity: Granularity = Granularity.TOKEN
     seed: int = 0
@@ -215,9 +242,10 @@ class VTokenConfig:
         object.__setattr__(self, "budget", Budget.parse(self.budget))
         object.__setattr__(self, "mode", Mode.parse(self.mode))
         object.__setattr__(self, "trigger", Trigger.parse(self.trigger))
+        object.__setattr__(self, "scope", Scope.parse(self.scope))
         object.__setattr__(self, "granularity", Granularity.parse(self.granularity))
         check_block_size(self.block_size)
-        for name in ("sinks", "recent", "seed"):
+        for name in ("sinks", "recent", "prompt_tail", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
@@ -226,6 +254,21 @@ class VTokenConfig:
             raise ConfigError(f"score_layers must be a positive integer (layers scored) or null (every layer), "
                               f"got {n!r}")
         get_policy_class(self.policy)
+
+    def kept_prompt(self, prompt_len: int) -> tuple[int, int]:
+        """Logical range ``[lo, hi)`` of the prompt never evicted for a request whose prompt has
+        ``prompt_len`` tokens: all of it with scope ``generated``, else its last ``prompt_tail``. Pure."""
+        if self.scope is Scope.GENERATED:
+            return 0, prompt_len
+        return max(prompt_len - self.prompt_tail, 0), prompt_len
+
+    def kept_live(self, seen: int, prompt_len: int) -> int:
+        """Tokens a request that has seen ``seen`` (``prompt_len`` of them its prompt) may keep live: the
+        budget of what it has seen, or with scope ``generated`` its prompt plus the budget of its output."""
+        if self.scope is Scope.GENERATED:
+            prompt = min(prompt_len, seen)
+            return prompt + self.budget.tokens(seen - prompt)
+        return self.budget.tokens(seen)
 
     def make_policy(self):
         """A fresh policy instance for this config (policies are frozen dataclasses)."""
@@ -239,7 +282,7 @@ class VTokenConfig:
         """JSON-able ``{field: value}`` (budget as its number, enums as strings); ``from_dict`` inverts it."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["budget"] = self.budget.to_json()
-        for name in ("mode", "trigger", "granularity"):
+        for name in ("mode", "trigger", "granularity", "scope"):
             out[name] = out[name].value
         return out
 

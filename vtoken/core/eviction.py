@@ -24,11 +24,12 @@ from vtoken.policies.base import ScorerPolicy
 from vtoken.policies.context import EvictionContext
 
 
-def eviction_count(live: int, seen: int, cfg: VTokenConfig) -> int:
-    """How many tokens to evict now: down to the budget, or nothing if the trigger is not met."""
+def eviction_count(live: int, seen: int, prompt_len: int, cfg: VTokenConfig) -> int:
+    """How many tokens to evict now: down to the budget (``VTokenConfig.kept_live``), or nothing if the
+    trigger is not met."""
     if not cfg.mode.evicts:
         return 0
-    over = live - cfg.budget.tokens(seen)
+    over = live - cfg.kept_live(seen, prompt_len)
     if cfg.trigger is Trigger.BLOCK and over < cfg.block_size:
         return 0
     return max(over, 0)
@@ -44,11 +45,11 @@ def choose_victims(table: TokenTable, policy: ScorerPolicy, cfg: VTokenConfig, s
     """Logical positions to evict now (ascending). Never a protected token; may be empty. Pure.
 
     ``granularity=block``: ``⌈n/B⌉`` whole original blocks instead (``ScorerPolicy.select_blocks``)."""
-    n = eviction_count(table.live, table.seen, cfg)
+    n = eviction_count(table.live, table.seen, table.prompt_len, cfg)
     if n == 0:
         return np.zeros(0, np.int64)
     logicals = table.live_logicals()
-    evictable = table.evictable(logicals, cfg.sinks, cfg.recent)
+    evictable = table.evictable(logicals, cfg.sinks, cfg.recent, cfg.kept_prompt(table.prompt_len))
     ctx = context_for(table, logicals, salt, policy)
     if cfg.granularity is Granularity.BLOCK:
         return policy.select_blocks(ctx, n, evictable, cfg.block_size)
@@ -87,7 +88,7 @@ def decide_step(
     and the plan is empty."""
     victims = choose_victims(table, policy, cfg, salt)
     if victims.size:
-        table.evict(victims, cfg.sinks, cfg.recent)
+        table.evict(victims, cfg.sinks, cfg.recent, cfg.kept_prompt(table.prompt_len))
     placed = table.place(1) if victims.size and cfg.mode.reuses_holes and n_new == 1 else None
     plan = table.plan()
     table.apply(plan)

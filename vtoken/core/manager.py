@@ -67,10 +67,11 @@ class CacheManager:
         self.counters = ReclaimCounters()
 
     # -------------------------------------------------------------- request lifecycle (mutating)
-    def add_request(self, request_id: str) -> TokenTable:
+    def add_request(self, request_id: str, prompt_len: int = 0) -> TokenTable:
+        """A new request's table; ``prompt_len``: its prompt tokens (``VTokenConfig.kept_prompt``)."""
         if request_id in self.tables:
             raise ValueError(f"request {request_id!r} already exists")
-        table = TokenTable(block_size=self.cfg.block_size, mode=self.cfg.mode)
+        table = TokenTable(block_size=self.cfg.block_size, mode=self.cfg.mode, prompt_len=prompt_len)
         self.tables[request_id] = table
         self.rows[request_id] = []
         return table
@@ -97,7 +98,8 @@ class CacheManager:
         return physical_slots(row, slots, self.cfg.block_size)
 
     def evict(self, request_id: str, logicals: np.ndarray) -> None:
-        self.tables[request_id].evict(logicals, self.cfg.sinks, self.cfg.recent)
+        table = self.tables[request_id]
+        table.evict(logicals, self.cfg.sinks, self.cfg.recent, self.cfg.kept_prompt(table.prompt_len))
         self.counters = self.counters.add(evicted_tokens=int(np.unique(logicals).size))
 
     def victims(self, request_id: str) -> np.ndarray:

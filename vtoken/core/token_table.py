@@ -75,6 +75,7 @@ class TokenTable:
     live: int = 0
     extent: int = 0  # highest occupied slot + 1
     shared_blocks: int = 0  # leading row blocks shared through the prefix cache
+    prompt_len: int = 0  # the request's prompt tokens (what VTokenConfig.kept_prompt protects; 0: unknown)
     version: int = 0  # bumped by every mutation that changes slots
     evicted_total: int = 0
     slot_of: np.ndarray = field(default_factory=lambda: np.full(0, NO_SLOT, np.int64))
@@ -135,10 +136,13 @@ class TokenTable:
         opened = int(np.count_nonzero(seg == 0)) + (last + 1 - first - seg.size)
         return max(physical, self.naive_nonempty + opened)
 
-    def evictable(self, logicals: np.ndarray, sinks: int, recent: int) -> np.ndarray:
-        """Mask over ``logicals``: not a sink, not in the recent window, not in a shared block."""
+    def evictable(self, logicals: np.ndarray, sinks: int, recent: int, kept: tuple[int, int] = (0, 0)) -> np.ndarray:
+        """Mask over ``logicals``: not a sink, not in the recent window, not in a shared block, not in the
+        kept logical range ``kept = [lo, hi)`` (the protected prompt, ``VTokenConfig.kept_prompt``)."""
         shared_tokens = self.shared_blocks * self.block_size
-        return (logicals >= max(sinks, shared_tokens)) & (logicals < self.seen - recent)
+        lo, hi = kept
+        return ((logicals >= max(sinks, shared_tokens)) & (logicals < self.seen - recent)
+                & ((logicals < lo) | (logicals >= hi)))
 
     # ---------------------------------------------------------------- mutations
     def place(self, n: int, key_norm: np.ndarray | None = None) -> np.ndarray:
@@ -171,7 +175,7 @@ class TokenTable:
         self.version += 1
         return slots.astype(np.int64)
 
-    def evict(self, logicals: np.ndarray, sinks: int = 0, recent: int = 0) -> None:
+    def evict(self, logicals: np.ndarray, sinks: int = 0, recent: int = 0, kept: tuple[int, int] = (0, 0)) -> None:
         """Kill live, evictable tokens; their slots become holes. Raises on a protected or dead token."""
         if not self.mode.evicts:
             raise ConfigError("reclamation mode 'none' never evicts")
@@ -180,8 +184,8 @@ class TokenTable:
             return
         if logicals[0] < 0 or logicals[-1] >= self.seen or np.any(self.slot_of[logicals] == NO_SLOT):
             raise ValueError(f"evict: tokens {logicals.tolist()[:8]}… are not all live")
-        if not np.all(self.evictable(logicals, sinks, recent)):
-            raise ValueError("evict: a sink, recent-window or shared-prefix token is protected")
+        if not np.all(self.evictable(logicals, sinks, recent, kept)):
+            raise ValueError("evict: a sink, recent-window, kept-prompt or shared-prefix token is protected")
         slots = self.slot_of[logicals]
         self.token_at[slots] = NO_TOKEN
         self.slot_of[logicals] = NO_SLOT

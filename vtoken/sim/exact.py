@@ -48,7 +48,7 @@ def simulate_exact(
         rid = request_name(first_request + r)
         managers = {m: CacheManager(replace(cfg, mode=Mode(m)), num_blocks=math.ceil(T / B) + 1) for m in MODES}
         for mode, m in managers.items():
-            m.add_request(rid)
+            m.add_request(rid, prompt_len)
             m.place(rid, prompt_len, source.key_norm[r, :prompt_len])
             if mode != "none":
                 stats = {k: v[r] for k, v in pre.items()}

@@ -197,10 +197,11 @@ def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, firs
     # SnapKV pools a token's score over its live neighbours: it must see exactly the live tokens, as the exact
     # engine's table gives them (the other policies score each token alone: dead columns are harmless)
     pools = Stat.WINDOW in needs
+    kept_lo, kept_hi = cfg.kept_prompt(P)
 
     for d in range(M):
         n = P + d
-        k = eviction_count(live, n, cfg)
+        k = eviction_count(live, n, P, cfg)
         if k and pools and cols.width > live:
             cols.compact(room=M - d)
         lo, hi = min(cfg.sinks, cols.width), max(cols.width - min(cfg.recent, n), 0)
@@ -209,6 +210,8 @@ def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, firs
             ctx = EvictionContext(logical=cols.view("logical"), seen=n, salt=salt, **stats)
             evictable = cols.view("alive").copy()
             evictable[:, :lo] = evictable[:, hi:] = False
+            if kept_hi > kept_lo:  # the protected prompt (prompt_tail, scope generated)
+                evictable &= (ctx.logical < kept_lo) | (ctx.logical >= kept_hi)
             vmask = policy.select_batch(ctx, np.full(R, k), evictable)
             k = int(vmask[0].sum())
             victims = ctx.logical[vmask].reshape(R, k)

@@ -9,6 +9,9 @@ Engine level (``--additional-config '{"vtoken": {...}}'`` or ``LLM(additional_co
     mode       none | naive | repack | reuse+repack            repack
     sinks      int >= 0  (first tokens never evicted)          4
     recent     int >= 0  (last tokens never evicted)           16
+    prompt_tail  int >= 0  (the prompt's last tokens never evicted)  0
+    scope      all | generated  (generated: decode-only eviction, the prompt kept whole; the budget counts
+               generated tokens)                               all
     trigger    step | block                                    step
     granularity  token | block  (evict tokens / whole blocks)  token
     seed       int >= 0  (random policy)                       0
@@ -22,7 +25,8 @@ Engine level (``--additional-config '{"vtoken": {...}}'`` or ``LLM(additional_co
 
 Per request (``SamplingParams(extra_args={"vtoken": {...}})``; in the OpenAI API, whose ``vllm_xargs`` holds
 flat values only, ``"vllm_xargs": {"vtoken.policy": "tova", "vtoken.budget": 0.3}``):
-``policy``, ``budget``, ``mode``, ``sinks``, ``recent``, ``trigger``, ``granularity``, ``seed``, ``score_layers``
+``policy``, ``budget``, ``mode``, ``sinks``, ``recent``, ``prompt_tail``, ``scope``, ``trigger``, ``granularity``,
+``seed``, ``score_layers``
 override the engine's values for that request, ``trace_id`` names its trace file and ``salt`` (int) seeds its randomness (requests
 with equal salts and settings take identical decisions: that is how paired naive/repack runs are made). Unknown keys and invalid values raise
 ``ConfigError`` naming the value and the valid ones: at engine start-up for the engine settings; for a

@@ -99,8 +99,9 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
         check_supported(vllm_config, kv_cache_config)
         self._vt_manager = self.kv_cache_manager.coordinator.single_type_managers[0]
         blocks.install_block_sizing(self.kv_cache_manager.coordinator, self._vt_table, block_size)
-        keys = ("policy", "budget", "mode", "sinks", "recent", "trigger")
-        logger.info("vToken on: policy=%s budget=%s mode=%s sinks=%d recent=%d trigger=%s block_size=%d %s",
+        keys = ("policy", "budget", "mode", "sinks", "recent", "prompt_tail", "scope", "trigger")
+        logger.info("vToken on: policy=%s budget=%s mode=%s sinks=%d recent=%d prompt_tail=%d scope=%s trigger=%s "
+                    "block_size=%d %s",
                     *(getattr(settings.cfg, k) for k in keys), block_size, type(self).__name__)
 
     def _vt_table(self, request_id: str) -> TokenTable | None:
@@ -180,7 +181,7 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
         Tokens placed by steps still in flight (async scheduling) have no statistics yet: they are
         protected like the recent window."""
         t, cfg, rid = st.table, st.settings.cfg, request.request_id
-        if eviction_count(t.live, t.seen, cfg) == 0:
+        if eviction_count(t.live, t.seen, t.prompt_len, cfg) == 0:
             return
         guard = st.inflight.unobserved(t.seen)
         if guard > cfg.recent:
@@ -253,7 +254,8 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
     def _vt_place_one(self, rid: str, st: RequestState, computed_before: int, n: int) -> np.ndarray:
         """The row slots of the ``n`` tokens this step computes (mutates the table; creates it first)."""
         if st.table is None:
-            st.table = TokenTable(block_size=self.block_size, mode=st.settings.cfg.mode)
+            st.table = TokenTable(block_size=self.block_size, mode=st.settings.cfg.mode,
+                                  prompt_len=self.requests[rid].num_prompt_tokens)
             st.observer.new_table(computed_before)
             if computed_before:  # prefix-cache hits: computed with full visibility
                 st.table.place(computed_before)
