@@ -144,6 +144,15 @@ def kv_dashboard() -> dict:
                _quantiles(names.REPACK_SECONDS)),
         _panel(timeseries, "Evicted tokens/s by policy", "Tokens the eviction policy removed.", "short",
                [_per_replica_rate(names.EVICTED_TOKENS, by="policy")]),
+        _panel(timeseries, "KV invariant violations per replica",
+               f"Violations found over the last {names.INVARIANT_WINDOW} (a leaked or miscounted block, a broken token table, "
+               "a rewritten prefix-cached block; the engine log names them); must stay 0. "
+               "VTokenKVInvariantViolated fires on any. Checks/s: how often the replica checked.", "short",
+               [_q(f"sum by (replica) (increase({names.INVARIANT_VIOLATIONS.total}{{{SEL}}}"
+                   f"[{names.INVARIANT_WINDOW}]))",
+                   "violations {{replica}}"),
+                _q(f"sum by (replica) (rate({names.INVARIANT_CHECKS.total}{{{SEL}}}[{RATE}]))",
+                   "checks/s {{replica}}")], span=24),
     ]
     util = names.KV_UTILIZATION.name
     nodes = [

@@ -82,6 +82,12 @@ def kv_rules() -> list[dict]:
                "vToken KV cache saturated on replica {{ $labels.replica }}",
                "Replica {{ $labels.replica }} holds {{ $value | humanizePercentage }} of its KV blocks "
                "for 10 minutes; new requests queue or preempt."),
+        _alert("VTokenKVInvariantViolated", f"increase({names.INVARIANT_VIOLATIONS.total}[{names.INVARIANT_WINDOW}]) > 0\n",
+               "critical", "0m",
+               "vToken KV invariant violated on replica {{ $labels.replica }}",
+               "Replica {{ $labels.replica }} found {{ $value }} KV invariant violation(s) in the last "
+               f"{names.INVARIANT_WINDOW} (a leaked or miscounted block, a broken token table or a rewritten prefix-cached "
+               "block); its engine log names the requests and blocks."),
     ]
 
 

@@ -117,6 +117,12 @@ COW_MOVES = Metric("vtoken:cow_moves", COUNTER, "KV slot copies made to keep pre
                    "(included in repack_moves)", "moves")
 COW_FALLBACKS = Metric("vtoken:cow_fallbacks", COUNTER,
                        "Prefix-cached blocks un-hashed and rewritten in place (no free replacement block)", "blocks")
+INVARIANT_CHECKS = Metric("vtoken:invariant_checks", COUNTER,
+                          "KV invariant checks run (when the engine goes idle and every invariant_period steps)", "checks")
+INVARIANT_VIOLATIONS = Metric("vtoken:invariant_violations", COUNTER,
+                              "KV invariant violations found: a leaked or miscounted block, a broken token table, "
+                              "a rewritten prefix-cached block (the engine log names them)", "violations")
+INVARIANT_SECONDS = Metric("vtoken:invariant_seconds", COUNTER, "Time spent checking KV invariants", "seconds")
 
 # --------------------------------------------- vToken SLA series (updated once per finished request)
 REQUESTS = Metric("vtoken:requests", COUNTER, "Finished requests judged against the SLO", "requests")
@@ -133,7 +139,8 @@ ROUTING_STATS_POLLS = Metric("vtoken:routing_stats_polls", COUNTER,
 
 KV_GAUGES = (LIVE_TOKENS, HELD_BLOCKS, PACKING_BOUND_BLOCKS, NAIVE_BLOCKS, POOL_BLOCKS, FREE_KV_TOKENS,
              FRAGMENTATION_RATIO, KV_UTILIZATION, STATS_AGE_SECONDS, ADMISSION_LIMIT)
-KV_COUNTERS = (EVICTED_TOKENS, RECLAIMED_BLOCKS, REPACK_MOVES, REPACK_PLANS, COW_BLOCKS, COW_MOVES, COW_FALLBACKS)
+KV_COUNTERS = (EVICTED_TOKENS, RECLAIMED_BLOCKS, REPACK_MOVES, REPACK_PLANS, COW_BLOCKS, COW_MOVES, COW_FALLBACKS,
+               INVARIANT_CHECKS, INVARIANT_VIOLATIONS, INVARIANT_SECONDS)
 SLA_METRICS = (REQUESTS, SLO_MET, TTFT_SECONDS, TPOT_SECONDS, E2E_SECONDS, REPACK_SECONDS, ROUTING_STATS_POLLS)
 VTOKEN_METRICS = KV_GAUGES + KV_COUNTERS + SLA_METRICS  # everything a replica exports, exposition order
 
@@ -168,3 +175,4 @@ def series_names(metrics: tuple[Metric, ...] = ALL_METRICS) -> frozenset[str]:
 SLO_TARGET = 0.99  # share of finished requests that must meet the TTFT and TPOT SLOs
 KV_SATURATED = 0.95  # kv_utilization = held / pool above which VTokenKVSaturated fires
 FRAGMENTATION_MAX = 0.5  # fragmentation_ratio above which VTokenKVFragmentationHigh fires (pool busy)
+INVARIANT_WINDOW = "10m"  # VTokenKVInvariantViolated fires on any violation within it (and the panel shows it)

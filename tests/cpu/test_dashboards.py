@@ -62,7 +62,8 @@ def test_dashboards_cover_the_kv_and_sla_series_and_share_the_alert_thresholds()
     assert {"vtoken:held_blocks", "vtoken:naive_blocks", "vtoken:packing_bound_blocks",
             "vtoken:fragmentation_ratio", "vtoken:kv_utilization", "vtoken:reclaimed_blocks_total",
             "vtoken:repack_moves_total",
-            "vtoken:repack_seconds_bucket", "vtoken:evicted_tokens_total"} <= names["vtoken-kv.json"]
+            "vtoken:repack_seconds_bucket", "vtoken:evicted_tokens_total",
+            "vtoken:invariant_violations_total", "vtoken:invariant_checks_total"} <= names["vtoken-kv.json"]
     assert {"vtoken:slo_met_total", "vtoken:requests_total", "vtoken:ttft_seconds_bucket",
             "vtoken:tpot_seconds_bucket", "vllm:num_requests_waiting"} <= names["vtoken-sla.json"]
     quantiles = [e for _, _, e in all_queries() if "histogram_quantile" in e]
@@ -80,6 +81,7 @@ def test_dashboards_cover_the_kv_and_sla_series_and_share_the_alert_thresholds()
     assert f"{mn.KV_UTILIZATION.name} > {mn.KV_SATURATED}\n" == exprs["VTokenKVSaturated"]
     fragmentation = f"{mn.FRAGMENTATION_RATIO.name} > {mn.FRAGMENTATION_MAX}\n"
     assert exprs["VTokenKVFragmentationHigh"].startswith(fragmentation)
+    assert f"[{mn.INVARIANT_WINDOW}]" in exprs["VTokenKVInvariantViolated"]
     assert all(f"target {mn.SLO_TARGET:.0%}" in r["annotations"]["description"] for r in rules.slo_rules())
 
 

@@ -424,6 +424,12 @@ def test_kv_pool_exhaustion_queues_or_preempts_and_every_request_completes(app):
     assert peak_kv >= 0.8, "the burst never filled a pool: the test would prove nothing"
     # ≥ 2 s of scrapes (5 Hz) with requests waiting that neither max_num_seqs nor admission held back
     assert len(bound) >= 10, f"the pool alone never held requests back: {scrapes[:: max(len(scrapes) // 20, 1)]}"
+    # the engines went idle after the burst: each checked its KV invariants (pool, tables) and found none broken
+    checks = wait_for(lambda: (v := replica_samples(app, "vtoken:invariant_checks_total")) and len(v) == 2
+                      and min(v.values()) >= 1 and v, "an idle KV invariant check on both replicas", 30, 0.5)
+    violations = replica_samples(app, "vtoken:invariant_violations_total")
+    print(f"[kv] invariant checks {checks}, violations {violations}")
+    assert set(violations) == set(checks) and not any(violations.values()), violations
 
 
 def test_vllm_bench_serve_gets_completions(app):

@@ -36,6 +36,8 @@ class ReclaimCounters:
     instead and went back to vLLM's pool still cached (copy on write, vtoken/core/cow.py). ``cow_moves``: the
     slot copies that took (their live tokens; also counted in ``repack_moves``). ``cow_fallbacks``: cached
     blocks un-hashed and rewritten in place because no replacement block was free.
+    ``invariant_checks`` / ``invariant_violations`` / ``invariant_seconds``: KV invariant checks run, the
+    violations they found, and the time they took (vtoken/vllm/invariants.py).
     """
 
     evicted_tokens: int = 0
@@ -48,6 +50,9 @@ class ReclaimCounters:
     cow_blocks: int = 0
     cow_moves: int = 0
     cow_fallbacks: int = 0
+    invariant_checks: int = 0
+    invariant_violations: int = 0
+    invariant_seconds: float = 0.0
 
     def add(self, **deltas: float) -> ReclaimCounters:
         """A copy with ``deltas`` added (pure); an unknown name raises ``TypeError``."""

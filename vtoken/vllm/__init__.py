@@ -44,6 +44,7 @@ def engine_kwargs(
     trace_dir: str | None = None,
     check: bool = False,
     admission_tpot_ms: float | None = None,
+    invariants: str = "log",
 ) -> dict[str, Any]:
     """Extra keyword arguments for ``LLM(...)`` / ``EngineArgs`` / ``AsyncEngineArgs`` that turn vToken on.
 
@@ -52,11 +53,12 @@ def engine_kwargs(
     ``admission_tpot_ms`` set also the scheduler and its ``additional_config`` (SLO-aware admission on vanilla
     vLLM's KV accounting; the worker stays vLLM's). Raises ``ConfigError``
     for invalid settings, including a block size the installed vLLM cannot run (before any engine starts).
+    ``invariants``: what a KV invariant violation does (``log`` | ``fatal`` | ``off``; vtoken/vllm/invariants.py).
     """
     cfg = cfg if cfg is not None else VTokenConfig()
     check_platform_block_size(cfg.block_size)
     settings = EngineSettings(cfg=cfg, scores=scores, trace_dir=trace_dir, check=check,
-                              admission_tpot_ms=admission_tpot_ms)
+                              admission_tpot_ms=admission_tpot_ms, invariants=invariants)
     if not settings.enabled:
         if settings.admission is None:
             return {"block_size": cfg.block_size}

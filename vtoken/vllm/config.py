@@ -22,6 +22,9 @@ Engine level (``--additional-config '{"vtoken": {...}}'`` or ``LLM(additional_co
     check      bool: run the token-table integrity checks every step (slow; tests)            false
     admission_tpot_ms  number > 0: SLO-aware admission, hold the running batch to what meets this TPOT
                target given measured step times (vtoken/core/admission.py; any mode)               unset (off)
+    invariants off | log | fatal: check the KV pool and token tables when the engine goes idle and every
+               invariant_period steps (vtoken/vllm/invariants.py); log and count a violation, or raise   log
+    invariant_period  int >= 0: steps between checks under load (0: only when idle)   1024
 
 Per request (``SamplingParams(extra_args={"vtoken": {...}})``; in the OpenAI API, whose ``vllm_xargs`` holds
 flat values only, ``"vllm_xargs": {"vtoken.policy": "tova", "vtoken.budget": 0.3}``):
@@ -48,6 +51,7 @@ from vtoken.errors import ConfigError
 
 KEY = "vtoken"
 SCORE_MODES = ("auto", "always", "never")
+INVARIANT_MODES = ("off", "log", "fatal")  # what a KV invariant violation does (vtoken/vllm/invariants.py)
 
 
 def cpu_platform() -> bool:
@@ -81,15 +85,24 @@ def _own_fields(cls) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class EngineSettings:
     """Everything vToken reads from one engine's ``additional_config["vtoken"]``: the ``VTokenConfig`` fields
-    plus ``scores``, ``trace_dir``, ``check`` and ``admission_tpot_ms`` (validated on construction; keys = ``keys()``)."""
+    plus ``scores``, ``trace_dir``, ``check``, ``admission_tpot_ms``, ``invariants`` and ``invariant_period``
+    (validated on construction; keys = ``keys()``)."""
 
     cfg: VTokenConfig
     scores: str = "auto"
     trace_dir: str | None = None
     check: bool = False
     admission_tpot_ms: float | None = None
+    invariants: str = "log"
+    invariant_period: int = 1024
 
     def __post_init__(self) -> None:
+        if self.invariants not in INVARIANT_MODES:
+            raise ConfigError(f"unknown invariants setting {self.invariants!r}; valid values: "
+                              f"{', '.join(INVARIANT_MODES)}")
+        p = self.invariant_period
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise ConfigError(f"invariant_period must be a non-negative step count (0: only when idle), got {p!r}")
         if self.admission_tpot_ms is not None:
             AdmissionConfig.from_ms(self.admission_tpot_ms)  # raises ConfigError naming a bad value
         if self.scores not in SCORE_MODES:

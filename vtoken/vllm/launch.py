@@ -63,7 +63,8 @@ def start_engine(model: str, block_size: int, trace_dir: str, *, sinks: int = 4,
 
     In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with a 1 GiB KV pool unless the caller's environment
     says otherwise; the environment is only changed while the engine is built. ``check``: run the token
-    table integrity checks every step (tests and ``verify``; benchmarks turn it off). With
+    table integrity checks every step and make a KV invariant violation fatal (tests and ``verify``;
+    benchmarks turn it off: violations are then logged and counted). With
     ``tensor_parallel_size > 1`` the workers run in vLLM's multiprocess executor, one core per rank
     (``tp_cpu_env``); the engine core stays in this process."""
     from vllm import LLM
@@ -72,7 +73,7 @@ def start_engine(model: str, block_size: int, trace_dir: str, *, sinks: int = 4,
 
     cfg = VTokenConfig(policy="h2o", budget=0.5, mode="repack", block_size=block_size, sinks=sinks,
                        recent=recent, seed=seed)
-    kw = engine_kwargs(cfg, trace_dir=trace_dir, check=check)
+    kw = engine_kwargs(cfg, trace_dir=trace_dir, check=check, invariants="fatal" if check else "log")
     kw.update(kwargs)
     kw.setdefault("enable_prefix_caching", False)  # paired requests share a prompt: keep their blocks private
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,7 +49,7 @@ from vtoken.core.manager import request_salt
 from vtoken.core.stats import observe, window_queries
 from vtoken.core.token_table import TokenTable
 from vtoken.errors import ConfigError, IntegrityError
-from vtoken.vllm import blocks
+from vtoken.vllm import blocks, invariants
 from vtoken.vllm.admission import AdmissionMixin
 from vtoken.vllm.config import EngineSettings, request_settings
 from vtoken.vllm.engine_setup import prepare_engine, refuse_under_full_graphs
@@ -93,6 +94,7 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
         self._vt_reqs: dict[str, RequestState] = {}
         self._vt_counters = ReclaimCounters()
         self._vt_step = 0  # StepPlan.step of the next step
+        self._vt_unchecked = 0  # steps since the last KV invariant check
         self._vt_init_admission(settings)
         if not settings.enabled:
             return
@@ -148,15 +150,52 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
         st = self._vt_reqs.pop(request.request_id, None)
         if st is not None:
             st.observer.finished()
-        return super()._free_request(request, delay_free_blocks)
+        out = super()._free_request(request, delay_free_blocks)
+        if not self.requests:  # the last request has gone: the engine is idle
+            self._vt_check_invariants({}, idle=True)
+        return out
+
+    def _vt_check_invariants(self, scheduled, idle: bool = False) -> None:
+        """The KV invariants (vtoken/vllm/invariants.py) over the pool, and over the token tables of the
+        ``scheduled`` requests; idle: no vToken request state may be left either. Counts the check, its
+        time and its violations; a violation is logged with the requests it names (``invariants: fatal``
+        raises ``IntegrityError``). Reads only."""
+        if self.vt.invariants == "off":
+            return
+        start = time.perf_counter()
+        rows = {rid: row for m in self.kv_cache_manager.coordinator.single_type_managers
+                for rid, row in m.req_to_blocks.items()}
+        found = invariants.pool_violations(self.kv_cache_manager.block_pool, rows,
+                                           (b for _, b in getattr(self, "deferred_frees", ())))
+        tables = {rid: self._vt_reqs[rid].table for rid in scheduled
+                  if rid in self._vt_reqs and self._vt_reqs[rid].table is not None}
+        if tables:
+            mine = self._vt_manager.req_to_blocks if self.vt.enabled else {}
+            found += invariants.table_violations(mine, tables, {rid: self.requests[rid].block_hashes
+                                                                for rid in tables})
+        if idle and self._vt_reqs:
+            found.append(f"request state left for {sorted(self._vt_reqs)[: invariants.SHOWN]} with no request in "
+                         "the engine")
+        self._vt_unchecked = 0
+        self._vt_counters = self._vt_counters.add(invariant_checks=1, invariant_violations=len(found),
+                                                  invariant_seconds=time.perf_counter() - start)
+        if found:
+            where = "idle" if idle else f"step {self._vt_step}"
+            logger.error("vToken KV invariant violated (%s): %s", where, " | ".join(found))
+            if self.vt.invariants == "fatal":
+                raise IntegrityError("7: KV invariants", f"{where}: " + " | ".join(found))
 
     # ------------------------------------------------------------------ the step
     def schedule(self, throttle_prefills: bool = False):
         if self._vt_steptime is None:
-            return self._vt_schedule(throttle_prefills)
-        start = self._vt_admit()
-        out = self._vt_schedule(throttle_prefills)
-        self._vt_scheduled(out, start)
+            out = self._vt_schedule(throttle_prefills)
+        else:
+            start = self._vt_admit()
+            out = self._vt_schedule(throttle_prefills)
+            self._vt_scheduled(out, start)
+        self._vt_unchecked += 1
+        if self.vt.invariant_period and self._vt_unchecked >= self.vt.invariant_period:
+            self._vt_check_invariants(out.num_scheduled_tokens)
         return out
 
     def _vt_schedule(self, throttle_prefills: bool = False):

@@ -39,17 +39,17 @@ _US = 1_000_000
 _LABELS = ("policy", "mode")
 _GAUGES = ("live_tokens", "held_blocks", "packing_bound_blocks", "naive_blocks", "pool_blocks", "block_size",
            "num_requests")  # the KVSnapshot fields the engine fills (the replica adds its queues)
-_SECONDS = "repack_seconds"  # the one float counter: carried as integer microseconds
+_SECONDS = ("repack_seconds", "invariant_seconds")  # the float counters: carried as integer microseconds
 ADMISSION_LIMIT = f"{PREFIX}admission_limit"  # KVSnapshot.admission_limit, carried on its own (any mode)
 
 
 def encode(snap: KVSnapshot) -> dict[str, int]:
-    """``KVSnapshot`` → ``{"vtoken:<field>": int}`` (counters by their names, ``repack_seconds`` as
-    ``vtoken:repack_seconds_us``, labels as ``"vtoken:policy=h2o": 1``)."""
+    """``KVSnapshot`` → ``{"vtoken:<field>": int}`` (counters by their names, the seconds counters as
+    microseconds, e.g. ``vtoken:repack_seconds_us``, labels as ``"vtoken:policy=h2o": 1``)."""
     out = {f"{PREFIX}{name}": int(getattr(snap, name)) for name in _GAUGES}
     for name in ReclaimCounters.names():
         value = getattr(snap.counters, name)
-        if name == _SECONDS:
+        if name in _SECONDS:
             out[f"{PREFIX}{name}_us"] = int(round(value * _US))
         else:
             out[f"{PREFIX}{name}"] = int(value)
@@ -71,8 +71,8 @@ def decode(items: dict[str, int]) -> KVSnapshot | None:
             label, text = name.split("=", 1)
             if label in _LABELS:
                 labels[label] = text
-        elif name == f"{_SECONDS}_us":
-            raw[_SECONDS] = value / _US
+        elif name.endswith("_us") and name[:-3] in _SECONDS:
+            raw[name[:-3]] = value / _US
         else:
             raw[name] = int(value)
     if not raw:

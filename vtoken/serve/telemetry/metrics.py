@@ -76,6 +76,9 @@ class KVCollector(Collector):
             (names.COW_BLOCKS, snap.counters.cow_blocks),
             (names.COW_MOVES, snap.counters.cow_moves),
             (names.COW_FALLBACKS, snap.counters.cow_fallbacks),
+            (names.INVARIANT_CHECKS, snap.counters.invariant_checks),
+            (names.INVARIANT_VIOLATIONS, snap.counters.invariant_violations),
+            (names.INVARIANT_SECONDS, snap.counters.invariant_seconds),
         ):
             fam = CounterMetricFamily(metric.name, metric.help)
             fam.add_metric([], float(value))
