@@ -11,6 +11,7 @@ from vtoken.core.integrity import check_integrity
 from vtoken.core.manager import CacheManager
 from vtoken.core.stats import StepScores
 from vtoken.policies import get_policy_class, make_policy, policy_names
+from vtoken.policies.context import Stat
 from vtoken.sim.source import SyntheticConfig, SyntheticSource
 
 P, M, B, BUDGET, SINKS, RECENT = 96, 48, 8, 0.25, 2, 6
@@ -238,3 +239,36 @@ def test_kept_live_and_kept_prompt_known_answers():
     assert gen.kept_live(seen=120, prompt_len=100) == 100 + 5  # the prompt + 25 % of the 20 generated
     assert gen.kept_live(seen=60, prompt_len=100) == 60  # mid-prefill: nothing generated, nothing to evict
     assert VTokenConfig(budget=8, scope="generated").kept_live(seen=150, prompt_len=100) == 108
+
+
+def test_question_aware_prompt_scores_rank_the_prompt_by_its_window(source):
+    """``prompt_scores: window``: after the prefill H2O's accumulated attention of the prompt *is* the
+    observation window's (so H2O then evicts what the prompt's last queries ignored); with ``all`` it is the
+    sum over every query; policies that do not read ``accumulated`` are unaffected."""
+    total, last, bits, window = source.prefill(P, need_bits=True, need_window=True)
+    for ps, expected in (("all", total[0]), ("window", window[0])):
+        cfg = VTokenConfig(policy="h2o", budget=BUDGET, block_size=B, sinks=SINKS, recent=RECENT, prompt_scores=ps)
+        m = CacheManager(cfg, num_blocks=64)
+        m.add_request("r", prompt_len=P)
+        m.place("r", P, source.key_norm[0, :P])
+        m.observe("r", StepScores(np.arange(P), P, total[0], last[0], bits[0], window=window[0]))
+        np.testing.assert_array_equal(m.tables["r"].accumulated[:P], expected)
+    assert VTokenConfig(policy="h2o", prompt_scores="window").measured_stats() == {Stat.ACCUMULATED, Stat.WINDOW}
+    assert VTokenConfig(policy="h2o").measured_stats() == {Stat.ACCUMULATED}
+    assert not VTokenConfig(policy="tova", prompt_scores="window").question_aware
+
+
+def test_question_aware_prefill_changes_h2o_victims(source):
+    cfgs = {ps: VTokenConfig(policy="h2o", budget=BUDGET, mode=Mode.REPACK, block_size=B, sinks=SINKS,
+                             recent=RECENT, prompt_scores=ps) for ps in ("all", "window")}
+    victims = {}
+    for ps, cfg in cfgs.items():
+        m = CacheManager(cfg, num_blocks=64)
+        m.add_request("r", prompt_len=P)
+        m.place("r", P, source.key_norm[0, :P])
+        total, last, bits, window = source.prefill(P, need_bits=True, need_window=True)
+        m.observe("r", StepScores(np.arange(P), P, total[0], last[0], bits[0], window=window[0]))
+        m.step("r", 1, source.key_norm[0, P : P + 1])
+        live = set(m.tables["r"].live_logicals().tolist())
+        victims[ps] = sorted(set(range(P)) - live)
+    assert victims["all"] and victims["window"] and victims["all"] != victims["window"]

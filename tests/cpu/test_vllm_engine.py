@@ -199,6 +199,32 @@ def test_protected_prompt_is_kept_exact_and_paired(protection, prefix_engine, re
         assert np.any(ev[P:] >= 0)  # generated tokens go
 
 
+def test_question_aware_prompt_scores_are_exact_paired_and_change_h2o(prefix_engine, ref_llama):
+    """``prompt_scores: window`` per request through vLLM: the worker measures the observation window for H2O,
+    which then ranks the prompt by it — exact against the HF masked reference, equal to its paired naive run,
+    and other victims than ``prompt_scores: all`` on the same prompt and salt."""
+    from vllm import SamplingParams
+
+    llm, d = prefix_engine
+    prompt = np.random.default_rng(9).integers(10, 500, 150).tolist()
+
+    def params(trace_id, mode, ps):
+        vt = {"policy": "h2o", "mode": mode, "budget": 0.3, "salt": 17, "trace_id": trace_id, "prompt_scores": ps}
+        return SamplingParams(max_tokens=40, temperature=0.0, logprobs=0, ignore_eos=True,
+                              skip_reading_prefix_cache=True, extra_args={"vtoken": vt})
+
+    runs = [("qa-repack", "repack", "window"), ("qa-naive", "naive", "window"), ("qa-all", "repack", "all")]
+    outs = [llm.generate([{"prompt_token_ids": prompt}], [params(*r)], use_tqdm=False)[0] for r in runs]
+    traces = {name: RequestTrace.read(d / f"{name}.json") for name, _, _ in runs}
+    tokens = check_against_reference(ref_llama, prompt, outs[0], traces["qa-repack"])
+    assert tokens == list(outs[1].outputs[0].token_ids), "tokens differ from the paired naive run"
+    check_against_reference(ref_llama, prompt, outs[2], traces["qa-all"])
+    ev = {name: np.asarray(t.epochs[0].evicted_round) for name, t in traces.items()}
+    assert np.array_equal(ev["qa-repack"], ev["qa-naive"])
+    assert np.any(ev["qa-repack"] >= 0)
+    assert not np.array_equal(ev["qa-repack"], ev["qa-all"]), "the window did not change H2O's decisions"
+
+
 def test_abort_frees_state_and_blocks(prefix_engine):
     llm, _ = prefix_engine
     eng = llm.llm_engine

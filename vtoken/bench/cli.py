@@ -256,6 +256,9 @@ def quality_cmd(
                                           "evicted); each point per value"),
     scopes: str = typer.Option("all", help="comma-separated scopes: all and/or generated (decode-only eviction, "
                                            "the prompt kept whole); each point per value"),
+    prompt_scores: str = typer.Option("all", "--prompt-scores",
+                                      help="comma-separated: all and/or window (question-aware: H2O ranks the prompt "
+                                           "by its last queries); each point per value"),
     model: str = typer.Option("default", help="a trained model: default | smollm2 | PATH"),
     seed: int = typer.Option(0, help="draws other pass keys, needle positions and text windows"),
     context_tokens: int = typer.Option(400, "--context-tokens", help="filler tokens around the pass key"),
@@ -298,6 +301,8 @@ def quality_cmd(
         layer_values = tuple(_score_layers(v) for v in score_layers.split(",") if v.strip())
         tail_values = tuple(_prompt_tail(v) for v in prompt_tails.split(",") if v.strip()) or (0,)
         scope_values = tuple(VTokenConfig(scope=v.strip()).scope.value for v in scopes.split(",") if v.strip())
+        ps_values = tuple(VTokenConfig(prompt_scores=v.strip()).prompt_scores.value
+                          for v in prompt_scores.split(",") if v.strip())
         for p in chosen:
             for g in grans:
                 VTokenConfig(policy=p, **({"granularity": g} if g != "token" else {}))
@@ -318,7 +323,8 @@ def quality_cmd(
         depths=tuple(float(d) for d in preset[2].split(",")), per_depth=preset[3], context_tokens=context_tokens,
         windows=preset[4], window_tokens=preset[5], chunk=chunk, seed=seed,
         tensor_parallel_size=tensor_parallel_size, score_layers=layer_values or (DEFAULT_SCORE_LAYERS,),
-        prompt_tails=tail_values, scopes=scope_values or ("all",), ruler_tasks=ruler_tasks, ruler_lengths=ruler_lengths, ruler_samples=samples or preset[8],
+        prompt_tails=tail_values, scopes=scope_values or ("all",), prompt_scores=ps_values or ("all",),
+        ruler_tasks=ruler_tasks, ruler_lengths=ruler_lengths, ruler_samples=samples or preset[8],
         fidelity_prompts=fid_prompts,
         fidelity_tokens=fidelity_tokens or preset[10],
     )

@@ -14,12 +14,14 @@ from pathlib import Path
 
 def setting(point: dict) -> str:
     """A point's policy with its prompt protection, as the plot's legend and the table name it:
-    ``h2o``, ``h2o tail 64``, ``h2o decode-only``. Pure."""
+    ``h2o``, ``h2o tail 64``, ``h2o decode-only``, ``h2o question-aware``. Pure."""
     name = point["policy"]
     if point.get("prompt_tail"):
         name += f" tail {point['prompt_tail']}"
     if point.get("scope", "all") == "generated":
         name += " decode-only"
+    if point.get("prompt_scores", "all") == "window":
+        name += " question-aware"
     return name
 
 

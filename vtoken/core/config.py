@@ -14,8 +14,9 @@ from typing import Any
 
 from vtoken.errors import ConfigError
 from vtoken.policies import get_policy_class, make_policy
+from vtoken.policies.context import Stat
 
-__all__ = ["Budget", "Granularity", "Mode", "Scope", "Trigger", "VTokenConfig", "check_block_size", "reject_unknown",
+__all__ = ["Budget", "Granularity", "Mode", "PromptScores", "Scope", "Trigger", "VTokenConfig", "check_block_size", "reject_unknown",
            "score_layer_indices"]
 
 
@@ -136,6 +137,30 @@ class Scope(StrEnum):
         return _edge_schema(cls.parse, str, tuple(s.value for s in cls))
 
 
+class PromptScores(StrEnum):
+    """Which of the prompt's queries score its tokens in H2O's accumulated attention — the one statistic that
+    sums *every* query (TOVA reads the last query, Scissorhands the last 64, SnapKV the window already).
+
+    ``all``     every query of the prompt (H2O's definition).
+    ``window``  question-aware: when the step that computes the prompt's last token has run, a prompt token's
+                accumulated attention becomes that of the prompt's last ``OBSERVATION_WINDOW`` queries
+                (SnapKV's observation window, where tasks put the question); generated tokens' queries add
+                to it as usual. A recompute after a preemption starts the table afresh, so again from the
+                window.
+    """
+
+    ALL = "all"
+    WINDOW = "window"
+
+    @classmethod
+    def parse(cls, value: str | PromptScores) -> PromptScores:
+        return _parse_member(cls, value, "prompt_scores setting", "values")
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        return _edge_schema(cls.parse, str, tuple(p.value for p in cls))
+
+
 @dataclass(frozen=True)
 class Budget:
     """How many tokens a request may keep: a fixed count, or a fraction of the context seen so far.
@@ -212,6 +237,7 @@ class VTokenConfig:
     ``prompt_tail``: the prompt's last ``prompt_tail`` tokens are never evicted (where a task puts its
     question or instruction; counted in the budget like any live token).
     ``scope``: which tokens may be evicted (``Scope``: every token, or only generated ones).
+    ``prompt_scores``: which prompt queries score the prompt in H2O's statistic (``PromptScores``).
     ``trigger``: when eviction runs. ``granularity``: evict single tokens or whole original blocks.
     ``seed``: seed of the ``random`` policy.
     ``score_layers``: how many attention layers contribute to the attention statistics (H2O, TOVA,
@@ -233,6 +259,7 @@ class VTokenConfig:
     recent: int = 16
     prompt_tail: int = 0
     scope: Scope = Scope.ALL
+    prompt_scores: PromptScores = PromptScores.ALL
     trigger: Trigger = Trigger.STEP
     granularity: Granularity = Granularity.TOKEN
     seed: int = 0
@@ -243,6 +270,7 @@ class VTokenConfig:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
         object.__setattr__(self, "trigger", Trigger.parse(self.trigger))
         object.__setattr__(self, "scope", Scope.parse(self.scope))
+        object.__setattr__(self, "prompt_scores", PromptScores.parse(self.prompt_scores))
         object.__setattr__(self, "granularity", Granularity.parse(self.granularity))
         check_block_size(self.block_size)
         for name in ("sinks", "recent", "prompt_tail", "seed"):
@@ -254,6 +282,18 @@ class VTokenConfig:
             raise ConfigError(f"score_layers must be a positive integer (layers scored) or null (every layer), "
                               f"got {n!r}")
         get_policy_class(self.policy)
+
+    @property
+    def question_aware(self) -> bool:
+        """Whether the window replaces the prompt's accumulated attention (``prompt_scores: window`` with a
+        policy that reads ``accumulated``)."""
+        return self.prompt_scores is PromptScores.WINDOW and Stat.ACCUMULATED in self.policy_class.needs
+
+    def measured_stats(self) -> frozenset[Stat]:
+        """The statistics an engine must measure: the policy's ``needs``, plus the observation window when
+        ``question_aware`` (it becomes the prompt's ``accumulated``)."""
+        needs = self.policy_class.needs
+        return needs | {Stat.WINDOW} if self.question_aware else needs
 
     def kept_prompt(self, prompt_len: int) -> tuple[int, int]:
         """Logical range ``[lo, hi)`` of the prompt never evicted for a request whose prompt has
@@ -282,7 +322,7 @@ class VTokenConfig:
         """JSON-able ``{field: value}`` (budget as its number, enums as strings); ``from_dict`` inverts it."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["budget"] = self.budget.to_json()
-        for name in ("mode", "trigger", "granularity", "scope"):
+        for name in ("mode", "trigger", "granularity", "scope", "prompt_scores"):
             out[name] = out[name].value
         return out
 

@@ -134,7 +134,7 @@ class CacheManager:
         self.tables[request_id].mark_shared(n_blocks)
 
     def observe(self, request_id: str, scores: StepScores) -> None:
-        observe(self.tables[request_id], scores)
+        observe(self.tables[request_id], scores, self.cfg.question_aware)
 
     def step(self, request_id: str, n_new: int, key_norm: np.ndarray | None = None) -> tuple[RepackPlan, np.ndarray]:
         """One scheduler step for one request (``decide_step``, then blocks); returns (plan, new slots).

@@ -111,10 +111,12 @@ def unimportance_bits(probs: np.ndarray, visible: np.ndarray) -> np.ndarray:
     return (low.astype(np.uint64) * weights[:, None]).sum(axis=0, dtype=np.uint64)
 
 
-def observe(table, scores: StepScores) -> None:
+def observe(table, scores: StepScores, question_aware: bool = False) -> None:
     """Fold one step's scores into ``table``'s per-token statistics (mutates the table).
 
-    Scores for tokens evicted since the step ran are ignored (their state is dead anyway).
+    Scores for tokens evicted since the step ran are ignored (their state is dead anyway). With
+    ``question_aware`` (``VTokenConfig.question_aware``) the step that measures the observation window sets
+    its keys' ``accumulated`` to the window's attention instead of adding the step's queries.
     """
     idx = np.asarray(scores.logicals, dtype=np.int64)
     if idx.size and scores.accumulated is not None:
@@ -128,5 +130,7 @@ def observe(table, scores: StepScores) -> None:
         )
         if scores.window is not None:
             table.window[idx] = np.asarray(scores.window)[keep]
+            if question_aware:
+                table.accumulated[idx] = table.window[idx]
     if scores.key_norm_logicals is not None and scores.key_norm is not None:
         table.key_norm[np.asarray(scores.key_norm_logicals, dtype=np.int64)] = scores.key_norm

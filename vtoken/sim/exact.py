@@ -40,7 +40,7 @@ def simulate_exact(
     T = prompt_len + gen_len
     B = cfg.block_size
     needs = cfg.policy_class.needs
-    pre = source.prefill(prompt_len, Stat.UNIMPORTANT in needs, Stat.WINDOW in needs)._asdict()
+    pre = source.prefill(prompt_len, Stat.UNIMPORTANT in needs, Stat.WINDOW in cfg.measured_stats())._asdict()
     tally = SimTally(gen_len)
     peaks = {m: np.zeros(R, np.int64) for m in MODES}
     moves = {m: [0, 0] for m in ("repack", "reuse+repack")}

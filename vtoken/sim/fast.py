@@ -185,7 +185,10 @@ def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, firs
     needs = policy.needs
     tally = tally if tally is not None else SimTally(M)
     salt = np.array([request_salt(request_name(first_request + r)) for r in range(R)], np.uint64)[:, None]
-    cols = _Columns(P, source, source.prefill(P, Stat.UNIMPORTANT in needs, Stat.WINDOW in needs), needs)
+    cols = _Columns(P, source, source.prefill(P, Stat.UNIMPORTANT in needs, Stat.WINDOW in cfg.measured_stats()),
+                    needs)
+    if cfg.question_aware:  # the prompt scored by its observation window (PromptScores.WINDOW)
+        cols.accumulated[:] = cols.window
     live = P
     layouts = {"repack": _Layout(R, T, P, reuse=False), "reuse+repack": _Layout(R, T, P, reuse=True)}
     nb = math.ceil(T / B)

@@ -12,6 +12,7 @@ Engine level (``--additional-config '{"vtoken": {...}}'`` or ``LLM(additional_co
     prompt_tail  int >= 0  (the prompt's last tokens never evicted)  0
     scope      all | generated  (generated: decode-only eviction, the prompt kept whole; the budget counts
                generated tokens)                               all
+    prompt_scores  all | window  (window: question-aware, H2O ranks the prompt by its last 32 queries)   all
     trigger    step | block                                    step
     granularity  token | block  (evict tokens / whole blocks)  token
     seed       int >= 0  (random policy)                       0
@@ -28,9 +29,8 @@ Engine level (``--additional-config '{"vtoken": {...}}'`` or ``LLM(additional_co
 
 Per request (``SamplingParams(extra_args={"vtoken": {...}})``; in the OpenAI API, whose ``vllm_xargs`` holds
 flat values only, ``"vllm_xargs": {"vtoken.policy": "tova", "vtoken.budget": 0.3}``):
-``policy``, ``budget``, ``mode``, ``sinks``, ``recent``, ``prompt_tail``, ``scope``, ``trigger``, ``granularity``,
-``seed``, ``score_layers``
-override the engine's values for that request, ``trace_id`` names its trace file and ``salt`` (int) seeds its randomness (requests
+``policy``, ``budget``, ``mode``, ``sinks``, ``recent``, ``prompt_tail``, ``scope``, ``prompt_scores``, ``trigger``,
+``granularity``, ``seed``, ``score_layers`` override the engine's values for that request, ``trace_id`` names its trace file and ``salt`` (int) seeds its randomness (requests
 with equal salts and settings take identical decisions: that is how paired naive/repack runs are made). Unknown keys and invalid values raise
 ``ConfigError`` naming the value and the valid ones: at engine start-up for the engine settings; for a
 request, the request finishes at once with finish reason ``error`` and the error is logged (the engine keeps

@@ -126,5 +126,5 @@ def new_request_state(rs: RequestSettings, salt: int, observer: RequestObserver,
         settings=rs, policy=policy, salt=salt, observer=observer,
         want_attention=scores == "always" or (auto and bool(policy.needs & STEP_ATTENTION_STATS)),
         want_key_norm=scores == "always" or (evicts and Stat.KEY_NORM in policy.needs),
-        want_window=scores == "always" or (auto and Stat.WINDOW in policy.needs),
+        want_window=scores == "always" or (auto and Stat.WINDOW in rs.cfg.measured_stats()),
     )

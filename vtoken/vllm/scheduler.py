@@ -332,7 +332,7 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
             for rid, scores in res.scores.items():
                 st, rec = self._vt_reqs.get(rid), records.get(rid)
                 if st is not None and st.table is not None and rec is not None:
-                    observe(st.table, step_scores(rid, rec, st.table, scores))
+                    observe(st.table, step_scores(rid, rec, st.table, scores), st.settings.cfg.question_aware)
         return super().update_from_output(scheduler_output, model_runner_output)
 
     # ------------------------------------------------------------------ stats
