@@ -163,6 +163,22 @@ def test_a_refused_feature_never_reaches_a_first_request(feature, tiny_llama, sl
     gc.collect()
 
 
+def test_vtoken_verify_refuses_a_hybrid_model_in_one_line(sliding_llama):
+    """``vtoken verify`` on a model vToken refuses at engine construction (hybrid sliding-window + full
+    attention: two KV cache groups) exits 2 with one ``error:`` line naming it — no traceback."""
+    from typer.testing import CliRunner
+
+    from vtoken.cli import app
+
+    r = CliRunner().invoke(app, ["verify", "--model", sliding_llama, "--policy", "h2o", "--budget", "0.5",
+                                 "--mode", "repack", "--block-size", "32"])
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and REFUSED["hybrid_sliding_and_full"][1] in lines[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and r.exception is None or isinstance(r.exception, SystemExit)
+    gc.collect()
+
+
 def test_a_refusal_inside_the_engine_reaches_the_replica_with_its_message(monkeypatch):
     """vLLM re-raises an engine core's start-up failure without its cause's message; the Serve replica
     starts its engine inside ``refusal_reported``, which turns the refusal the engine wrote into its

@@ -76,9 +76,13 @@ def verify(
     from rich.console import Console
 
     label = f"verifying {policy} {m.value} (+ paired {partner.value}) in vLLM and HF …"
-    with Console(stderr=True).status(label):
-        results = run_cases(path, block_size, cases, prompt_len=prompt_len, max_tokens=max_tokens,
-                            sinks=sinks, recent=recent, seed=seed, tensor_parallel_size=tensor_parallel_size)
+    try:
+        with Console(stderr=True).status(label):
+            results = run_cases(path, block_size, cases, prompt_len=prompt_len, max_tokens=max_tokens,
+                                sinks=sinks, recent=recent, seed=seed, tensor_parallel_size=tensor_parallel_size)
+    except ConfigError as e:  # the engine refused the model or an option at construction: one line, exit 2
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
     main, paired = results
     naive = main if m is Mode.NAIVE else paired
     report = {
