@@ -43,7 +43,25 @@ def _parse_member(cls: type[StrEnum], value: object, what: str, plural: str):
         raise ConfigError(f"unknown {what} {value!r}; valid {plural}: {valid}") from None
 
 
-class Mode(StrEnum):
+class _Choice(StrEnum):
+    """A setting with a fixed set of values: ``parse`` returns the member or raises ``ConfigError`` naming the
+    bad value and the valid ones (``_names``: what the setting is called, singular and plural); pydantic
+    validates it with ``parse`` at the edge."""
+
+    @classmethod
+    def _names(cls) -> tuple[str, str]:  # pragma: no cover - every setting names itself
+        raise NotImplementedError
+
+    @classmethod
+    def parse(cls, value):
+        return _parse_member(cls, value, *cls._names())
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        return _edge_schema(cls.parse, str, tuple(m.value for m in cls))
+
+
+class Mode(_Choice):
     """Reclamation mode (docs/architecture.md §3). One mechanism, four accountings.
 
     ``none``          no eviction at all, vanilla paging: a request holds ceil(seen/B) blocks.
@@ -67,14 +85,10 @@ class Mode(StrEnum):
         return self is Mode.REUSE_REPACK
 
     @classmethod
-    def parse(cls, value: str | Mode) -> Mode:
-        return _parse_member(cls, value, "reclamation mode", "modes")
+    def _names(cls) -> tuple[str, str]:
+        return "reclamation mode", "modes"
 
-    @classmethod
-    def __get_pydantic_core_schema__(cls, source, handler):
-        return _edge_schema(cls.parse, str, tuple(m.value for m in cls))
-
-class Trigger(StrEnum):
+class Trigger(_Choice):
     """When eviction (and so a repack) runs.
 
     ``step``   every step in which the request is over budget (one small plan per step).
@@ -86,14 +100,10 @@ class Trigger(StrEnum):
     BLOCK = "block"
 
     @classmethod
-    def parse(cls, value: str | Trigger) -> Trigger:
-        return _parse_member(cls, value, "repack trigger", "triggers")
+    def _names(cls) -> tuple[str, str]:
+        return "repack trigger", "triggers"
 
-    @classmethod
-    def __get_pydantic_core_schema__(cls, source, handler):
-        return _edge_schema(cls.parse, str, tuple(t.value for t in cls))
-
-class Granularity(StrEnum):
+class Granularity(_Choice):
     """What one eviction removes.
 
     ``token``  single tokens, the policy's lowest scores (vToken).
@@ -107,15 +117,11 @@ class Granularity(StrEnum):
     BLOCK = "block"
 
     @classmethod
-    def parse(cls, value: str | Granularity) -> Granularity:
-        return _parse_member(cls, value, "eviction granularity", "granularities")
-
-    @classmethod
-    def __get_pydantic_core_schema__(cls, source, handler):
-        return _edge_schema(cls.parse, str, tuple(g.value for g in cls))
+    def _names(cls) -> tuple[str, str]:
+        return "eviction granularity", "granularities"
 
 
-class Scope(StrEnum):
+class Scope(_Choice):
     """Which tokens eviction may remove (the protected ones — sinks, recent window, prompt tail, shared
     prefix blocks — never).
 
@@ -129,15 +135,11 @@ class Scope(StrEnum):
     GENERATED = "generated"
 
     @classmethod
-    def parse(cls, value: str | Scope) -> Scope:
-        return _parse_member(cls, value, "eviction scope", "scopes")
-
-    @classmethod
-    def __get_pydantic_core_schema__(cls, source, handler):
-        return _edge_schema(cls.parse, str, tuple(s.value for s in cls))
+    def _names(cls) -> tuple[str, str]:
+        return "eviction scope", "scopes"
 
 
-class PromptScores(StrEnum):
+class PromptScores(_Choice):
     """Which of the prompt's queries score its tokens in H2O's accumulated attention — the one statistic that
     sums *every* query (TOVA reads the last query, Scissorhands the last 64, SnapKV the window already).
 
@@ -153,12 +155,8 @@ class PromptScores(StrEnum):
     WINDOW = "window"
 
     @classmethod
-    def parse(cls, value: str | PromptScores) -> PromptScores:
-        return _parse_member(cls, value, "prompt_scores setting", "values")
-
-    @classmethod
-    def __get_pydantic_core_schema__(cls, source, handler):
-        return _edge_schema(cls.parse, str, tuple(p.value for p in cls))
+    def _names(cls) -> tuple[str, str]:
+        return "prompt_scores setting", "values"
 
 
 @dataclass(frozen=True)
