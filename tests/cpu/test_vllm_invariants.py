@@ -9,10 +9,10 @@ import logging
 import numpy as np
 import pytest
 
+from vtoken.core.config import VTokenConfig
 from vtoken.core.token_table import TokenTable
 from vtoken.errors import ConfigError, IntegrityError
 from vtoken.vllm.config import EngineSettings
-from vtoken.core.config import VTokenConfig
 from vtoken.vllm.invariants import pool_violations, table_violations
 
 

@@ -175,9 +175,7 @@ def run_language_modelling(setup: QualitySetup, tokenizer, pts: list[Point], on_
 
 def parity_budgets(merged_points: list[dict]) -> list[dict]:
     """Per policy × granularity × score_layers × prompt_tail × scope × prompt_scores × budget kind (fraction or
-    token count):
-    the smallest budget
-    at quality parity — inside the full cache's 95 % interval on every RULER task (``ruler.at_parity``) and,
+    token count): the smallest budget at quality parity — inside the full cache's 95 % interval on every RULER task (``ruler.at_parity``) and,
     where fidelity ran, ``keeps_fidelity`` — *with every larger budget measured at parity too* (one lucky
     small budget under a failing larger one is noise, not a setting to bank); ``None`` when the largest
     budget is not at parity. Empty without RULER tasks (the pass key's three prompts cannot say). Pure."""

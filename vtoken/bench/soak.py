@@ -9,8 +9,8 @@ model on a small KV pool, sends requests, SIGKILLs one replica's process mid-run
     t = kill_at x duration    one replica's process is SIGKILLed while it runs requests; Serve restarts it
     t = duration              clients stop drawing; in-flight requests finish (or time out: unaccounted)
     then                      wait until every replica is idle; read each replica's counters: its idle KV
-                              invariant check ran and found nothing, it holds no block
-                              (vtoken:held_blocks = 0) and vLLM's own KV usage is back to 0
+                              invariant check ran and found nothing (vLLM's pool: every block
+                              unreferenced and counted free) and it holds no block (vtoken:held_blocks = 0)
                               stop the cluster; no engine process may be left
                               replay the greedy, completed, mode-none requests on a fresh engine without
                               pressure: same text (eviction outputs depend on preemption and cache hits, so
@@ -23,6 +23,8 @@ left; ``passed`` is the conjunction of the checks, each listed in ``checks``.
 
 from __future__ import annotations
 
+import itertools
+import re
 import shlex
 import sys
 import threading
@@ -32,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from vtoken import metric_names as mn
+from vtoken.bench.serve_results import ReplicaMetrics
 from vtoken.bench.soak_client import COMPLETED, OUTCOMES, UNACCOUNTED, Outcome, SoakRequest, draw, send
 
 MAX_MODEL_LEN = 1024  # longest request: ≈ 350 prompt tokens + max_tokens 400; the pool needs > 32 blocks of 32
@@ -74,10 +77,10 @@ def app_config(setup: SoakSetup, metrics_port: int):
 
 
 def scrape(metrics_port: int, span: int, names: tuple[str, ...]) -> dict[str, dict[str, float]]:
-    """``{replica: {series: value}}`` from every replica metrics endpoint in the port range (summed over a
-    series' label sets)."""
+    """``{replica: {series: value}}`` from every replica metrics endpoint in the port range (one replica per
+    endpoint; each value summed over the series' label sets by ``ReplicaMetrics.sample``; a series the replica
+    does not export is left out)."""
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, dict[str, float]] = {}
     for port in range(metrics_port, metrics_port + span):
@@ -85,11 +88,10 @@ def scrape(metrics_port: int, span: int, names: tuple[str, ...]) -> dict[str, di
             text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
         except httpx.HTTPError:
             continue
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if s.name in names and "replica" in s.labels:
-                    row = out.setdefault(s.labels["replica"], {})
-                    row[s.name] = row.get(s.name, 0.0) + s.value
+        replica = re.search(r'replica="([^"]+)"', text)
+        if replica:
+            values = {name: ReplicaMetrics.sample(text, name) for name in names}
+            out[replica.group(1)] = {name: v for name, v in values.items() if v is not None}
     return out
 
 
@@ -108,23 +110,28 @@ def _running(cfg) -> int:
     return dep.replica_states.get("RUNNING", 0) if dep else 0
 
 
-def _kill_one_replica(cfg, deadline: float) -> str | None:
-    """SIGKILL the process of a replica that is running requests (the first found before ``deadline``)."""
+def _kill_busy_replica(cfg, metrics_port: int, span: int, deadline: float) -> str | None:
+    """SIGKILL the process of the first replica seen running a request (polling its metrics endpoint every
+    0.5 s until ``deadline``: a kill under load, not of an idle replica); its id, or None if none was busy."""
     import os
     import signal
 
     import ray
 
-    prefix = f"SERVE_REPLICA::{cfg.app_name}#{cfg.deployment.name}#"
-    while time.monotonic() < deadline:
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
-        for name in sorted(names):
-            handle = ray.get_actor(name, namespace="serve")
-            pid = ray.get(handle.__ray_call__.remote(lambda replica: os.getpid()), timeout=30)
-            os.kill(pid, signal.SIGKILL)
-            return name[len(prefix):]
-        time.sleep(0.5)
-    return None
+    from vtoken.serve.launch import procs
+
+    def busy() -> str | None:
+        return next((r for r, row in scrape(metrics_port, span, (RUNNING,)).items() if row.get(RUNNING, 0) >= 1),
+                    None)
+
+    try:
+        replica = procs.wait_for(busy, "a replica running a request", max(deadline - time.monotonic(), 0.0), 0.5)
+    except TimeoutError:
+        return None
+    handle = ray.get_actor(f"SERVE_REPLICA::{cfg.app_name}#{cfg.deployment.name}#{replica}", namespace="serve")
+    pid = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+    os.kill(pid, signal.SIGKILL)
+    return replica
 
 
 def _replay(setup: SoakSetup, sent: dict[int, SoakRequest], outcomes: list[Outcome]) -> dict:
@@ -168,7 +175,7 @@ def run_soak(setup: SoakSetup, on_phase=lambda text: None) -> dict:
     sent: dict[int, SoakRequest] = {}
     outcomes: list[Outcome] = []
     lock = threading.Lock()
-    counter = iter(range(10**9))
+    counter = itertools.count()
     with LocalCluster(http_port=free_port(), num_cpus=2) as cluster:
         on_phase(f"deploying {setup.replicas} replicas")
         cluster.deploy(cfg)
@@ -195,18 +202,21 @@ def run_soak(setup: SoakSetup, on_phase=lambda text: None) -> dict:
             futures = [pool.submit(client) for _ in range(setup.concurrency)]
             if setup.kill_at > 0:
                 time.sleep(max(0.0, t0 + setup.kill_at * setup.duration_s - time.monotonic()))
-                killed = _kill_one_replica(cfg, stop_at)
+                killed = _kill_busy_replica(cfg, metrics_port, span, stop_at)
             for f in futures:
                 f.result()
         on_phase("waiting for Serve to run every replica again and for them to go idle")
         names = (RUNNING, WAITING, HELD, CHECKS, VIOLATIONS, SERVED)
-        deadline = time.monotonic() + 600
-        rows: dict[str, dict[str, float]] = {}
-        while time.monotonic() < deadline:
+
+        def settled() -> dict[str, dict[str, float]] | None:
             rows = scrape(metrics_port, span, names)
-            if len(rows) >= setup.replicas and _running(cfg) >= setup.replicas and all(map(_idle, rows.values())):
-                break
-            time.sleep(1.0)
+            ok = len(rows) >= setup.replicas and _running(cfg) >= setup.replicas and all(map(_idle, rows.values()))
+            return rows if ok else None
+
+        try:
+            rows = procs.wait_for(settled, "every replica running and idle", 600, 1.0)
+        except TimeoutError:  # reported: the checks below fail on what the replicas say now
+            rows = scrape(metrics_port, span, names)
     on_phase("checking processes and replaying greedy requests")
     left = [pid for pid in procs.alive(pid for pid, _, _ in procs.snapshot() if procs.is_engine(pid))
             if pid not in engines_before]

@@ -77,9 +77,9 @@ def plot_yardstick(report: dict, path: str | Path) -> None:
 
 
 def yardstick_table(report: dict) -> str:
-    """One row per setting (policy and prompt protection, ``setting``) and budget (token granularity): each task's solved rate with its 95 % interval,
-    fidelity (top-1 agreement, median tokens to the first divergence), and whether the point is at parity;
-    the full cache first. Pure."""
+    """One row per setting (policy and prompt protection, ``setting``) and budget (token granularity): each
+    task's solved rate with its 95 % interval, fidelity (top-1 agreement, median tokens to the first
+    divergence), and whether the point is at parity; the full cache first. Pure."""
     tasks = [f"{t['task']}@{t['length']}" for t in report["ruler"]["tasks"]]
     fid = bool(report["fidelity"].get("prompts"))
 

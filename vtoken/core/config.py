@@ -16,8 +16,8 @@ from vtoken.errors import ConfigError
 from vtoken.policies import get_policy_class, make_policy
 from vtoken.policies.context import Stat
 
-__all__ = ["Budget", "Granularity", "Mode", "PromptScores", "Scope", "Trigger", "VTokenConfig", "check_block_size", "reject_unknown",
-           "score_layer_indices"]
+__all__ = ["Budget", "Granularity", "Mode", "PromptScores", "Scope", "Trigger", "VTokenConfig", "check_block_size",
+           "reject_unknown", "score_layer_indices"]
 
 
 def _edge_schema(parse: Callable[[Any], Any], dump: Callable[[Any], Any], values: tuple[str, ...] = ()) -> Any:
