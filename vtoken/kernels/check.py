@@ -259,12 +259,14 @@ def empty_kv_caches(name: str, shape: Shape, device: str) -> list[torch.Tensor]:
     return [five[layer] for layer in range(shape.layers)]
 
 
-def large_offsets_check(name: str, shape: Shape, device: str, seed: int = 0) -> dict:
+def large_offsets_check(name: str, shape: Shape, device: str, seed: int = 0,
+                        caches: list[torch.Tensor] | None = None) -> dict:
     """Moves (direct and staged) and scores on the four highest blocks, every kv head, of every layer of an
     uninitialised ``shape`` cache (``empty_kv_caches``), against the int64 torch reference; block 0 too, so
     a plan spans the whole view. Sized so that ``head * head_stride`` and the layer offsets pass 2^31
-    elements, it fails where a kernel computes an offset in 32 bits. Writes only the blocks it uses."""
-    caches = empty_kv_caches(name, shape, device)
+    elements, it fails where a kernel computes an offset in 32 bits. Writes only the blocks it uses (of
+    ``caches`` when given: ``empty_kv_caches(name, shape, device)``'s, so the caller can inspect them)."""
+    caches = empty_kv_caches(name, shape, device) if caches is None else caches
     layout = layout_for(name, caches[0]).to(device)
     bs, top = shape.block_size, shape.blocks - 1
     used = torch.tensor([top, top - 1, top - 2, top - 3, 0], device=device)
