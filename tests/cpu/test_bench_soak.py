@@ -76,12 +76,13 @@ def test_timeouts_are_aborts_only_when_the_client_meant_them():
 def test_short_soak_accounts_for_every_request_and_leaves_nothing_behind():
     """The short form (fixed seed): every check of the report holds — each request completed, failed
     cleanly or was aborted by its client; a replica was killed mid-run and the replicas went idle with their
-    KV invariant check clean and no block held; no engine process left; greedy mode-none replay equal."""
+    KV invariant check clean and no block held; the pool forced preemptions; no engine process left; greedy
+    mode-none replay equal."""
     from vtoken.bench.soak import SoakSetup, run_soak
 
     report = run_soak(SoakSetup(duration_s=45, concurrency=4, seed=0))
     print(f"\n[soak] {report['requests']} requests {report['outcomes']} killed {report['killed_replica']} "
-          f"replay {report['replay']['compared']} in {report['seconds']} s")
+          f"preemptions {report['preemptions']} replay {report['replay']['compared']} in {report['seconds']} s")
     assert report["checks"] and all(report["checks"].values()), (report["checks"], report["unaccounted"])
     assert sum(report["outcomes"].values()) == report["requests"] > 0
     assert report["outcomes"][ABORTED] > 0 and report["replay"]["compared"] > 0

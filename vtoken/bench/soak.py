@@ -18,7 +18,8 @@ model on a small KV pool, sends requests, SIGKILLs one replica's process mid-run
 
 The report (``REPORT_KEYS``) has the exact counts per outcome (completed / error / aborted / unaccounted, which
 add up to ``requests``), per kind, the invariant and block readings per replica, the replay and the processes
-left; ``passed`` is the conjunction of the checks, each listed in ``checks``.
+left, and the preemptions each replica counted (polled every 5 s during the run, so the killed replica's
+count before its death is kept; the pool pressure is real only if some happened); ``passed`` is the conjunction of the checks, each listed in ``checks``.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ MAX_MODEL_LEN = 1024  # longest request: ≈ 350 prompt tokens + max_tokens 400;
 RUNNING, WAITING = mn.NUM_REQUESTS_RUNNING.name, mn.NUM_REQUESTS_WAITING.name
 HELD, CHECKS, VIOLATIONS = mn.HELD_BLOCKS.name, mn.INVARIANT_CHECKS.total, mn.INVARIANT_VIOLATIONS.total
 SERVED = mn.REQUESTS.total  # a replica that served nothing has never gone idle after a request: no check due
+PREEMPTIONS = mn.NUM_PREEMPTIONS.total
 
 REPORT_KEYS = frozenset({"bench", "command", "setup", "requests", "outcomes", "by_kind", "unaccounted",
-                         "killed_replica", "replicas", "replay", "processes_left", "checks", "passed", "seconds"})
+                         "killed_replica", "preemptions", "replicas", "replay", "processes_left", "checks", "passed", "seconds"})
 
 
 @dataclass(frozen=True)
@@ -197,12 +199,20 @@ def run_soak(setup: SoakSetup, on_phase=lambda text: None) -> dict:
                         outcomes.append(out)
 
         on_phase(f"soaking for {setup.duration_s:g} s")
-        killed = None
+        killed, preempted = None, Counter()  # replica -> the highest preemption count it reported
+
+        def poll_preemptions(until: float) -> None:
+            while time.monotonic() < until and not all(f.done() for f in futures):
+                for replica, row in scrape(metrics_port, span, (PREEMPTIONS,)).items():
+                    preempted[replica] = max(preempted[replica], int(row.get(PREEMPTIONS, 0)))
+                time.sleep(5.0)
+
         with ThreadPoolExecutor(setup.concurrency) as pool:
             futures = [pool.submit(client) for _ in range(setup.concurrency)]
             if setup.kill_at > 0:
-                time.sleep(max(0.0, t0 + setup.kill_at * setup.duration_s - time.monotonic()))
+                poll_preemptions(t0 + setup.kill_at * setup.duration_s)
                 killed = _kill_busy_replica(cfg, metrics_port, span, stop_at)
+            poll_preemptions(float("inf"))
             for f in futures:
                 f.result()
         on_phase("waiting for Serve to run every replica again and for them to go idle")
@@ -227,6 +237,7 @@ def run_soak(setup: SoakSetup, on_phase=lambda text: None) -> dict:
     checks = {
         "every request accounted for": tally.get(UNACCOUNTED, 0) == 0 and sum(tally.values()) == len(sent),
         "requests completed": tally.get(COMPLETED, 0) > 0,
+        "the pool forced preemptions": sum(preempted.values()) > 0,
         "a replica was killed": killed is not None or setup.kill_at == 0,
         "every replica idle and checked": len(rows) >= setup.replicas and all(map(_idle, rows.values())),
         # the idle check covers vLLM's own pool: every block unreferenced and counted free, nothing leaked
@@ -244,6 +255,7 @@ def run_soak(setup: SoakSetup, on_phase=lambda text: None) -> dict:
         "by_kind": {f"{k}:{o}": n for (k, o), n in sorted(kinds.items())},
         "unaccounted": [asdict(o) for o in outcomes if o.outcome == UNACCOUNTED][:20],
         "killed_replica": killed,
+        "preemptions": {"total": sum(preempted.values()), "by_replica": dict(preempted)},
         "replicas": rows,
         "replay": replay,
         "processes_left": left,
