@@ -21,7 +21,7 @@ def _sha(path: Path) -> str:
 
 
 # ---------------------------------------------------------------- tiny models
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_tiny_model_config_and_hf_load(arch: str, model_cache_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -44,6 +44,9 @@ def test_tiny_model_config_and_hf_load(arch: str, model_cache_dir: Path) -> None
     assert out.shape[1] == len(ids) + 16  # special tokens have zero lm_head rows: greedy never stops
     if arch == "qwen2":
         assert model.model.layers[0].self_attn.k_proj.bias.abs().sum() > 0
+    if arch == "gemma3":  # hybrid: 3 sliding-window layers, 1 global
+        assert model.config.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
+        assert model.config.sliding_window == 64 and len(set(out[0, len(ids):].tolist())) > 2  # not one token
 
 
 def test_tiny_model_deterministic_and_idempotent(tmp_path: Path, model_cache_dir: Path) -> None:

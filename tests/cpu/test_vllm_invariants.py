@@ -27,19 +27,19 @@ def test_a_consistent_pool_has_no_violation_and_shared_blocks_count_each_holder(
     a, b = p.get_new_blocks(3), p.get_new_blocks(2)
     p.touch(a[:1])  # request c shares a's first block (prefix hit): ref_cnt 2
     rows = {"a": a, "b": b, "c": a[:1]}
-    assert pool_violations(p, rows, []) == []
+    assert pool_violations(p, rows.items(), []) == []
     deferred = rows.pop("b")  # vLLM holds b's blocks for a later free
-    assert pool_violations(p, rows, [deferred]) == []
+    assert pool_violations(p, rows.items(), [deferred]) == []
 
 
 def test_a_leaked_block_and_a_miscounted_one_are_named():
     p = pool()
     a = p.get_new_blocks(3)
     leaked = a.pop()  # dropped from the row, never freed
-    found = pool_violations(p, {"a": a}, [])
+    found = pool_violations(p, [("a", a)], [])
     assert len(found) == 1 and "leaked" in found[0] and str(leaked.block_id) in found[0]
     p.touch(a[:1])  # a reference nobody holds
-    found = pool_violations(p, {"a": a + [leaked]}, [])
+    found = pool_violations(p, [("a", a + [leaked])], [])
     assert any("ref_cnt is not their holder count" in f and "request a" in f for f in found)
 
 
@@ -47,7 +47,7 @@ def test_vllm_free_count_off_is_a_violation():
     p = pool()
     a = p.get_new_blocks(2)
     p.free_block_queue.num_free_blocks -= 1  # the queue lost count
-    found = pool_violations(p, {"a": a}, [])
+    found = pool_violations(p, [("a", a)], [])
     assert any("free blocks" in f for f in found)
 
 

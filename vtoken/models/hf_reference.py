@@ -5,7 +5,8 @@ This module is that HF model: transformers, eager attention, fp32, CPU, with a c
 (0 = visible, dtype-min = evicted) and position ids = logical positions (nothing is ever removed from the
 sequence, so RoPE positions are preserved). transformers 5.19 passes a 4-D mask through unchanged
 (``masking_utils._preprocess_mask_arguments`` early-exits on ``attention_mask.ndim == 4``) and eager
-attention adds it to the scores before the softmax, for Llama and Qwen2 alike; no patching is needed.
+attention adds it to the scores before the softmax, for Llama and Qwen2 alike; no patching is needed. Hybrid
+models (sliding-window layers, ``config.layer_types``) get one mask per layer kind (``layer_masks``).
 
 Convention (``LiveTrace``), with P = len(prompt_ids), M = len(output_ids)::
 
@@ -103,6 +104,34 @@ def load_reference_model(path: str | Path):
     return model.eval()
 
 
+def sliding_window(model) -> int | None:
+    """The window of a hybrid model's sliding-window layers (``config.layer_types`` holds
+    ``"sliding_attention"``), else None. Pure."""
+    cfg = model.config
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+        return int(cfg.sliding_window)
+    return None
+
+
+def layer_masks(model, visible: np.ndarray, first_row: int):
+    """The ``attention_mask`` for rows at logical positions ``first_row …`` over keys ``0 … k-1``: the
+    additive mask of ``visible``, or on a hybrid model a dict per layer kind (transformers takes a
+    mapping and uses it as is): full-attention layers see ``visible`` (vToken's evictions), sliding-window
+    layers see the last ``window`` logical positions, evicted or not (vLLM keeps that group whole)::
+
+        row q, window W      keys  0 ........ q-W | q-W+1 ... q | q+1 ...
+        full_attention             visible[q]       visible[q]    -
+        sliding_attention          -                all           -
+    """
+    window = sliding_window(model)
+    if window is None:
+        return additive_mask(visible)
+    rows = np.arange(first_row, first_row + visible.shape[0])[:, None]
+    keys = np.arange(visible.shape[1])[None, :]
+    return {"full_attention": additive_mask(visible),
+            "sliding_attention": additive_mask((keys <= rows) & (rows - keys < window))}
+
+
 def additive_mask(visible: np.ndarray, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[1, 1, q, k] float mask from a bool [q, k] visibility matrix: 0 where visible, dtype-min elsewhere."""
     vis = torch.as_tensor(np.asarray(visible, dtype=bool))
@@ -121,7 +150,7 @@ def masked_logprobs(model, input_ids, visible: np.ndarray, position_ids=None) ->
         raise ValueError(f"visibility must be [{t}, {t}] for {t} tokens, got {list(visible.shape)}")
     pos = torch.arange(t) if position_ids is None else torch.as_tensor(position_ids, dtype=torch.long)
     pos = pos[None]
-    out = model(input_ids=ids, attention_mask=additive_mask(visible), position_ids=pos, use_cache=False)
+    out = model(input_ids=ids, attention_mask=layer_masks(model, visible, 0), position_ids=pos, use_cache=False)
     return torch.log_softmax(out.logits[0].float(), dim=-1)
 
 
@@ -148,14 +177,14 @@ def greedy_replay(model, trace: LiveTrace) -> list[int]:
     _check_eager(model)
     p, m = len(trace.prompt_ids), trace.num_steps
     vis = trace.visibility()  # rows of generated tokens depend only on positions, not on token ids
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache()  # every layer keeps every key (a sliding layer's window comes from its mask)
     ids = torch.as_tensor(trace.prompt_ids, dtype=torch.long)[None]
-    out = model(input_ids=ids, attention_mask=additive_mask(vis[:p, :p]), position_ids=torch.arange(p)[None],
+    out = model(input_ids=ids, attention_mask=layer_masks(model, vis[:p, :p], 0), position_ids=torch.arange(p)[None],
                 past_key_values=cache, use_cache=True)
     tokens = [int(out.logits[0, -1].argmax())]
     for s in range(1, m):
         q = p + s - 1
-        mask = additive_mask(vis[q : q + 1, : q + 1])
+        mask = layer_masks(model, vis[q : q + 1, : q + 1], q)
         out = model(input_ids=torch.tensor([[tokens[-1]]]), attention_mask=mask,
                     position_ids=torch.tensor([[q]]), past_key_values=cache, use_cache=True)
         tokens.append(int(out.logits[0, -1].argmax()))

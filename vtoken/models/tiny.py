@@ -11,6 +11,12 @@
     arch    layers hidden heads kv_heads head_dim  GQA  qkv bias  rope_theta  vocab  max_pos
     llama        2    128     4        2       32    2        no      10 000    512     8192
     qwen2        3    192     6        1       32    6       yes   1 000 000    512     8192
+    gemma3       4    128     4        1       32    4        no  1 000 000 *  512     8192
+
+``gemma3`` (``Gemma3ForCausalLM``, text only) is a hybrid model: layers 0-2 attend a sliding window of 64
+tokens (RoPE theta 10 000), layer 3 is global (*: theta 1 000 000); untied embeddings (tied, the residual
+stream of random weights keeps repeating the last token). vLLM builds 4 KV cache groups of one layer
+each: 3 ``SlidingWindowSpec``, 1 ``FullAttentionSpec``.
 
 Weights are drawn from a ``torch.Generator`` seeded with ``seed`` (independent of transformers' own
 init), scaled so that activations stay O(1): attention is clearly non-uniform and the top-1/top-2 logit
@@ -72,6 +78,7 @@ class TinySpec:
     qkv_bias: bool
     vocab_target: int = 512
     max_positions: int = 8192
+    extra: tuple[tuple[str, object], ...] = ()  # further config fields (hybrid layer kinds, windows)
 
     @property
     def head_dim(self) -> int:
@@ -81,6 +88,12 @@ class TinySpec:
 TINY_SPECS: Mapping[str, TinySpec] = MappingProxyType({  # read-only
     "llama": TinySpec("llama", "llama", "LlamaForCausalLM", 2, 128, 4, 2, 256, 10_000.0, False),
     "qwen2": TinySpec("qwen2", "qwen2", "Qwen2ForCausalLM", 3, 192, 6, 1, 384, 1_000_000.0, True),
+    "gemma3": TinySpec("gemma3", "gemma3_text", "Gemma3ForCausalLM", 4, 128, 4, 1, 256, 1_000_000.0, False,
+                       extra=(("sliding_window", 64), ("query_pre_attn_scalar", 32),
+                              ("layer_types", ["sliding_attention"] * 3 + ["full_attention"]),
+                              ("rope_parameters", {
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                  "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}))),
 })
 
 
@@ -166,8 +179,7 @@ def _build(spec: TinySpec, seed: int, out: Path) -> None:
     fast.model_max_length = spec.max_positions
     vocab = len(fast)
     special_ids = [fast.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS]
-    config = AutoConfig.for_model(
-        spec.model_type,
+    fields = dict(
         vocab_size=vocab,
         hidden_size=spec.hidden,
         intermediate_size=spec.intermediate,
@@ -183,7 +195,8 @@ def _build(spec: TinySpec, seed: int, out: Path) -> None:
         dtype="float32",
         architectures=[spec.architecture],
     )
-    if spec.model_type == "llama":
+    config = AutoConfig.for_model(spec.model_type, **{**fields, **dict(spec.extra)})
+    if spec.model_type in ("llama", "gemma3_text"):
         config.head_dim = spec.head_dim
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _init_weights(model, seed, special_ids)
@@ -197,20 +210,22 @@ def _build(spec: TinySpec, seed: int, out: Path) -> None:
 def _init_weights(model, seed: int, special_ids: list[int]) -> None:
     """Overwrite every parameter from a generator seeded with ``seed`` (mutates ``model``).
 
-    Matrices ~ N(0, 1/fan_in) (embeddings ~ N(0, 1)), norms = 1, biases ~ N(0, 0.1²); the ``lm_head``
+    Matrices ~ N(0, 1/fan_in) (embeddings ~ N(0, 1)), norms = 1, biases ~ N(0, 0.1²) (Gemma: norms 0 and
+    embeddings ~ N(0, 1/hidden), the same scales after its 1 + w and sqrt(hidden) factors); the ``lm_head``
     rows of ``special_ids`` are zeroed. Parameters are visited in sorted-name order.
     """
     import torch
 
     gen = torch.Generator().manual_seed(seed)
+    gemma = model.config.model_type.startswith("gemma")  # norms scale by 1 + w; embeddings by sqrt(hidden)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(0.0 if gemma else 1.0)
             elif name.endswith(".bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
             elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=gen))
+                p.copy_(torch.randn(p.shape, generator=gen) / (p.shape[1] ** 0.5 if gemma else 1.0))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
         model.lm_head.weight[special_ids] = 0.0

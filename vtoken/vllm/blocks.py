@@ -2,10 +2,12 @@
 
 Everything here acts on the scheduler's own instances (never on classes, never at import time):
 
-* ``install_block_sizing`` wraps the coordinator's ``get_num_blocks_to_allocate`` / ``allocate_new_blocks``
-  so rows are sized by the token table (``required_blocks_after_place``: ⌈live/B⌉ for repack, the naive
-  rule for naive) while ``num_computed_tokens`` stays logical, and ``cache_blocks`` so a request stops
-  publishing prefix-cache hashes after its first eviction (its later KV no longer matches its hash chain).
+* ``install_block_sizing`` wraps the full-attention manager's ``get_num_blocks_to_allocate`` /
+  ``allocate_new_blocks`` so rows are sized by the token table (``required_blocks_after_place``: ⌈live/B⌉
+  for repack, the naive rule for naive) while ``num_computed_tokens`` stays logical (a hybrid model's
+  sliding-window managers keep vLLM's logical sizing), and the coordinator's ``cache_blocks`` so a request
+  stops publishing prefix-cache hashes after its first eviction (its later KV no longer matches its hash
+  chain).
 * ``shared_prefix`` counts the leading blocks another request also holds (``ref_cnt > 1``).
 * ``rewrite_row`` does a decision's block work: copy-on-write of every block the step writes that must not
   be written (prefix-cached or shared), the physical moves, the cut tail; ``release`` frees what it let go
@@ -29,11 +31,14 @@ from vtoken.core.token_table import TokenTable
 from vtoken.errors import IntegrityError
 
 
-def install_block_sizing(coord, table_of: Callable[[str], TokenTable | None], block_size: int) -> None:
-    """Wrap three methods of the coordinator *instance* ``coord`` (mutates it; see the module docstring).
-    ``table_of(request_id)`` is the request's token table, or None for plain vLLM accounting."""
-    orig_count = coord.get_num_blocks_to_allocate
-    orig_alloc = coord.allocate_new_blocks
+def install_block_sizing(coord, manager, table_of: Callable[[str], TokenTable | None], block_size: int) -> None:
+    """Wrap two methods of the full-attention ``manager`` *instance* (the coordinator's manager of the group
+    vToken manages) and ``cache_blocks`` of the coordinator *instance* ``coord`` (mutates both; see the
+    module docstring). Only that manager sees physical token counts: a hybrid model's sliding-window
+    managers keep vLLM's logical accounting. ``table_of(request_id)`` is the request's token table, or None
+    for plain vLLM accounting."""
+    orig_count = manager.get_num_blocks_to_allocate
+    orig_alloc = manager.allocate_new_blocks
     orig_cache = coord.cache_blocks
 
     def physical_tokens(request_id: str, num_tokens: int) -> int:
@@ -54,8 +59,8 @@ def install_block_sizing(coord, table_of: Callable[[str], TokenTable | None], bl
             return None  # its KV no longer matches the hash chain of its tokens
         return orig_cache(request, num_computed_tokens)
 
-    coord.get_num_blocks_to_allocate = get_num_blocks_to_allocate
-    coord.allocate_new_blocks = allocate_new_blocks
+    manager.get_num_blocks_to_allocate = get_num_blocks_to_allocate
+    manager.allocate_new_blocks = allocate_new_blocks
     coord.cache_blocks = cache_blocks
 
 

@@ -29,12 +29,13 @@ from vtoken.vllm.blocks import check_hashes
 SHOWN = 8  # block ids / requests named per violation line
 
 
-def pool_violations(pool, rows: Mapping[str, list], deferred: Iterable[list]) -> list[str]:
-    """The pool invariant (see the module docstring). ``rows``: request id → block row (``KVCacheBlock``s),
-    over every KV manager; ``deferred``: block lists vLLM still holds for a later free."""
+def pool_violations(pool, rows: Iterable[tuple[str, list]], deferred: Iterable[list]) -> list[str]:
+    """The pool invariant (see the module docstring). ``rows``: (request id, block row of ``KVCacheBlock``s)
+    pairs over every KV manager (a hybrid model's request has one row per group); ``deferred``: block lists
+    vLLM still holds for a later free."""
     holders: Counter = Counter()
     owner: dict[int, str] = {}
-    for rid, row in rows.items():
+    for rid, row in rows:
         for blk in row:
             if not blk.is_null:
                 holders[blk.block_id] += 1

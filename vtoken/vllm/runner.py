@@ -72,6 +72,9 @@ class VTokenRunnerMixin:
     _vt_timer: tuple | None = None  # CUDA events around the moves (read when the result is finished)
     _vt_tp: object = None  # TPReducer with tensor parallelism (vtoken/vllm/tp.py), else None
     _vt_readback: HostReadback | None = None  # CUDA: async outputs' statistics copied on a side stream
+    _vt_group: int = 0  # the KV cache group vToken manages (the full-attention one on hybrid models)
+    _vt_logical_lens: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's logical seq_lens (device,
+    # host) when offsets made the shared ones physical and other KV cache groups need them (hybrid models)
 
     # ------------------------------------------------------------------ platform hooks
     def _vt_make_layout(self, layer) -> tuple[object, PagedLayout]:
@@ -109,15 +112,17 @@ class VTokenRunnerMixin:
     def _vt_setup(self) -> None:
         """Check the layers, probe the layout, build the mover, wrap ``impl.forward`` (mutates the layers'
         impls; idempotent: a rebuilt cache is set up again)."""
-        from vtoken.vllm.support import check_attention_layer, check_kv_groups
+        from vtoken.vllm.support import check_attention_layer, full_attention_group
         from vtoken.vllm.tp import tp_reducer
 
         groups = self.kv_cache_config.kv_cache_groups
-        check_kv_groups(groups)  # hybrid models: ConfigError naming the groups' kinds
+        self._vt_group = full_attention_group(groups)  # other mixes: ConfigError naming the groups' kinds
         ctx = self.compilation_config.static_forward_context
-        layers = [ctx[name] for name in groups[0].layer_names]
-        for name, layer in zip(groups[0].layer_names, layers):
+        names = groups[self._vt_group].layer_names
+        layers = [ctx[name] for name in names]
+        for name, layer in zip(names, layers):
             check_attention_layer(name, layer.impl)
+        self._vt_wrap_window_builders()
         self._vt_kv_tensors = tuple(layer.kv_cache for layer in layers)
         vllm_config = getattr(self, "vllm_config", None)
         self._vt_tp = tp_reducer(vllm_config) if vllm_config is not None else None
@@ -125,12 +130,46 @@ class VTokenRunnerMixin:
         self._vt_mover = self._vt_make_mover(self._vt_layout)
         self._vt_readback = self._vt_make_readback()
         self._vt_depth = len(layers)
-        for index, layer in zip(_forward_order(groups[0].layer_names), layers):
+        for index, layer in zip(_forward_order(names), layers):
             self._vt_wrap(layer, index)
         self._vt_warmup(layers)
         self._vt_ready = True
-        logger.info("vToken worker ready: %d attention layers, block size %d, mover %s", len(layers),
-                    self._vt_paged.block_size, type(self._vt_mover).__name__)
+        logger.info("vToken worker ready: %d attention layers (KV cache group %d of %d), block size %d, mover %s",
+                    len(layers), self._vt_group, len(groups), self._vt_paged.block_size,
+                    type(self._vt_mover).__name__)
+
+    def _vt_wrap_window_builders(self) -> None:
+        """Hybrid models: wrap ``build`` of every other group's attention metadata builders (per instance) so
+        that their layers see the logical ``seq_lens`` (``_vt_logical_lens``): ``_prepare_inputs`` makes the
+        shared ``seq_lens`` physical for the full-attention group, while a sliding-window group's rows and
+        slot mappings stay vLLM's logical ones (its window is counted in logical positions)."""
+        import dataclasses
+
+        runner = self
+        for gid, attn_groups in enumerate(self.attn_groups):
+            if gid == self._vt_group:
+                continue
+            for attn_group in attn_groups:
+                for builder in getattr(attn_group, "metadata_builders", ()):
+                    if getattr(builder, "_vtoken_wrapped", False):
+                        continue
+                    orig = builder.build
+
+                    def build(common_prefix_len, cm, *args, _orig=orig, **kwargs):
+                        lens = runner._vt_logical_lens
+                        if lens is not None:  # (device lengths, host lengths) of the batch's real requests
+                            n = lens[0].shape[0]
+                            logical, upper = cm.seq_lens.clone(), cm.seq_lens_cpu_upper_bound
+                            logical[:n] = lens[0]
+                            if upper is not None:
+                                upper = upper.clone()
+                                upper[:n] = lens[1]
+                            cm = dataclasses.replace(cm, seq_lens=logical, seq_lens_cpu_upper_bound=upper,
+                                                     max_seq_len=max(cm.max_seq_len, int(lens[1].max())))
+                        return _orig(common_prefix_len, cm, *args, **kwargs)
+
+                    builder.build = build
+                    builder._vtoken_wrapped = True
 
     def _vt_wrap(self, layer, index: int | None = None) -> None:
         """Wrap this layer's ``impl.forward`` (per instance) to score the step's queries after the kernel;
@@ -198,42 +237,42 @@ class VTokenRunnerMixin:
         row); the replaced block ids leave the row (the scheduler released them)."""
         state = self.requests.get(rid)
         if state is not None:
-            for ids in state.block_ids:
-                for index, block_id in blocks.items():
-                    ids[index] = block_id
+            ids = state.block_ids[self._vt_group]
+            for index, block_id in blocks.items():
+                ids[index] = block_id
         idx = self.input_batch.req_id_to_index.get(rid)
         if idx is not None:
-            for bt in self.input_batch.block_table.block_tables:
-                n = int(bt.num_blocks_per_row[idx])
-                for index, block_id in blocks.items():
-                    if index >= n:
-                        raise RuntimeError(f"vToken: request {rid} replaces row index {index} of {n}")
-                    bt.block_table.np[idx, index] = block_id
+            bt = self.input_batch.block_table[self._vt_group]
+            n = int(bt.num_blocks_per_row[idx])
+            for index, block_id in blocks.items():
+                if index >= n:
+                    raise RuntimeError(f"vToken: request {rid} replaces row index {index} of {n}")
+                bt.block_table.np[idx, index] = block_id
 
     def _vt_truncate(self, rid: str, keep: int) -> None:
         """Cut a request's block row to ``keep`` blocks (cached state and the persistent batch row)."""
         state = self.requests.get(rid)
         if state is not None:
-            for ids in state.block_ids:
-                del ids[keep:]
+            del state.block_ids[self._vt_group][keep:]
         idx = self.input_batch.req_id_to_index.get(rid)
         if idx is not None:
-            for bt in self.input_batch.block_table.block_tables:
-                n = int(bt.num_blocks_per_row[idx])
-                if keep < n:
-                    bt.block_table.np[idx, keep:n] = 0
-                    bt.num_blocks_per_row[idx] = keep
+            bt = self.input_batch.block_table[self._vt_group]
+            n = int(bt.num_blocks_per_row[idx])
+            if keep < n:
+                bt.block_table.np[idx, keep:n] = 0
+                bt.num_blocks_per_row[idx] = keep
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         ret = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         plan = self._vt_plan
+        self._vt_logical_lens = None
         if not plan or not plan.requests:
             return ret
         num_reqs = self.input_batch.num_reqs
         req_ids = self.input_batch.req_ids[:num_reqs]
         qsl = self.query_start_loc.np
         offsets = np.zeros(num_reqs, dtype=np.int64)
-        rows = self.input_batch.block_table[0]
+        rows = self.input_batch.block_table[self._vt_group]
         overrides = []
         for i, rid in enumerate(req_ids):
             rs = plan.requests.get(rid)
@@ -243,12 +282,14 @@ class VTokenRunnerMixin:
                     overrides.append((i, rs.slots))
         if offsets.any():
             total = int(qsl[num_reqs])
+            if len(self.input_batch.block_table.block_tables) > 1:  # other groups keep the logical lengths
+                self._vt_logical_lens = (self.seq_lens[:num_reqs].clone(),
+                                         self.optimistic_seq_lens_cpu[:num_reqs].clone())
             self.seq_lens[:num_reqs] -= self._vt_h2d(offsets).to(self.seq_lens.dtype)
             cpu_lens = self.optimistic_seq_lens_cpu
             cpu_lens[:num_reqs] -= torch.from_numpy(offsets).to(cpu_lens.dtype)
             physical = self.positions[:total] - self._vt_h2d(offsets[self.req_indices.np[:total]])
-            self.input_batch.block_table.compute_slot_mapping(
-                num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
+            rows.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
         B = rows.block_size
         for i, slots in overrides:
             row = rows.block_table.np[i]

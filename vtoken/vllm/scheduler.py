@@ -98,9 +98,10 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
         self._vt_init_admission(settings)
         if not settings.enabled:
             return
-        check_supported(vllm_config, kv_cache_config)
-        self._vt_manager = self.kv_cache_manager.coordinator.single_type_managers[0]
-        blocks.install_block_sizing(self.kv_cache_manager.coordinator, self._vt_table, block_size)
+        group = check_supported(vllm_config, kv_cache_config)  # the full-attention group (hybrid models)
+        self._vt_manager = self.kv_cache_manager.coordinator.single_type_managers[group]
+        blocks.install_block_sizing(self.kv_cache_manager.coordinator, self._vt_manager, self._vt_table,
+                                    block_size)
         keys = ("policy", "budget", "mode", "sinks", "recent", "prompt_tail", "scope", "trigger")
         logger.info("vToken on: policy=%s budget=%s mode=%s sinks=%d recent=%d prompt_tail=%d scope=%s trigger=%s "
                     "block_size=%d %s",
@@ -163,8 +164,8 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
         if self.vt.invariants == "off":
             return
         start = time.perf_counter()
-        rows = {rid: row for m in self.kv_cache_manager.coordinator.single_type_managers
-                for rid, row in m.req_to_blocks.items()}
+        rows = [(rid, row) for m in self.kv_cache_manager.coordinator.single_type_managers
+                for rid, row in m.req_to_blocks.items()]  # a request holds a row in every group
         found = invariants.pool_violations(self.kv_cache_manager.block_pool, rows,
                                            (b for _, b in getattr(self, "deferred_frees", ())))
         tables = {rid: self._vt_reqs[rid].table for rid in scheduled

@@ -9,7 +9,9 @@ what vToken supports (docs/support.md lists every feature):
                                        constructor (before the model loads), by the scheduler, and by
                                        ``vtoken serve`` before it starts anything (``preflight``).
 ``check_supported(vllm_config, kv)``   the above plus the KV cache spec vLLM built from the model: one group,
-                                       exactly ``FullAttentionSpec`` (not MLA or another subclass), no
+                                       or one full-attention group beside sliding-window groups (hybrid
+                                       models; ``full_attention_group``); that group exactly
+                                       ``FullAttentionSpec`` (not MLA or another subclass), no
                                        sliding window, no chunked local attention, no non-causal layers,
                                        K and V of one head size, no packed or quantized pages. Called by the
                                        vToken scheduler's constructor.
@@ -28,7 +30,8 @@ import os
 
 from vtoken.errors import REFUSAL_PREFIX, ConfigError
 
-SUPPORTED = ("vToken supports decoder-only generation models whose layers all use causal full attention "
+SUPPORTED = ("vToken supports decoder-only generation models whose layers use causal full attention "
+             "(sliding-window layers beside one group of full-attention layers: vToken manages the full ones) "
              "over one unquantized KV cache (fp32/fp16/bf16), tensor parallelism, pipeline parallel size 1; "
              "see docs/support.md")
 # FullAttentionSpec fields that may take any value (sizes and bookkeeping vToken reads through the layout)
@@ -110,19 +113,36 @@ def check_kv_spec(spec) -> None:
             _refuse(f"a KV cache spec variant vToken has not proven ({f.name}={getattr(spec, f.name)!r})")
 
 
-def check_supported(vllm_config, kv_cache_config) -> None:
-    """Refuse configurations vToken cannot keep exact (raises ``ConfigError``); see the module docstring."""
+def check_supported(vllm_config, kv_cache_config) -> int:
+    """Refuse configurations vToken cannot keep exact (raises ``ConfigError``); see the module docstring.
+    Returns the index of the KV cache group vToken manages (``full_attention_group``)."""
     check_engine_config(vllm_config)
-    check_kv_groups(kv_cache_config.kv_cache_groups)
-    check_kv_spec(kv_cache_config.kv_cache_groups[0].kv_cache_spec)
+    return full_attention_group(kv_cache_config.kv_cache_groups)
 
 
-def check_kv_groups(groups) -> None:
-    """Refuse more than one KV cache group (hybrid models; raises ``ConfigError``)."""
-    if len(groups) != 1:
-        kinds = ", ".join(sorted({type(g.kv_cache_spec).__name__ for g in groups}))
-        _refuse(f"{len(groups)} KV cache groups ({kinds}): hybrid models (sliding-window and full layers, "
-                "Mamba) are not supported")
+def full_attention_group(groups) -> int:
+    """The index of the one KV cache group vToken manages: the only group, or, on a hybrid model (vLLM's
+    hybrid KV cache manager: sliding-window layers in their own groups), the single full-attention group
+    beside groups that are all ``SlidingWindowSpec`` (left to vLLM). Refuses other mixes (raises
+    ``ConfigError`` naming the groups' kinds). Pure."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    kinds = [type(g.kv_cache_spec) for g in groups]
+    if len(groups) == 1:
+        check_kv_spec(groups[0].kv_cache_spec)
+        return 0
+    names = ", ".join(sorted({k.__name__ for k in kinds}))
+    other = sorted({k.__name__ for k in kinds if k not in (FullAttentionSpec, SlidingWindowSpec)})
+    if other:
+        _refuse(f"{len(groups)} KV cache groups ({names}): hybrid models with {', '.join(other)} layers "
+                "(Mamba, chunked local, cross attention) are not supported; sliding-window + full attention is")
+    full = [i for i, k in enumerate(kinds) if k is FullAttentionSpec]
+    if len(full) != 1:
+        _refuse(f"{len(groups)} KV cache groups ({names}) with {len(full)} full-attention groups: vToken keeps "
+                "one token table per request on exactly one full-attention group (a hybrid model whose global "
+                "layers fill more than one group)")
+    check_kv_spec(groups[full[0]].kv_cache_spec)
+    return full[0]
 
 
 def check_attention_layer(name: str, impl) -> None:
