@@ -1,0 +1,127 @@
+"""Hybrid models (sliding-window + global layers) in the real vLLM engine: vToken on the full-attention KV
+cache group, the sliding-window groups left to vLLM (issue 27).
+
+The tiny Gemma 3 (3 sliding-window layers of 64 tokens, 1 global layer; 4 KV cache groups) runs the paths
+that cross both kinds of group — prefix caching (a hit must cover every group), chunked prefill (64 tokens a
+step) and preemption (the pool is shared by all groups) — each exact against the masked HF reference, whose
+sliding layers see their logical window and global layers vToken's visibility. The real Gemma 3 270M
+(window 512, 5 sliding : 1 global, 18 layers) runs every policy x {naive, repack} with a context shorter
+and one longer than its window. The policy x mode matrix on the tiny model is in test_vllm_engine.py.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+from test_vllm_engine import POLICIES, TOL, check_against_reference, scheduler_of, shutdown, sp
+
+from vtoken.vllm.launch import start_engine
+from vtoken.vllm.trace import RequestTrace
+from vtoken.vllm.verify import VerifyCase, run_cases
+
+
+@pytest.fixture(scope="module")
+def gemma3_tiny():
+    from vtoken.models.tiny import tiny_model
+
+    return tiny_model("gemma3")
+
+
+@pytest.fixture(scope="module")
+def ref_gemma3(gemma3_tiny):
+    from vtoken.models.hf_reference import load_reference_model
+
+    return load_reference_model(gemma3_tiny)
+
+
+@pytest.fixture(scope="module")
+def hybrid_engine(gemma3_tiny, tmp_path_factory):
+    """Prefix caching on, chunked prefill (64 tokens per step), block size 32, 30 blocks shared by the 4
+    groups."""
+    d = tmp_path_factory.mktemp("traces")
+    llm = start_engine(str(gemma3_tiny), 32, str(d), enable_prefix_caching=True, max_num_batched_tokens=64,
+                       max_model_len=448, num_gpu_blocks_override=30, recent=8, check=True)
+    yield llm, d
+    shutdown(llm)
+
+
+def test_the_engine_manages_the_full_attention_group_only(hybrid_engine):
+    """vLLM built 4 groups (3 sliding, 1 full); vToken's scheduler rewrites the full group's rows only."""
+    llm, _ = hybrid_engine
+    sched = scheduler_of(llm)
+    managers = sched.kv_cache_manager.coordinator.single_type_managers
+    kinds = [type(m).__name__ for m in managers]
+    assert sorted(kinds) == ["FullAttentionManager"] + ["SlidingWindowManager"] * 3, kinds
+    assert type(sched._vt_manager).__name__ == "FullAttentionManager"
+
+
+def test_prefix_cache_hits_across_groups_and_stays_exact(hybrid_engine, ref_gemma3):
+    """vLLM's hybrid prefix cache hits where every group cached the blocks: a sliding-window group caches
+    the window at the end of a prompt, so a later prompt that extends an earlier one (multi-turn) hits it;
+    a shared prefix that ends mid-prompt does not, with or without vToken. B runs; A (repack) extends B's
+    prompt, hits its 5 full blocks in every group and evicts from them (copy on write: the cached blocks are
+    replaced, never rewritten); C extends B's prompt too and hits the same 160 tokens. All exact."""
+    llm, d = hybrid_engine
+    rng = np.random.default_rng(1)
+    pb = rng.integers(10, 500, 168).tolist()
+    pa, pc = (pb + rng.integers(10, 500, 40).tolist() for _ in range(2))
+    runs = {}
+    for tag, prompt, params in (("b", pb, sp(8, mode="none", trace_id="h-b")),
+                                ("a", pa, sp(80, mode="repack", budget=0.3, trace_id="h-a")),
+                                ("c", pc, sp(8, mode="none", trace_id="h-c"))):
+        out = llm.generate([{"prompt_token_ids": prompt}], [params], use_tqdm=False)[0]
+        runs[tag] = RequestTrace.read(d / f"h-{tag}.json")
+        check_against_reference(ref_gemma3, prompt, out, runs[tag])
+    assert runs["a"].epochs[0].hits == 160 and runs["a"].evicted > 0 and runs["a"].cow_blocks > 0
+    assert runs["c"].epochs[0].hits == 160  # nobody rewrote the cached blocks
+
+
+def test_preemption_over_a_pool_the_groups_share_is_exact(hybrid_engine, ref_gemma3):
+    """X (no eviction) grows until the 30-block pool (shared by the sliding groups' windows and the full
+    group) forces vLLM to preempt Y (repack, 48-token budget); Y recomputes from its logical tokens and
+    every generated token matches the HF reference of the epoch that produced it."""
+    llm, d = hybrid_engine
+    rng = np.random.default_rng(3)
+    px, py = rng.integers(10, 500, 64).tolist(), rng.integers(10, 500, 96).tolist()
+    outs = llm.generate([{"prompt_token_ids": px}, {"prompt_token_ids": py}],
+                        [sp(360, mode="none", trace_id="hp-x"), sp(300, mode="repack", budget=48, trace_id="hp-y")],
+                        use_tqdm=False)
+    ty = RequestTrace.read(d / "hp-y.json")
+    assert len(ty.epochs) >= 2, "Y was expected to be preempted"
+    assert ty.evicted > 0 and max(ty.live_tokens) <= 48 + 64
+    check_against_reference(ref_gemma3, px, outs[0], RequestTrace.read(d / "hp-x.json"))
+    check_against_reference(ref_gemma3, py, outs[1], ty)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt_len", [160, 700])
+def test_gemma3_270m_every_policy_and_mode_is_exact(prompt_len, tmp_path):
+    """The real hybrid model (window 512): with a context inside the window (160 + 16 tokens) and past it
+    (700 + 16), every policy in repack and naive gives the masked HF reference's greedy tokens, and the
+    two modes the same tokens (paired decisions); repack holds fewer blocks than naive for most policies.
+    Each policy's pair runs on its own (as ``vtoken verify`` does): in a batch of 16 the CPU kernel's float
+    sums depend on the batch, and Scissorhands' threshold counts at 700 tokens flip on such near-ties."""
+    from vtoken.models.default import resolve_model
+    from vtoken.models.hf_reference import load_reference_model
+
+    path = resolve_model("gemma3-270m")
+    reference = load_reference_model(path)
+    llm = start_engine(str(path), 32, str(tmp_path), max_model_len=1024)
+    results = []
+    try:
+        for policy in [*POLICIES, "snapkv"]:
+            results += run_cases(path, 32, [VerifyCase(policy, m, 0.3) for m in ("naive", "repack")], llm=llm,
+                                 trace_dir=str(tmp_path), prompt_len=prompt_len, max_tokens=16,
+                                 reference_model=reference)
+    finally:
+        shutdown(llm)
+        gc.collect()
+    for r in results:
+        key = r.case.key()
+        assert r.match and r.max_abs_logprob_diff <= 10 * TOL, (key, r.max_abs_logprob_diff)
+        assert r.paired_naive_match and r.evicted_tokens > 0, key
+    by = {(r.case.policy, r.case.mode): r for r in results}
+    assert sum(by[(p, "repack")].retained_blocks_mean < by[(p, "naive")].retained_blocks_mean
+               for p in [*POLICIES, "snapkv"]) >= 4
