@@ -205,3 +205,41 @@ def test_simulator_leaves_no_llvmlite_behind():
             "print('llvmlite' in sys.modules or 'numba' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ------------------------------------------------------------------------------ hybrid models: whole pool
+def test_window_blocks_known_answers():
+    """vLLM's sliding-window row after ``seen`` tokens (B = 4, window 6): the next token attends the last 5,
+    whole blocks before them went back to the pool."""
+    from vtoken.sim.result import window_blocks
+
+    seen = np.array([1, 4, 5, 8, 9, 12, 13, 14, 100])
+    # skipped tokens max(seen - 5, 0) -> whole blocks skipped 0 0 0 0 1 1 2 2 23; rows ceil(seen / 4)
+    assert window_blocks(seen, 6, 4).tolist() == [1, 1, 2, 2, 2, 2, 2, 2, 2]
+    assert window_blocks(np.array([10]), 1000, 4).tolist() == [3]  # window longer than the context: all
+
+
+def test_whole_pool_adds_the_same_sliding_blocks_to_every_mode():
+    """A hybrid shape (window 64, 3 sliding-window groups): every mode's pool = its full-group blocks + the
+    sliding groups' mean (the same in every mode); repack's saving is smaller on the whole pool than on the
+    full group alone, and both are reported."""
+    from vtoken.sim.result import window_blocks
+
+    cfg = SimConfig.of(policy="h2o", budget=0.2, block_size=16, prompt_len=256, gen_len=64, requests=8,
+                       window=64, window_groups=3)
+    out, _ = run_simulation(cfg)
+    pool = out["pool"]
+    sliding = 3 * window_blocks(256 + np.arange(1, 65), 64, 16).mean()
+    assert pool["sliding_blocks_mean"] == pytest.approx(sliding) and sliding > 0
+    for m, e in out["modes"].items():
+        assert pool["modes"][m]["pool_blocks_mean"] == pytest.approx(e["retained_blocks_mean"] + sliding)
+    assert out["modes"]["repack"]["vs_naive_pct"] < pool["modes"]["repack"]["vs_naive_pct"] < 0
+    plain, _ = run_simulation(replace(cfg, window=None, window_groups=0))
+    assert "pool" not in plain and plain["modes"] == out["modes"]
+
+
+@pytest.mark.parametrize("window,groups", [(64, 0), (None, 2), (0, 2), (64, -1)])
+def test_window_and_groups_go_together(window, groups):
+    r = CliRunner().invoke(app, ["simulate", "--requests", "2"] + (["--window", str(window)] if window is not None
+                                                                   else []) + ["--window-groups", str(groups)])
+    assert r.exit_code == 2 and "window and window-groups go together" in r.stderr, r.output

@@ -42,6 +42,9 @@ def simulate(
                                "exact with --granularity block"),
     workers: int = typer.Option(1, help="processes for the fast engine"),
     traces: Path = typer.Option(None, help=".npz of recorded attention (`vtoken trace record`); default synthetic"),
+    window: int = typer.Option(None, help="a hybrid model's sliding window: also report the whole pool"),
+    window_groups: int = typer.Option(0, "--window-groups",
+                                      help="its sliding-window KV cache groups (Gemma 3 270M: 5, window 512)"),
     as_json: bool = typer.Option(False, "--json", help="print the JSON contract only"),
     plot: Path = typer.Option(None, help="write a PNG of mean retained blocks per decode step and mode"),
 ) -> None:
@@ -54,6 +57,7 @@ def simulate(
         cfg = SimConfig.of(policy=policy, budget=budget, block_size=block_size, prompt_len=prompt_len,
                            gen_len=gen_len, requests=requests, seed=seed, sinks=sinks, recent=recent,
                            trigger=trigger, granularity=granularity, workers=workers, traces=traces,
+                           window=window, window_groups=window_groups,
                            engine=engine or ("exact" if granularity == "block" else "fast"))
         out, tally = _run_with_progress(cfg, run_simulation, quiet=as_json)
     except ConfigError as err:
@@ -95,6 +99,12 @@ def _print_table(out: dict) -> None:
                   str(e.get("moves_total", "")), str(e.get("moves_lower_bound", "")))
     t.add_row("packing bound", f"{out['packing_bound_mean']:.2f}", "", "", "", "")
     Console().print(t)
+    if out.get("pool"):  # a hybrid model: the sliding-window groups' blocks come on top in every mode
+        pool = out["pool"]
+        typer.echo(f"whole pool ({out['window_groups']} sliding-window groups of window {out['window']}: "
+                   f"+{pool['sliding_blocks_mean']:.2f} blocks per request): " + ", ".join(
+                       f"{m} {e['pool_blocks_mean']:.2f}" + (f" ({e['vs_naive_pct']:+.1f}%)" if "vs_naive_pct" in e
+                                                             else "") for m, e in pool["modes"].items()))
     typer.echo(f"{out['seconds']:.2f} s ({out['engine']} engine, {out['source']} attention)")
 
 

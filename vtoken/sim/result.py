@@ -78,3 +78,29 @@ class SimTally:
             "live_tokens_mean": float(self.live_per_step_sum.sum() / denom),
             "modes": modes,
         }
+
+
+def window_blocks(seen: np.ndarray, window: int, block_size: int) -> np.ndarray:
+    """Blocks one sliding-window KV cache group holds for a request with ``seen`` tokens (vLLM 0.32's
+    ``SlidingWindowManager``: the next token attends the last ``window - 1`` of them, the ``seen - window +
+    1`` before are skipped, whole skipped blocks go back to the pool). Pure, vectorised over ``seen``::
+
+        B = 4, window 6, seen 13    [0 1 2 3][4 5 6 7][8 9 10 11][12]    tokens 0-7 skipped: 2 blocks held
+    """
+    seen = np.asarray(seen, dtype=np.int64)
+    skipped = np.maximum(seen - window + 1, 0) // block_size
+    return -(-seen // block_size) - skipped
+
+
+def whole_pool(summary: dict, prompt_len: int, gen_len: int, block_size: int, window: int, groups: int) -> dict:
+    """A hybrid model's whole pool per request, from a simulation of its full-attention group (``summary``:
+    ``SimTally.summary()``): each mode's mean retained blocks plus ``groups`` sliding-window groups' blocks
+    at every decode step (the same in every mode: vToken leaves them to vLLM), and repack's saving against
+    naive over that whole pool. Pure."""
+    seen = prompt_len + np.arange(1, gen_len + 1)
+    sliding = float(groups * window_blocks(seen, window, block_size).mean())
+    pool = {m: {"pool_blocks_mean": e["retained_blocks_mean"] + sliding} for m, e in summary["modes"].items()}
+    naive = pool["naive"]["pool_blocks_mean"]
+    for m in MOVING_MODES:
+        pool[m]["vs_naive_pct"] = 100.0 * (pool[m]["pool_blocks_mean"] / naive - 1.0) if naive else 0.0
+    return {"sliding_blocks_mean": sliding, "modes": pool}

@@ -14,7 +14,7 @@ from vtoken.core.config import Granularity, Mode, VTokenConfig
 from vtoken.errors import ConfigError
 from vtoken.sim.exact import simulate_exact
 from vtoken.sim.fast import simulate_fast
-from vtoken.sim.result import SimTally
+from vtoken.sim.result import SimTally, whole_pool
 from vtoken.sim.source import SyntheticConfig, SyntheticSource, TraceSource
 
 ENGINES = ("fast", "exact")
@@ -23,6 +23,8 @@ ENGINES = ("fast", "exact")
 RESULT_KEYS = frozenset({"policy", "budget", "block_size", "requests", "prompt_len", "gen_len", "seed",
                          "sinks", "recent", "trigger", "granularity", "engine", "workers", "source",
                          "packing_bound_mean", "live_tokens_mean", "modes", "seconds"})
+# and, for a hybrid model's shape (``window`` set), the whole pool: ``result.whole_pool``
+HYBRID_KEYS = frozenset({"window", "window_groups", "pool"})
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class SimConfig:
     workers: int = 1  # processes for the fast engine (chunks run in parallel)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     traces: Path | None = None  # recorded attention (.npz from `vtoken trace record`) instead of synthetic
+    window: int | None = None  # a hybrid model: its sliding-window layers' window (the simulated layers are
+    window_groups: int = 0  # its full-attention group; this many sliding-window groups of blocks beside it)
 
     def __post_init__(self) -> None:
         for name in ("prompt_len", "gen_len", "requests", "chunk", "workers"):
@@ -48,6 +52,12 @@ class SimConfig:
                 raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {v!r}")
         if self.engine not in ENGINES:
             raise ConfigError(f"unknown engine {self.engine!r}; valid engines: {', '.join(ENGINES)}")
+        if (self.window is None) != (self.window_groups == 0) or (self.window is not None and (
+                isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1
+                or self.window_groups < 1)):
+            raise ConfigError(f"window and window-groups go together, both positive (a hybrid model's sliding "
+                              f"window and its sliding-window KV cache groups), got {self.window!r} and "
+                              f"{self.window_groups!r}")
         if self.engine == "fast" and self.vtoken.granularity is Granularity.BLOCK:
             raise ConfigError("granularity 'block' runs on the exact engine only: pass --engine exact")
 
@@ -140,6 +150,10 @@ def run_simulation(cfg: SimConfig, on_requests: Callable[[int], None] | None = N
         **tally.summary(),
         "seconds": round(seconds, 3),
     }
+    if cfg.window is not None:
+        out.update(window=cfg.window, window_groups=cfg.window_groups,
+                   pool=whole_pool(out, cfg.prompt_len, cfg.gen_len, vt["block_size"], cfg.window,
+                                   cfg.window_groups))
     return out, tally
 
 
