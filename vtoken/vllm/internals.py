@@ -29,13 +29,15 @@ Scheduler side (engine-core process) — ``vtoken/vllm/scheduler.py``, ``async_s
     ``max_num_running_reqs``) — read once as the configured limit and lowered before each ``schedule()`` by
     SLO-aware admission (``vtoken/vllm/admission.py``, ``admission_tpot_ms``); ``SchedulerOutput
     .total_num_scheduled_tokens`` read to time non-empty steps.
-  * ``KVCacheCoordinator.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` — wrapped *on the
-    scheduler's own coordinator instance* so rows are sized by the token table (live tokens, or the naive
-    rule) instead of the logical token count; ``num_computed_tokens`` stays logical.
+  * ``SingleTypeKVCacheManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` — wrapped *on the
+    scheduler's own full-attention manager instance* (the coordinator calls each group's manager) so rows
+    are sized by the token table (live tokens, or the naive rule) instead of the logical token count;
+    ``num_computed_tokens`` stays logical, and a hybrid model's sliding-window managers keep vLLM's sizing.
   * ``KVCacheCoordinator.cache_blocks`` — wrapped on the instance: no new prefix-cache hashes for a
     request after its first eviction (its KV no longer matches its token-hash chain).
-  * ``coordinator.single_type_managers[0].req_to_blocks`` / ``.num_cached_block`` — the request's block
-    row (``KVCacheBlock.block_id``, ``ref_cnt``, ``block_hash``, ``is_null``): shortened in place when a
+  * ``coordinator.single_type_managers[g].req_to_blocks`` / ``.num_cached_block`` (``g``: the
+    full-attention group, ``support.full_attention_group``; every manager's rows are read by the pool
+    invariant) — the request's block row (``KVCacheBlock.block_id``, ``ref_cnt``, ``block_hash``, ``is_null``): shortened in place when a
     repack frees the tail (no public "free a suffix" exists); an entry replaced in place when a block the
     step must not write gets a copy-on-write replacement (``blocks.rewrite_row``).
   * ``BlockPool.is_block_writable`` (which row blocks a step may write), ``get_new_blocks`` (a fresh
@@ -48,7 +50,8 @@ Scheduler side (engine-core process) — ``vtoken/vllm/scheduler.py``, ``async_s
     (``vtoken/vllm/transport.py``); ``num_scheduled_tokens`` is read.
   * ``SchedulerStats.running_lora_adapters`` (``dict[str, int]``) — carries the vToken gauges to the front
     end, because msgspec drops subclass fields (``vtoken/vllm/stats.py``).
-  * ``vllm.v1.kv_cache_interface.FullAttentionSpec`` / ``SlidingWindowSpec`` — to refuse unsupported models.
+  * ``vllm.v1.kv_cache_interface.FullAttentionSpec`` / ``SlidingWindowSpec`` / ``KVCacheGroupSpec`` — to find
+    the full-attention group of a hybrid model (the others must be sliding-window groups) and refuse the rest.
 
 Engine construction (worker and scheduler) — ``vtoken/vllm/engine_setup.py``
   * ``VllmConfig.use_v2_model_runner`` (a property over ``vllm.envs.VLLM_USE_V2_MODEL_RUNNER``,
@@ -82,17 +85,21 @@ Worker side (worker process) — ``vtoken/vllm/runner.py``, ``results.py``, ``wo
     (``runner._forward_order``; the listed order when a name carries none).
   * ``GPUModelRunner._update_states`` — overridden: slot moves and row truncation run *before* vLLM's
     update (which zeroes new blocks and appends new block ids), then ``super()``.
-    Touched: ``self.requests[req].block_ids``, ``input_batch.req_id_to_index``,
-    ``input_batch.block_table.block_tables[g].block_table.np`` / ``num_blocks_per_row``.
+    Touched (group ``g`` only: the full-attention group): ``self.requests[req].block_ids[g]``,
+    ``input_batch.req_id_to_index``, ``input_batch.block_table[g].block_table.np`` / ``num_blocks_per_row``.
   * ``GPUModelRunner._prepare_inputs`` — overridden: after ``super()``, ``self.seq_lens`` and
-    ``self.optimistic_seq_lens_cpu`` are reduced to the live length, the slot mapping is recomputed with
-    ``input_batch.block_table.compute_slot_mapping`` from physical positions (``self.positions`` stays
-    logical for RoPE; read ``self.req_indices``, ``self.query_start_loc``), or written directly into
-    ``block_table[0].slot_mapping`` for tokens placed into holes.
+    ``self.optimistic_seq_lens_cpu`` are reduced to the live length, group ``g``'s slot mapping is recomputed
+    with ``input_batch.block_table[g].compute_slot_mapping`` from physical positions (``self.positions``
+    stays logical for RoPE; read ``self.req_indices``, ``self.query_start_loc``), or written directly into
+    ``block_table[g].slot_mapping`` for tokens placed into holes.
+  * ``self.attn_groups[gid][i].metadata_builders[k].build`` — hybrid models: wrapped per instance for every
+    group but ``g`` to get a copy of its ``CommonAttentionMetadata`` (``dataclasses.replace``) with the
+    logical ``seq_lens`` / ``seq_lens_cpu_upper_bound`` / ``max_seq_len`` (vLLM shares one ``seq_lens``
+    buffer across groups in ``_build_attention_metadata``; the sliding-window groups' rows stay logical).
   * ``GPUModelRunner.execute_model`` / ``sample_tokens`` — wrapped to return the step's scores and move
     timings on the ``ModelRunnerOutput`` (dataclass subclass with one declared field; never mutating
     ``EMPTY_MODEL_RUNNER_OUTPUT``); after the forward, the new keys are read back from ``layer.kv_cache`` at
-    ``block_table[0].slot_mapping`` for their norms. An ``vllm.v1.outputs.AsyncModelRunnerOutput`` (async
+    ``block_table[g].slot_mapping`` for their norms. An ``vllm.v1.outputs.AsyncModelRunnerOutput`` (async
     scheduling) is wrapped in a subclass whose ``get_output()`` finishes the scores after vLLM's own copy.
     Read: ``self.device`` (CUDA: pinned host→device copies, ``torch.cuda.Event`` timing of the moves).
   * ``compilation_config.static_forward_context[layer].impl.forward`` — wrapped per instance to compute
@@ -104,7 +111,7 @@ Worker side (worker process) — ``vtoken/vllm/runner.py``, ``results.py``, ``wo
     ``[num_blocks, kv_heads, block_size, 2*head_dim]`` with an
     ISA-specific interior, discovered with ``vllm._custom_ops.cpu_attn_reshape_and_cache`` (the backend's
     own writer) instead of hard-coded (``vtoken/kernels/layout.py``).
-  * ``kv_cache_config.kv_cache_groups[0].layer_names`` — the attention layers to move and score.
+  * ``kv_cache_config.kv_cache_groups[g].layer_names`` — the attention layers to move and score.
 
 Engine/front end
   * ``vllm.envs.disable_envs_cache`` — ``vtoken.vllm.launch.scoped_env`` builds in-process engines for
