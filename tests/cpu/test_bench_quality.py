@@ -72,6 +72,29 @@ def test_passkey_cases_and_text_windows_follow_the_seed(default_model):
 
 
 @pytest.mark.slow
+def test_a_base_model_without_a_chat_template_gets_plain_prompts_with_its_bos(default_model):
+    """Gemma 3 270M (base, no chat template; its tokenizer adds <bos>, without which it is incoherent): the
+    pass-key prompt is plain text that starts the answer, every prompt starts with <bos> and keeps its
+    length; SmolLM2's prompts do not change (its tokenizer adds nothing)."""
+    from transformers import AutoTokenizer
+
+    from vtoken.bench.fidelity import fidelity_prompts
+    from vtoken.bench.quality_tasks import bos_ids, passkey_cases, text_windows
+    from vtoken.models.default import resolve_model
+
+    gemma = AutoTokenizer.from_pretrained(str(resolve_model("gemma3-270m")))
+    smol = AutoTokenizer.from_pretrained(str(default_model))
+    assert bos_ids(gemma) == [gemma.bos_token_id] and bos_ids(smol) == []
+    case = passkey_cases(gemma, 200, (0.5,), 1, seed=0)[0]
+    assert case.prompt_ids[0] == gemma.bos_token_id
+    assert gemma.decode(case.prompt_ids).endswith("What is the pass key?\nAnswer: The pass key is")
+    for w in text_windows(gemma, 128, 2, seed=0) + fidelity_prompts(gemma, 32, 2, seed=0):
+        assert w.prompt_ids[0] == gemma.bos_token_id and len(w.prompt_ids) in (128, 32)
+    plain = text_windows(smol, 128, 2, seed=0)
+    assert all(w.prompt_ids[0] != smol.bos_token_id for w in plain)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quality_command_reports_full_cache_and_points(default_model, tmp_path):
     out, png, ruler_png = tmp_path / "q.json", tmp_path / "q.png", tmp_path / "r.png"

@@ -24,7 +24,7 @@ import statistics
 from dataclasses import replace
 
 from vtoken.bench.quality_runs import blocks_summary, run_on_engine
-from vtoken.bench.quality_tasks import TextWindow, prose_sources
+from vtoken.bench.quality_tasks import TextWindow, bos_ids, prose_sources
 
 TOP_K = 20  # vLLM's default max_logprobs
 FIDELITY_TOP1_BOUND = 0.9  # stated before measuring: a point keeps fidelity when its mean top-1 agreement ≥ this
@@ -36,11 +36,11 @@ def fidelity_prompts(tokenizer, tokens: int, count: int, seed: int) -> list[Text
     sources = prose_sources()
     names = list(sources)  # held-out passages first
     ids = {n: tokenizer(sources[n], add_special_tokens=False)["input_ids"] for n in names}
-    out = []
+    out, bos = [], bos_ids(tokenizer)  # Gemma 3: <bos> first, in place of the window's first token
     for i in range(count):
         name = names[i % len(names)]
         offset = rng.randint(0, len(ids[name]) - tokens)
-        out.append(TextWindow(f"fid-{i}", name, offset, tuple(ids[name][offset : offset + tokens])))
+        out.append(TextWindow(f"fid-{i}", name, offset, tuple(bos + ids[name][offset : offset + tokens - len(bos)])))
     return out
 
 

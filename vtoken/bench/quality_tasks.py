@@ -1,7 +1,8 @@
 """The two tasks of ``vtoken bench quality``, without an engine: instances and scoring (pure functions).
 
 * **Retrieval (pass key)**: a 5-digit key hidden at a given depth of repetitive filler, asked for at the
-  end, in the model's chat template. Correct when the generated text contains the key. The context length
+  end, in the model's chat template (a base model without one: plain text ending "Answer: The pass key
+  is"). Correct when the generated text contains the key. The context length
   is calibrated so the full cache solves it (SmolLM2-135M-Instruct: 10/10 at ≈ 470 prompt tokens, 6/10 at
   ≈ 850); the report carries the full-cache accuracy next to every point.
 * **Language modelling**: windows of real prose; the prompt's own log-probabilities give the perplexity.
@@ -63,11 +64,27 @@ def passkey_cases(tokenizer, context_tokens: int, depths: tuple[float, ...], per
             needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
             before = min(reps, max(0, round(reps * depth) + rng.randint(-1, 1)))  # the seed moves it too
             text = FILLER * before + needle + FILLER * (reps - before)
-            messages = [{"role": "user", "content": f"{INSTRUCTION}\n\n{text}\n\n{QUESTION}"}]
-            ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            ids = _ask(tokenizer, f"{INSTRUCTION}\n\n{text}\n\n{QUESTION}")
             cases.append(PasskeyCase(f"passkey-d{depth:g}-{i}", depth, key, tuple(int(t) for t in ids)))
     return cases
+
+
+def _ask(tokenizer, content: str) -> list[int]:
+    """The prompt ids of a question: in the model's chat template, or for a base model without one (Gemma 3
+    270M) as plain text that starts the answer, with the tokenizer's own special tokens (its ``<bos>``)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer(f"{content}\nAnswer: The pass key is")["input_ids"])
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=True,
+                                        add_generation_prompt=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def bos_ids(tokenizer) -> list[int]:
+    """``[<bos>]`` when the model's tokenizer starts every prompt with it (Gemma 3: its output is incoherent
+    without), else ``[]`` (SmolLM2). Windows of prose start with it in place of their first token."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    first = tokenizer("a")["input_ids"][:1]
+    return [bos] if bos is not None and first == [bos] else []
 
 
 def prose_sources() -> dict[str, str]:
@@ -97,7 +114,8 @@ def text_windows(tokenizer, tokens: int, count: int, seed: int) -> list[TextWind
         if len(ids) < tokens:
             raise ValueError(f"prose source {name} has {len(ids)} tokens, fewer than the window ({tokens})")
         offset = rng.randint(0, len(ids) - tokens)
-        windows.append(TextWindow(f"lm-{name}", name, offset, tuple(ids[offset : offset + tokens])))
+        bos = bos_ids(tokenizer)
+        windows.append(TextWindow(f"lm-{name}", name, offset, tuple(bos + ids[offset : offset + tokens - len(bos)])))
     return windows
 
 
