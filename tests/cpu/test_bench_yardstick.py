@@ -137,3 +137,6 @@ def test_the_parity_budget_is_the_smallest_with_every_larger_one_at_parity_too()
                    ("tova", "token", "fraction"): None, ("snapkv", "token", "fraction"): 0.5,
                    ("h2o", "token", "tokens"): 96, ("h2o", "block", "fraction"): 0.5}
     assert parity_budgets([{**point("h2o", 0.5, True), "fidelity": None}])[0]["parity_budget"] == 0.5
+    # the adaptive budget is a setting of its own: its points never mix with the fixed budget's
+    masses = parity_budgets([{**point("h2o", 1.0, True), "keep_mass": 0.9}, point("h2o", 1.0, False)])
+    assert {r["keep_mass"]: r["parity_budget"] for r in masses} == {0.9: 1.0, None: None}

@@ -209,3 +209,29 @@ def test_random_victims_are_spread_uniformly_over_evictable_positions():
     expected = 2000 * 8 / 32
     chi2 = float(((counts[4:36] - expected) ** 2 / expected).sum())
     assert chi2 < 80, (chi2, counts[4:36].tolist())
+
+
+# ------------------------------------------------------------------------------ the adaptive budget
+def mass_victims(keep_mass: float, budget=1.0, trigger: str = "step", policy: str = "h2o") -> list[int]:
+    cfg = VTokenConfig(policy=policy, budget=budget, keep_mass=keep_mass, block_size=4, sinks=0, recent=3,
+                       trigger=trigger)
+    return choose_victims(attended(), make_policy(policy), cfg, 0).tolist()
+
+
+@pytest.mark.parametrize(("keep_mass", "expected"), [(0.95, []), (0.9, [3]), (0.75, [3, 5]), (0.6, [2, 3, 5])])
+def test_keep_mass_evicts_the_lightest_tokens_while_the_rest_hold_that_share(keep_mass, expected):
+    """``keep_mass`` τ with no fixed budget (1.0): H2O's evictable prompt tokens 0..5 hold 2.590 1.610 1.130
+    0.817 1.177 0.987 (Σ 8.311; the generated ones are protected). Lightest first, the running sums are
+    0.817 1.804 2.934 4.111 …: a token goes while the evicted sum stays ≤ (1 − τ) · 8.311 — 0.416 at 0.95
+    (none), 0.831 at 0.9 (token 3), 2.078 at 0.75 (3, 5), 3.324 at 0.6 (2, 3, 5)."""
+    assert mass_victims(keep_mass) == expected
+
+
+def test_keep_mass_takes_the_larger_count_and_follows_the_trigger():
+    """The budget stays an upper bound on what is kept: 6 of 9 live (3 due) beats τ = 0.9's one victim; with
+    trigger ``block`` (B = 4) a mass count below a block waits; other policies' scores are no mass."""
+    assert mass_victims(0.9, budget=6) == [2, 3, 5]
+    assert mass_victims(0.6, trigger="block") == []  # 3 due < one block of 4
+    assert mass_victims(0.6, policy="tova") == [0, 4, 5]  # TOVA's newest-query masses: 0.10 0.01 0.02 …
+    with pytest.raises(Exception, match="keep_mass needs a policy that scores attention mass"):
+        mass_victims(0.9, policy="knorm")

@@ -243,3 +243,17 @@ def test_window_and_groups_go_together(window, groups):
     r = CliRunner().invoke(app, ["simulate", "--requests", "2"] + (["--window", str(window)] if window is not None
                                                                    else []) + ["--window-groups", str(groups)])
     assert r.exit_code == 2 and "window and window-groups go together" in r.stderr, r.output
+
+
+def test_keep_mass_runs_on_the_exact_engine_and_saves_blocks_without_a_fixed_budget():
+    """``keep_mass`` (the adaptive budget) with budget 1.0: the exact engine evicts by the attention mass
+    alone (repack holds fewer blocks than no eviction, at most naive's); the fast engine, whose requests share
+    one live count, refuses it by name."""
+    base = dict(policy="h2o", budget=1.0, keep_mass=0.9, block_size=16, prompt_len=128, gen_len=32, requests=4)
+    out, _ = run_simulation(SimConfig.of(**base, engine="exact"))
+    modes = out["modes"]
+    assert modes["repack"]["retained_blocks_mean"] < modes["none"]["retained_blocks_mean"]
+    assert modes["repack"]["retained_blocks_mean"] <= modes["naive"]["retained_blocks_mean"]
+    assert out["live_tokens_mean"] < 128 + 16
+    r = CliRunner().invoke(app, ["simulate", "--budget", "1.0", "--requests", "2", "--keep-mass", "0.9"])
+    assert r.exit_code == 2 and "keep_mass runs on the exact engine only" in r.stderr, r.output

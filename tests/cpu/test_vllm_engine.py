@@ -229,6 +229,33 @@ def test_question_aware_prompt_scores_are_exact_paired_and_change_h2o(prefix_eng
     assert not np.array_equal(ev["qa-repack"], ev["qa-all"]), "the window did not change H2O's decisions"
 
 
+@pytest.mark.parametrize("policy", ["h2o", "tova"])
+def test_adaptive_budget_is_exact_paired_and_keeps_what_the_mass_needs(policy, prefix_engine, ref_llama):
+    """``keep_mass: 0.9`` with ``budget: 1.0`` per request through vLLM: the scores alone decide how many
+    tokens go each step (the kept evictable tokens hold ≥ 90 % of their attention mass); exact against the
+    HF masked reference and equal to the paired naive run; tokens are evicted although no fixed budget asks
+    for it, and the live count is not a fixed share of the context."""
+    from vllm import SamplingParams
+
+    llm, d = prefix_engine
+    prompt = np.random.default_rng(11).integers(10, 500, 150).tolist()
+
+    def params(trace_id, mode):
+        vt = {"policy": policy, "mode": mode, "budget": 1.0, "keep_mass": 0.9, "salt": 19, "trace_id": trace_id}
+        return SamplingParams(max_tokens=40, temperature=0.0, logprobs=0, ignore_eos=True,
+                              skip_reading_prefix_cache=True, extra_args={"vtoken": vt})
+
+    runs = [(f"km-{policy}-repack", "repack"), (f"km-{policy}-naive", "naive")]
+    outs = [llm.generate([{"prompt_token_ids": prompt}], [params(*r)], use_tqdm=False)[0] for r in runs]
+    traces = [RequestTrace.read(d / f"{name}.json") for name, _ in runs]
+    tokens = check_against_reference(ref_llama, prompt, outs[0], traces[0])
+    assert tokens == list(outs[1].outputs[0].token_ids), "tokens differ from the paired naive run"
+    assert np.array_equal(traces[0].epochs[0].evicted_round, traces[1].epochs[0].evicted_round)
+    assert traces[0].evicted > 0, "the mass rule evicted nothing: the test would prove nothing"
+    share = np.asarray(traces[0].live_tokens) / (150 + np.arange(len(traces[0].live_tokens)))
+    assert share.max() - share.min() > 0.02, "the live share looks fixed, not decided by the mass"
+
+
 def test_abort_frees_state_and_blocks(prefix_engine):
     llm, _ = prefix_engine
     eng = llm.llm_engine

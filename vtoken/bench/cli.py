@@ -259,7 +259,11 @@ def quality_cmd(
     prompt_scores: str = typer.Option("all", "--prompt-scores",
                                       help="comma-separated: all and/or window (question-aware: H2O ranks the prompt "
                                            "by its last queries); each point per value"),
-    model: str = typer.Option("default", help="a trained model: default | smollm2 | PATH"),
+    keep_masses: str = typer.Option("none", "--keep-masses",
+                                    help="comma-separated: none and/or fractions τ in (0, 1) (the adaptive budget: "
+                                         "also evict while the rest holds τ of the attention mass); each point "
+                                         "per value"),
+    model: str = typer.Option("default", help="a trained model: default | smollm2 | gemma3-270m | PATH"),
     seed: int = typer.Option(0, help="draws other pass keys, needle positions and text windows"),
     context_tokens: int = typer.Option(400, "--context-tokens", help="filler tokens around the pass key"),
     chunk: int = typer.Option(64, help="prefill chunk of the language-modelling task (tokens)"),
@@ -303,9 +307,12 @@ def quality_cmd(
         scope_values = tuple(VTokenConfig(scope=v.strip()).scope.value for v in scopes.split(",") if v.strip())
         ps_values = tuple(VTokenConfig(prompt_scores=v.strip()).prompt_scores.value
                           for v in prompt_scores.split(",") if v.strip())
+        mass_values = tuple(None if v.strip() == "none" else VTokenConfig(keep_mass=v.strip()).keep_mass
+                            for v in keep_masses.split(",") if v.strip()) or (None,)
         for p in chosen:
             for g in grans:
-                VTokenConfig(policy=p, **({"granularity": g} if g != "token" else {}))
+                for m in mass_values:
+                    VTokenConfig(policy=p, keep_mass=m, **({"granularity": g} if g != "token" else {}))
         if chunk < 16 or context_tokens < 32:
             raise ConfigError(f"--chunk {chunk} / --context-tokens {context_tokens}: need ≥ 16 / ≥ 32")
         ruler_tasks = _ruler_tasks(tasks or preset[6])
@@ -324,7 +331,8 @@ def quality_cmd(
         windows=preset[4], window_tokens=preset[5], chunk=chunk, seed=seed,
         tensor_parallel_size=tensor_parallel_size, score_layers=layer_values or (DEFAULT_SCORE_LAYERS,),
         prompt_tails=tail_values, scopes=scope_values or ("all",), prompt_scores=ps_values or ("all",),
-        ruler_tasks=ruler_tasks, ruler_lengths=ruler_lengths, ruler_samples=samples or preset[8],
+        keep_masses=mass_values, ruler_tasks=ruler_tasks, ruler_lengths=ruler_lengths,
+        ruler_samples=samples or preset[8],
         fidelity_prompts=fid_prompts,
         fidelity_tokens=fidelity_tokens or preset[10],
     )

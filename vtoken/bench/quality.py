@@ -58,6 +58,7 @@ class QualitySetup:
     prompt_tails: tuple[int, ...] = (0,)  # VTokenConfig.prompt_tail: each point once per value
     scopes: tuple[str, ...] = ("all",)  # VTokenConfig.scope: each point once per value
     prompt_scores: tuple[str, ...] = ("all",)  # VTokenConfig.prompt_scores: each point once per value
+    keep_masses: tuple[float | None, ...] = (None,)  # VTokenConfig.keep_mass: each point once per value
     ruler_tasks: tuple[str, ...] = ()  # RULER-style tasks (ruler_tasks.TASKS); () skips them
     ruler_lengths: tuple[int, ...] = (1024,)  # each task at each length (prompt + lm-eval's answer budget)
     ruler_samples: int = 50
@@ -77,6 +78,7 @@ class Point:
     prompt_tail: int = 0  # the prompt's last tokens never evicted
     scope: str = "all"  # "generated": decode-only eviction, the prompt kept whole
     prompt_scores: str = "all"  # "window": question-aware (H2O ranks the prompt by its observation window)
+    keep_mass: float | None = None  # the adaptive budget: also evict while the rest holds this attention share
 
     @property
     def mode(self) -> str:
@@ -90,6 +92,7 @@ class Point:
         tail += f"_tail{self.prompt_tail}" if self.prompt_tail else ""
         tail += f"_{self.scope}" if self.scope != "all" else ""
         tail += f"_q{self.prompt_scores}" if self.prompt_scores != "all" else ""
+        tail += f"_m{self.keep_mass:g}" if self.keep_mass is not None else ""
         return f"{self.policy}_{self.granularity}_{self.budget}{tail}"
 
     def extra(self, trace_id: str, salt: int) -> dict:
@@ -105,6 +108,8 @@ class Point:
             vt["scope"] = self.scope
         if self.prompt_scores != "all":
             vt["prompt_scores"] = self.prompt_scores
+        if self.keep_mass is not None:
+            vt["keep_mass"] = self.keep_mass
         return {"vtoken": vt}
 
 
@@ -117,9 +122,9 @@ REPORT_KEYS = frozenset({"bench", "command", "model", "setup", "full_cache", "po
 
 
 def points(setup: QualitySetup) -> list[Point]:
-    return [FULL] + [Point(p, g, b, n, t, s, q) for p in setup.policies for g in setup.granularities
+    return [FULL] + [Point(p, g, b, n, t, s, q, m) for p in setup.policies for g in setup.granularities
                      for b in setup.budgets for n in setup.score_layers for t in setup.prompt_tails
-                     for s in setup.scopes for q in setup.prompt_scores]
+                     for s in setup.scopes for q in setup.prompt_scores for m in setup.keep_masses]
 
 
 def run_retrieval(setup: QualitySetup, tokenizer, pts: list[Point], on_phase) -> dict:
@@ -174,9 +179,9 @@ def run_language_modelling(setup: QualitySetup, tokenizer, pts: list[Point], on_
 
 
 def parity_budgets(merged_points: list[dict]) -> list[dict]:
-    """Per policy × granularity × score_layers × prompt_tail × scope × prompt_scores × budget kind (fraction or
-    token count): the smallest budget at quality parity — inside the full cache's 95 % interval on every RULER task (``ruler.at_parity``) and,
-    where fidelity ran, ``keeps_fidelity`` — *with every larger budget measured at parity too* (one lucky
+    """Per policy × granularity × score_layers × prompt_tail × scope × prompt_scores × keep_mass × budget kind
+    (fraction or token count): the smallest budget at quality parity — inside the full cache's 95 % interval
+    on every RULER task (``ruler.at_parity``) and, where fidelity ran, ``keeps_fidelity`` — *with every larger budget measured at parity too* (one lucky
     small budget under a failing larger one is noise, not a setting to bank); ``None`` when the largest
     budget is not at parity. Empty without RULER tasks (the pass key's three prompts cannot say). Pure."""
     groups: dict[tuple, list[dict]] = {}
@@ -184,16 +189,17 @@ def parity_budgets(merged_points: list[dict]) -> list[dict]:
         if "at_parity" in p["ruler"]:
             kind = "tokens" if isinstance(p["budget"], int) else "fraction"
             groups.setdefault((p["policy"], p["granularity"], p["score_layers"], p.get("prompt_tail", 0),
-                               p.get("scope", "all"), p.get("prompt_scores", "all"), kind), []).append(p)
+                               p.get("scope", "all"), p.get("prompt_scores", "all"), p.get("keep_mass"), kind),
+                              []).append(p)
     out = []
-    for (policy, granularity, layers, tail, scope, prompt_scores, kind), group in groups.items():
+    for (policy, granularity, layers, tail, scope, prompt_scores, keep_mass, kind), group in groups.items():
         best = None
         for p in sorted(group, key=lambda p: p["budget"], reverse=True):
             if not (p["ruler"]["at_parity"] and (p["fidelity"] is None or p["fidelity"]["keeps_fidelity"])):
                 break
             best = p["budget"]
         out.append({"policy": policy, "granularity": granularity, "score_layers": layers, "prompt_tail": tail,
-                    "scope": scope, "prompt_scores": prompt_scores, "budget_kind": kind,
+                    "scope": scope, "prompt_scores": prompt_scores, "keep_mass": keep_mass, "budget_kind": kind,
                     "budgets": sorted(p["budget"] for p in group), "parity_budget": best})
     return out
 
@@ -221,14 +227,15 @@ def run_quality(setup: QualitySetup, on_phase=lambda text: None) -> dict:
 
         return {"policy": pt.policy, "granularity": pt.granularity, "mode": pt.mode, "budget": pt.budget,
                 "score_layers": pt.score_layers, "prompt_tail": pt.prompt_tail, "scope": pt.scope,
-                "prompt_scores": pt.prompt_scores,
+                "prompt_scores": pt.prompt_scores, "keep_mass": pt.keep_mass,
                 "accuracy": r["accuracy"], "perplexity": m["perplexity"],
                 "retained_blocks_mean": both("retained_blocks_mean"),
                 "packing_bound_mean": both("packing_bound_mean"), "retrieval": r, "language_modelling": m,
                 "ruler": ruler["points"].get(pt.key, {}), "fidelity": fidelity["points"].get(pt.key)}
 
     full = merged(FULL)
-    for key in ("policy", "granularity", "budget", "score_layers", "prompt_tail", "scope", "prompt_scores"):
+    for key in ("policy", "granularity", "budget", "score_layers", "prompt_tail", "scope", "prompt_scores",
+                "keep_mass"):
         full.pop(key)
     merged_points = [merged(pt) for pt in pts if pt is not FULL]
     return {

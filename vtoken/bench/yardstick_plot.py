@@ -14,7 +14,7 @@ from pathlib import Path
 
 def setting(point: dict) -> str:
     """A point's policy with its prompt protection, as the plot's legend and the table name it:
-    ``h2o``, ``h2o tail 64``, ``h2o decode-only``, ``h2o question-aware``. Pure."""
+    ``h2o``, ``h2o tail 64``, ``h2o decode-only``, ``h2o question-aware``, ``h2o mass 0.9``. Pure."""
     name = point["policy"]
     if point.get("prompt_tail"):
         name += f" tail {point['prompt_tail']}"
@@ -22,6 +22,8 @@ def setting(point: dict) -> str:
         name += " decode-only"
     if point.get("prompt_scores", "all") == "window":
         name += " question-aware"
+    if point.get("keep_mass") is not None:
+        name += f" mass {point['keep_mass']:g}"
     return name
 
 

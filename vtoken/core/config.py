@@ -245,6 +245,10 @@ class VTokenConfig:
     ``DEFAULT_SCORE_LAYERS`` (1, the last layer): measured on SmolLM2 at 1.05–1.06× a repack decode step
     (every layer: 1.59–1.78×) with perplexity −4.2…+1.6 % of every layer's and no pass key lost
     (docs/quality.md "Scoring a subset of layers").
+    ``keep_mass``: the adaptive budget (``None``: off): each step also evicts the lowest-scored evictable
+    tokens while the kept evictable ones hold ≥ ``keep_mass`` of their attention mass
+    (``ScorerPolicy.mass_evictions``; attention-mass policies, token granularity); ``budget`` stays an
+    upper bound on what is kept (``1.0``: only the mass decides), so each request keeps what it needs.
     """
 
     __pydantic_config__ = {"extra": "forbid"}  # read by pydantic only (the serving config's edge)
@@ -262,6 +266,7 @@ class VTokenConfig:
     granularity: Granularity = Granularity.TOKEN
     seed: int = 0
     score_layers: int | None = DEFAULT_SCORE_LAYERS
+    keep_mass: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", Budget.parse(self.budget))
@@ -279,7 +284,29 @@ class VTokenConfig:
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ConfigError(f"score_layers must be a positive integer (layers scored) or null (every layer), "
                               f"got {n!r}")
-        get_policy_class(self.policy)
+        cls = get_policy_class(self.policy)
+        self._check_keep_mass(cls)
+
+    def _check_keep_mass(self, cls) -> None:
+        m = self.keep_mass
+        if m is None:
+            return
+        if isinstance(m, str):  # the OpenAI API's vllm_xargs and CLI values may carry it as text
+            try:
+                m = float(m)
+            except ValueError:
+                pass
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 < m < 1.0:
+            raise ConfigError(f"keep_mass must be a fraction in (0, 1) (attention mass kept) or null, got {m!r}")
+        object.__setattr__(self, "keep_mass", float(m))
+        if not cls.attention_mass:
+            from vtoken.policies import policy_names
+
+            valid = [n for n in policy_names() if get_policy_class(n).attention_mass]
+            raise ConfigError(f"keep_mass needs a policy that scores attention mass, not {self.policy!r}; "
+                              f"valid: {', '.join(valid)}")
+        if self.granularity is Granularity.BLOCK:
+            raise ConfigError("keep_mass evicts single tokens; it does not combine with granularity 'block'")
 
     @property
     def question_aware(self) -> bool:

@@ -44,13 +44,21 @@ def context_for(table: TokenTable, logicals: np.ndarray, salt: int, policy: Scor
 def choose_victims(table: TokenTable, policy: ScorerPolicy, cfg: VTokenConfig, salt: int) -> np.ndarray:
     """Logical positions to evict now (ascending). Never a protected token; may be empty. Pure.
 
-    ``granularity=block``: ``⌈n/B⌉`` whole original blocks instead (``ScorerPolicy.select_blocks``)."""
+    ``granularity=block``: ``⌈n/B⌉`` whole original blocks instead (``ScorerPolicy.select_blocks``).
+    ``keep_mass``: at least as many as keep that share of the evictable tokens' attention mass (the same
+    trigger rule: with trigger ``block`` only once a block's worth is due)."""
     n = eviction_count(table.live, table.seen, table.prompt_len, cfg)
-    if n == 0:
+    if n == 0 and (cfg.keep_mass is None or not cfg.mode.evicts):
         return np.zeros(0, np.int64)
     logicals = table.live_logicals()
     evictable = table.evictable(logicals, cfg.sinks, cfg.recent, cfg.kept_prompt(table.prompt_len))
     ctx = context_for(table, logicals, salt, policy)
+    if cfg.keep_mass is not None:
+        by_mass = policy.mass_evictions(ctx, evictable, cfg.keep_mass)
+        if cfg.trigger is not Trigger.BLOCK or by_mass >= cfg.block_size:
+            n = max(n, by_mass)
+        if n == 0:
+            return np.zeros(0, np.int64)
     if cfg.granularity is Granularity.BLOCK:
         return policy.select_blocks(ctx, n, evictable, cfg.block_size)
     return policy.select(ctx, n, evictable)

@@ -6,6 +6,10 @@ Selection rules, shared by every policy and by every engine (token table, fast s
   * the lowest scores are evicted first; ties go to the older token (lower logical position);
   * scores must be finite.
 
+Adaptive budget (``mass_evictions``, ``keep_mass`` τ): for a policy whose score is an attention mass
+(``attention_mass``), how many of the lowest-scored evictable tokens can go while the kept evictable ones
+still hold ≥ τ of their total score.
+
 Block granularity (``select_blocks``, the block-level baseline): whole original blocks instead of tokens;
 a block is a candidate only if all its tokens are live and evictable, blocks go by their tokens' mean score.
 
@@ -33,6 +37,7 @@ class ScorerPolicy:
 
     name: ClassVar[str] = "base"
     needs: ClassVar[frozenset[Stat]] = frozenset()
+    attention_mass: ClassVar[bool] = False  # score() is non-negative attention that adds up (keep_mass applies)
     seed: int = 0
 
     def __init_subclass__(cls, **kwargs) -> None:
@@ -62,6 +67,21 @@ class ScorerPolicy:
         cand = np.flatnonzero(evictable)
         order = np.lexsort((ctx.logical[cand], scores[cand]))
         return np.sort(ctx.logical[cand[order[:n_evict]]])
+
+    def mass_evictions(self, ctx: EvictionContext, evictable: np.ndarray, keep_mass: float) -> int:
+        """How many evictable tokens to evict (lowest scores first, as ``select`` picks them) so that the
+        kept evictable tokens hold at least ``keep_mass`` of the evictable tokens' score mass (1-D context;
+        pure). The largest ``n`` with the ``n`` lowest scores summing to ≤ ``(1 − keep_mass)`` of the total::
+
+            scores (evictable)   0.01 0.02 0.05 0.12 0.80     total 1.00, keep_mass 0.9
+            lowest-first sums    0.01 0.03 0.08 0.20 1.00     ≤ 0.10: three tokens go, 0.92 is kept
+        """
+        if not self.attention_mass:
+            raise TypeError(f"policy {self.name!r} does not score attention mass; keep_mass needs one that does")
+        scores = np.sort(self._finite_scores(ctx, evictable)[evictable])
+        if scores.size and scores[0] < 0:
+            raise ValueError(f"policy {self.name!r} returned a negative attention mass")
+        return int(np.count_nonzero(np.cumsum(scores) <= (1.0 - keep_mass) * scores.sum()))
 
     def select_blocks(
         self, ctx: EvictionContext, n_evict: int, evictable: np.ndarray, block_size: int

@@ -19,6 +19,7 @@ class H2OPolicy(ScorerPolicy):
     """
 
     needs = frozenset({Stat.ACCUMULATED})
+    attention_mass = True  # attention probabilities: keep_mass applies
 
     def score(self, ctx: EvictionContext) -> np.ndarray:
         return ctx.accumulated

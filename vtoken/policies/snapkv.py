@@ -25,6 +25,7 @@ class SnapKVPolicy(ScorerPolicy):
     """
 
     needs = frozenset({Stat.WINDOW})
+    attention_mass = True  # attention probabilities: keep_mass applies
 
     def score(self, ctx: EvictionContext) -> np.ndarray:
         w, pos = np.asarray(ctx.window, dtype=np.float64), np.asarray(ctx.logical)

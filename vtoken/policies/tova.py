@@ -18,6 +18,7 @@ class TOVAPolicy(ScorerPolicy):
     """
 
     needs = frozenset({Stat.LAST})
+    attention_mass = True  # attention probabilities: keep_mass applies
 
     def score(self, ctx: EvictionContext) -> np.ndarray:
         return ctx.last

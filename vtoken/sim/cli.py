@@ -42,6 +42,8 @@ def simulate(
                                "exact with --granularity block"),
     workers: int = typer.Option(1, help="processes for the fast engine"),
     traces: Path = typer.Option(None, help=".npz of recorded attention (`vtoken trace record`); default synthetic"),
+    keep_mass: float = typer.Option(None, "--keep-mass", help="adaptive budget: keep this share of the "
+                                    "attention mass (h2o, tova, snapkv; exact engine)"),
     window: int = typer.Option(None, help="a hybrid model's sliding window: also report the whole pool"),
     window_groups: int = typer.Option(0, "--window-groups",
                                       help="its sliding-window KV cache groups (Gemma 3 270M: 5, window 512)"),
@@ -57,7 +59,7 @@ def simulate(
         cfg = SimConfig.of(policy=policy, budget=budget, block_size=block_size, prompt_len=prompt_len,
                            gen_len=gen_len, requests=requests, seed=seed, sinks=sinks, recent=recent,
                            trigger=trigger, granularity=granularity, workers=workers, traces=traces,
-                           window=window, window_groups=window_groups,
+                           window=window, window_groups=window_groups, keep_mass=keep_mass,
                            engine=engine or ("exact" if granularity == "block" else "fast"))
         out, tally = _run_with_progress(cfg, run_simulation, quiet=as_json)
     except ConfigError as err:

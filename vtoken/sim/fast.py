@@ -178,6 +178,8 @@ def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, firs
     for ``granularity=block`` (the exact engine runs it)."""
     if cfg.granularity is Granularity.BLOCK:
         raise ConfigError("granularity 'block' runs on the exact engine only: pass --engine exact")
+    if cfg.keep_mass is not None:  # one live count for every request is what makes this engine fast
+        raise ConfigError("keep_mass runs on the exact engine only: pass --engine exact")
     R = source.num_requests
     P, M, B = prompt_len, gen_len, cfg.block_size
     T = P + M

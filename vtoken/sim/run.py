@@ -60,6 +60,8 @@ class SimConfig:
                               f"{self.window_groups!r}")
         if self.engine == "fast" and self.vtoken.granularity is Granularity.BLOCK:
             raise ConfigError("granularity 'block' runs on the exact engine only: pass --engine exact")
+        if self.engine == "fast" and self.vtoken.keep_mass is not None:  # requests keep different counts
+            raise ConfigError("keep_mass runs on the exact engine only: pass --engine exact")
 
     @classmethod
     def of(cls, **kwargs) -> SimConfig:

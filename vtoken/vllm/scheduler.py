@@ -221,8 +221,8 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
         Tokens placed by steps still in flight (async scheduling) have no statistics yet: they are
         protected like the recent window."""
         t, cfg, rid = st.table, st.settings.cfg, request.request_id
-        if eviction_count(t.live, t.seen, t.prompt_len, cfg) == 0:
-            return
+        if eviction_count(t.live, t.seen, t.prompt_len, cfg) == 0 and cfg.keep_mass is None:
+            return  # nothing due (with keep_mass the scores decide, in choose_victims)
         guard = st.inflight.unobserved(t.seen)
         if guard > cfg.recent:
             cfg = dataclasses.replace(cfg, recent=guard)
