@@ -119,6 +119,23 @@ def test_the_managed_group_of_a_hybrid_model_is_its_one_full_attention_group():
         full_attention_group(_groups("SlidingWindowSpec"))
 
 
+def test_a_hybrid_model_is_refused_on_cuda_until_proven_there():
+    """The worker refuses a hybrid model when its KV cache is built on a CUDA device (the per-group lengths
+    have run on the CPU backend only); the same groups pass the group check."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vtoken.vllm.runner import VTokenRunnerMixin
+
+    groups = _groups("SlidingWindowSpec", "FullAttentionSpec")
+    runner = VTokenRunnerMixin()
+    runner.kv_cache_config = SimpleNamespace(kv_cache_groups=groups)
+    runner.device = torch.device("cuda")
+    with pytest.raises(ConfigError, match="a hybrid model \\(2 KV cache groups\\) on CUDA"):
+        runner._vt_setup()
+
+
 # ------------------------------------------------------------------------------ engine construction
 @pytest.fixture(scope="module")
 def sliding_llama(tiny_llama):

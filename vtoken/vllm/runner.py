@@ -117,6 +117,11 @@ class VTokenRunnerMixin:
 
         groups = self.kv_cache_config.kv_cache_groups
         self._vt_group = full_attention_group(groups)  # other mixes: ConfigError naming the groups' kinds
+        if len(groups) > 1 and self.device.type == "cuda":  # unproven there: CUDA graphs capture seq_lens
+            from vtoken.vllm.support import refuse
+
+            refuse(f"a hybrid model ({len(groups)} KV cache groups) on CUDA: the per-group lengths are proven on "
+                   "the CPU backend only (CUDA graphs replay the shared seq_lens buffer)")
         ctx = self.compilation_config.static_forward_context
         names = groups[self._vt_group].layer_names
         layers = [ctx[name] for name in names]

@@ -44,6 +44,11 @@ SPEC_FREE_FIELDS = frozenset({"block_size", "block_stride_alignment", "num_kv_he
 REFUSAL_FILE_ENV = "VTOKEN_REFUSAL_FILE"
 
 
+def refuse(feature: str) -> None:
+    """``_refuse`` for the checks that live elsewhere (the runner's platform checks)."""
+    _refuse(feature)
+
+
 def _refuse(feature: str) -> None:
     """Raise ``ConfigError`` naming ``feature``; side effect: with ``$VTOKEN_REFUSAL_FILE`` set, the message
     is appended to that file first (one line), so the process that started the engine can report it."""
