@@ -162,7 +162,7 @@ def test_resolve_model_names_and_dirs(tmp_path: Path, model_cache_dir: Path) -> 
     if is_converted(model_cache_dir):  # cheap: no conversion needed for this check
         for name in (None, "default", "smollm2"):
             assert resolve_model(name, model_cache_dir) == model_cache_dir / "models" / DEFAULT_MODEL_DIRNAME
-    with pytest.raises(ValueError, match=r"'gpt-17'.*default, smollm2, tiny-llama, tiny-qwen2"):
+    with pytest.raises(ValueError, match=r"'gpt-17'.*default, smollm2, gemma3-270m, tiny-llama, tiny-qwen2, tiny-gemma3"):
         resolve_model("gpt-17", tmp_path)
     with pytest.raises(ValueError, match=r"without config.json"):
         resolve_model(str(tmp_path), tmp_path)

@@ -52,6 +52,21 @@ def check_against_reference(ref_model, prompt, out, trace: RequestTrace):
     return tokens
 
 
+def run_one_by_one(llm, d, prompt, runs: list[tuple[str, dict]], max_tokens: int, **common):
+    """Each ``(trace_id, per-request vtoken settings)`` of ``runs`` alone on ``prompt`` (greedy, logprobs, no
+    prefix-cache reads, ``common`` settings under each run's own): the outputs and their traces."""
+    from vllm import SamplingParams
+
+    outs, traces = [], []
+    for trace_id, vt in runs:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True,
+                                skip_reading_prefix_cache=True,
+                                extra_args={"vtoken": {**common, **vt, "trace_id": trace_id}})
+        outs.append(llm.generate([{"prompt_token_ids": prompt}], [params], use_tqdm=False)[0])
+        traces.append(RequestTrace.read(d / f"{trace_id}.json"))
+    return outs, traces
+
+
 # ------------------------------------------------------------------------------------------ matrix
 # gemma3: the hybrid tiny model (3 sliding-window layers of 64 tokens, 1 global layer; vToken on the global
 # layers' KV cache group), with a context longer (182 + 24 tokens) and shorter (36 + 24) than the window
@@ -177,21 +192,13 @@ def test_protected_prompt_is_kept_exact_and_paired(protection, prefix_engine, re
     """Per-request ``prompt_tail`` / ``scope`` through vLLM (64-token prefill chunks, so eviction runs between
     a prompt's chunks too): the protected prompt tokens are never evicted, tokens still are, and the output
     equals the HF masked reference and the paired naive run."""
-    from vllm import SamplingParams
-
     llm, d = prefix_engine
     P = 150
     prompt = np.random.default_rng(5).integers(10, 500, P).tolist()
     tag = next(iter(protection))
-
-    def params(trace_id, mode):
-        vt = {"policy": "h2o", "mode": mode, "budget": 0.3, "salt": 13, "trace_id": trace_id, **protection}
-        return SamplingParams(max_tokens=60, temperature=0.0, logprobs=0, ignore_eos=True,
-                              skip_reading_prefix_cache=True, extra_args={"vtoken": vt})
-
-    runs = [(f"kp-{tag}-repack", "repack"), (f"kp-{tag}-naive", "naive")]
-    outs = [llm.generate([{"prompt_token_ids": prompt}], [params(*r)], use_tqdm=False)[0] for r in runs]
-    traces = [RequestTrace.read(d / f"{name}.json") for name, _ in runs]
+    outs, traces = run_one_by_one(llm, d, prompt, [(f"kp-{tag}-repack", {"mode": "repack"}),
+                                                   (f"kp-{tag}-naive", {"mode": "naive"})], 60,
+                                  policy="h2o", budget=0.3, salt=13, **protection)
     tokens = check_against_reference(ref_llama, prompt, outs[0], traces[0])
     assert tokens == list(outs[1].outputs[0].token_ids), "tokens differ from the paired naive run"
     ev = np.asarray(traces[0].epochs[0].evicted_round)
@@ -207,19 +214,12 @@ def test_question_aware_prompt_scores_are_exact_paired_and_change_h2o(prefix_eng
     """``prompt_scores: window`` per request through vLLM: the worker measures the observation window for H2O,
     which then ranks the prompt by it — exact against the HF masked reference, equal to its paired naive run,
     and other victims than ``prompt_scores: all`` on the same prompt and salt."""
-    from vllm import SamplingParams
-
     llm, d = prefix_engine
     prompt = np.random.default_rng(9).integers(10, 500, 150).tolist()
-
-    def params(trace_id, mode, ps):
-        vt = {"policy": "h2o", "mode": mode, "budget": 0.3, "salt": 17, "trace_id": trace_id, "prompt_scores": ps}
-        return SamplingParams(max_tokens=40, temperature=0.0, logprobs=0, ignore_eos=True,
-                              skip_reading_prefix_cache=True, extra_args={"vtoken": vt})
-
-    runs = [("qa-repack", "repack", "window"), ("qa-naive", "naive", "window"), ("qa-all", "repack", "all")]
-    outs = [llm.generate([{"prompt_token_ids": prompt}], [params(*r)], use_tqdm=False)[0] for r in runs]
-    traces = {name: RequestTrace.read(d / f"{name}.json") for name, _, _ in runs}
+    runs = [("qa-repack", {"mode": "repack", "prompt_scores": "window"}),
+            ("qa-naive", {"mode": "naive", "prompt_scores": "window"}), ("qa-all", {"mode": "repack"})]
+    outs, found = run_one_by_one(llm, d, prompt, runs, 40, policy="h2o", budget=0.3, salt=17)
+    traces = dict(zip((name for name, _ in runs), found))
     tokens = check_against_reference(ref_llama, prompt, outs[0], traces["qa-repack"])
     assert tokens == list(outs[1].outputs[0].token_ids), "tokens differ from the paired naive run"
     check_against_reference(ref_llama, prompt, outs[2], traces["qa-all"])
@@ -235,19 +235,11 @@ def test_adaptive_budget_is_exact_paired_and_keeps_what_the_mass_needs(policy, p
     tokens go each step (the kept evictable tokens hold ≥ 90 % of their attention mass); exact against the
     HF masked reference and equal to the paired naive run; tokens are evicted although no fixed budget asks
     for it, and the live count is not a fixed share of the context."""
-    from vllm import SamplingParams
-
     llm, d = prefix_engine
     prompt = np.random.default_rng(11).integers(10, 500, 150).tolist()
-
-    def params(trace_id, mode):
-        vt = {"policy": policy, "mode": mode, "budget": 1.0, "keep_mass": 0.9, "salt": 19, "trace_id": trace_id}
-        return SamplingParams(max_tokens=40, temperature=0.0, logprobs=0, ignore_eos=True,
-                              skip_reading_prefix_cache=True, extra_args={"vtoken": vt})
-
-    runs = [(f"km-{policy}-repack", "repack"), (f"km-{policy}-naive", "naive")]
-    outs = [llm.generate([{"prompt_token_ids": prompt}], [params(*r)], use_tqdm=False)[0] for r in runs]
-    traces = [RequestTrace.read(d / f"{name}.json") for name, _ in runs]
+    outs, traces = run_one_by_one(llm, d, prompt, [(f"km-{policy}-repack", {"mode": "repack"}),
+                                                   (f"km-{policy}-naive", {"mode": "naive"})], 40,
+                                  policy=policy, budget=1.0, keep_mass=0.9, salt=19)
     tokens = check_against_reference(ref_llama, prompt, outs[0], traces[0])
     assert tokens == list(outs[1].outputs[0].token_ids), "tokens differ from the paired naive run"
     assert np.array_equal(traces[0].epochs[0].evicted_round, traces[1].epochs[0].evicted_round)

@@ -12,6 +12,8 @@ and one longer than its window. The policy x mode matrix on the tiny model is in
 from __future__ import annotations
 
 import gc
+import json
+import shutil
 
 import numpy as np
 import pytest
@@ -93,6 +95,32 @@ def test_preemption_over_a_pool_the_groups_share_is_exact(hybrid_engine, ref_gem
     assert ty.evicted > 0 and max(ty.live_tokens) <= 48 + 64
     check_against_reference(ref_gemma3, px, outs[0], RequestTrace.read(d / "hp-x.json"))
     check_against_reference(ref_gemma3, py, outs[1], ty)
+
+
+@pytest.mark.parametrize("window,kinds", [(48, "sfsf"), (96, "ssff")], ids=["alternating-48", "half-96"])
+def test_other_windows_and_global_ratios_are_exact(window, kinds, gemma3_tiny, tmp_path):
+    """Held-out shapes of the tiny Gemma 3: alternating sliding and global layers with a window of 48 (not a
+    multiple of the block size) and a 2 : 2 split with a window of 96 — each one full-attention group beside
+    one sliding-window group; every policy in naive and repack equals the masked HF reference and its pair."""
+    from vtoken.models.hf_reference import load_reference_model
+
+    path = tmp_path / "model"
+    shutil.copytree(gemma3_tiny, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(sliding_window=window, layer_types=["sliding_attention" if k == "s" else "full_attention"
+                                                   for k in kinds])
+    (path / "config.json").write_text(json.dumps(cfg))
+    llm = start_engine(str(path), 32, str(tmp_path), max_model_len=512)
+    try:
+        groups = scheduler_of(llm).kv_cache_manager.coordinator.single_type_managers
+        assert sorted(type(m).__name__ for m in groups) == ["FullAttentionManager", "SlidingWindowManager"]
+        results = run_cases(path, 32, [VerifyCase(p, m, 0.3) for p in POLICIES for m in ("naive", "repack")],
+                            llm=llm, trace_dir=str(tmp_path), prompt_len=150, max_tokens=24,
+                            reference_model=load_reference_model(path))
+    finally:
+        shutdown(llm)
+    for r in results:
+        assert r.match and r.max_abs_logprob_diff <= TOL and r.paired_naive_match, r.case.key()
 
 
 @pytest.mark.slow
