@@ -234,8 +234,11 @@ def test_whole_pool_adds_the_same_sliding_blocks_to_every_mode():
     for m, e in out["modes"].items():
         assert pool["modes"][m]["pool_blocks_mean"] == pytest.approx(e["retained_blocks_mean"] + sliding)
     assert out["modes"]["repack"]["vs_naive_pct"] < pool["modes"]["repack"]["vs_naive_pct"] < 0
+    from vtoken.sim.run import HYBRID_KEYS, RESULT_KEYS
+
     plain, _ = run_simulation(replace(cfg, window=None, window_groups=0))
-    assert "pool" not in plain and plain["modes"] == out["modes"]
+    assert set(out) == RESULT_KEYS | HYBRID_KEYS and set(plain) == RESULT_KEYS
+    assert plain["modes"] == out["modes"]
 
 
 @pytest.mark.parametrize("window,groups", [(64, 0), (None, 2), (0, 2), (64, -1)])

@@ -181,9 +181,10 @@ def run_language_modelling(setup: QualitySetup, tokenizer, pts: list[Point], on_
 def parity_budgets(merged_points: list[dict]) -> list[dict]:
     """Per policy × granularity × score_layers × prompt_tail × scope × prompt_scores × keep_mass × budget kind
     (fraction or token count): the smallest budget at quality parity — inside the full cache's 95 % interval
-    on every RULER task (``ruler.at_parity``) and, where fidelity ran, ``keeps_fidelity`` — *with every larger budget measured at parity too* (one lucky
-    small budget under a failing larger one is noise, not a setting to bank); ``None`` when the largest
-    budget is not at parity. Empty without RULER tasks (the pass key's three prompts cannot say). Pure."""
+    on every RULER task (``ruler.at_parity``) and, where fidelity ran, ``keeps_fidelity`` — *with every
+    larger budget measured at parity too* (one lucky small budget under a failing larger one is noise, not a
+    setting to bank); ``None`` when the largest budget is not at parity. Empty without RULER tasks (the pass
+    key's three prompts cannot say). Pure."""
     groups: dict[tuple, list[dict]] = {}
     for p in merged_points:
         if "at_parity" in p["ruler"]:

@@ -108,13 +108,12 @@ def text_windows(tokenizer, tokens: int, count: int, seed: int) -> list[TextWind
     order = list(sources)
     if count > len(order):
         raise ValueError(f"{count} text windows asked for, {len(order)} prose sources available")
-    windows = []
+    windows, bos = [], bos_ids(tokenizer)  # Gemma 3: <bos> first, in place of the window's first token
     for name in order[:count]:
         ids = tokenizer(sources[name], add_special_tokens=False)["input_ids"]
         if len(ids) < tokens:
             raise ValueError(f"prose source {name} has {len(ids)} tokens, fewer than the window ({tokens})")
         offset = rng.randint(0, len(ids) - tokens)
-        bos = bos_ids(tokenizer)
         windows.append(TextWindow(f"lm-{name}", name, offset, tuple(bos + ids[offset : offset + tokens - len(bos)])))
     return windows
 

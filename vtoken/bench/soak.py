@@ -19,7 +19,8 @@ model on a small KV pool, sends requests, SIGKILLs one replica's process mid-run
 The report (``REPORT_KEYS``) has the exact counts per outcome (completed / error / aborted / unaccounted, which
 add up to ``requests``), per kind, the invariant and block readings per replica, the replay and the processes
 left, and the preemptions each replica counted (polled every 5 s during the run, so the killed replica's
-count before its death is kept; the pool pressure is real only if some happened); ``passed`` is the conjunction of the checks, each listed in ``checks``.
+count before its death is kept; the pool pressure is real only if some happened); ``passed`` is the
+conjunction of the checks, each listed in ``checks``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 
 from vtoken import metric_names as mn
@@ -45,7 +46,8 @@ SERVED = mn.REQUESTS.total  # a replica that served nothing has never gone idle 
 PREEMPTIONS = mn.NUM_PREEMPTIONS.total
 
 REPORT_KEYS = frozenset({"bench", "command", "setup", "requests", "outcomes", "by_kind", "unaccounted",
-                         "killed_replica", "preemptions", "replicas", "replay", "processes_left", "checks", "passed", "seconds"})
+                         "killed_replica", "preemptions", "replicas", "replay", "processes_left", "checks", "passed",
+                         "seconds"})
 
 
 @dataclass(frozen=True)
@@ -201,18 +203,20 @@ def run_soak(setup: SoakSetup, on_phase=lambda text: None) -> dict:
         on_phase(f"soaking for {setup.duration_s:g} s")
         killed, preempted = None, Counter()  # replica -> the highest preemption count it reported
 
-        def poll_preemptions(until: float) -> None:
-            while time.monotonic() < until and not all(f.done() for f in futures):
+        def poll_preemptions(futures, until: float) -> None:
+            """Scrape every 5 s until ``until`` or until every client is done, whichever comes first."""
+            while (left := until - time.monotonic()) > 0:
                 for replica, row in scrape(metrics_port, span, (PREEMPTIONS,)).items():
                     preempted[replica] = max(preempted[replica], int(row.get(PREEMPTIONS, 0)))
-                time.sleep(5.0)
+                if not wait(futures, timeout=min(5.0, left)).not_done:
+                    return
 
         with ThreadPoolExecutor(setup.concurrency) as pool:
             futures = [pool.submit(client) for _ in range(setup.concurrency)]
             if setup.kill_at > 0:
-                poll_preemptions(t0 + setup.kill_at * setup.duration_s)
+                poll_preemptions(futures, t0 + setup.kill_at * setup.duration_s)
                 killed = _kill_busy_replica(cfg, metrics_port, span, stop_at)
-            poll_preemptions(float("inf"))
+            poll_preemptions(futures, float("inf"))
             for f in futures:
                 f.result()
         on_phase("waiting for Serve to run every replica again and for them to go idle")

@@ -45,11 +45,6 @@ REFUSAL_FILE_ENV = "VTOKEN_REFUSAL_FILE"
 
 
 def refuse(feature: str) -> None:
-    """``_refuse`` for the checks that live elsewhere (the runner's platform checks)."""
-    _refuse(feature)
-
-
-def _refuse(feature: str) -> None:
     """Raise ``ConfigError`` naming ``feature``; side effect: with ``$VTOKEN_REFUSAL_FILE`` set, the message
     is appended to that file first (one line), so the process that started the engine can report it."""
     message = f"{REFUSAL_PREFIX}: {feature}. {SUPPORTED}"
@@ -66,24 +61,24 @@ def check_engine_config(vllm_config) -> None:
 
     pc, mc, cc = vllm_config.parallel_config, vllm_config.model_config, vllm_config.cache_config
     if pc.pipeline_parallel_size > 1:
-        _refuse(f"pipeline parallelism (pipeline_parallel_size={pc.pipeline_parallel_size}): the step's "
+        refuse(f"pipeline parallelism (pipeline_parallel_size={pc.pipeline_parallel_size}): the step's "
                 "moves, truncations and score reduction are implemented per tensor-parallel group only; "
                 "use tensor parallelism")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(pc, name, 1) > 1:
-            _refuse(f"context parallelism ({name}={getattr(pc, name)}) shards a request's tokens over ranks")
+            refuse(f"context parallelism ({name}={getattr(pc, name)}) shards a request's tokens over ranks")
     if vllm_config.speculative_config is not None:
-        _refuse("speculative decoding (drafters compute logical slots)")
+        refuse("speculative decoding (drafters compute logical slots)")
     if vllm_config.kv_transfer_config is not None:
-        _refuse("KV connectors (they assume append-only block rows)")
+        refuse("KV connectors (they assume append-only block rows)")
     if str(cc.cache_dtype) != "auto":
-        _refuse(f"a quantized KV cache (kv_cache_dtype={cc.cache_dtype!r}): slot moves and scores read "
+        refuse(f"a quantized KV cache (kv_cache_dtype={cc.cache_dtype!r}): slot moves and scores read "
                 "unquantized K/V; use kv_cache_dtype='auto'")
     if mc is not None and getattr(mc, "runner_type", "generate") != "generate":
-        _refuse(f"a {mc.runner_type!r} runner (embedding/pooling models): eviction shortens the sequence "
+        refuse(f"a {mc.runner_type!r} runner (embedding/pooling models): eviction shortens the sequence "
                 "the pooler waits for; serve pooling models without vToken (mode 'none')")
     if mc is not None and mc.use_mla:
-        _refuse("multi-head latent attention (MLA) caches one latent per token, not per-head K/V")
+        refuse("multi-head latent attention (MLA) caches one latent per token, not per-head K/V")
     if not is_vtoken_worker(pc.worker_cls):
         raise ConfigError(
             f"vToken's scheduler needs vToken's worker, got worker_cls={pc.worker_cls!r}; "
@@ -98,24 +93,24 @@ def check_kv_spec(spec) -> None:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
 
     if type(spec) is not FullAttentionSpec:
-        _refuse(f"the model's attention layers use {type(spec).__name__} (sliding window, chunked local, "
+        refuse(f"the model's attention layers use {type(spec).__name__} (sliding window, chunked local, "
                 "MLA, Mamba and other KV cache kinds are not supported)")
     if spec.sliding_window is not None:
-        _refuse(f"sliding-window attention (window {spec.sliding_window}; a full-attention KV cache with a "
+        refuse(f"sliding-window attention (window {spec.sliding_window}; a full-attention KV cache with a "
                 "window, e.g. with the hybrid KV cache manager disabled)")
     if spec.attention_chunk_size is not None:
-        _refuse(f"chunked local attention (attention_chunk_size={spec.attention_chunk_size})")
+        refuse(f"chunked local attention (attention_chunk_size={spec.attention_chunk_size})")
     if spec.non_causal:
-        _refuse("non-causal (bidirectional / prefix-LM) attention layers")
+        refuse("non-causal (bidirectional / prefix-LM) attention layers")
     if spec.kv_quant_mode != KVQuantMode.NONE:
-        _refuse(f"a quantized KV cache ({spec.kv_quant_mode.name})")
+        refuse(f"a quantized KV cache ({spec.kv_quant_mode.name})")
     if spec.head_size_v != spec.head_size:
-        _refuse(f"different K and V head sizes ({spec.head_size} / {spec.head_size_v})")
+        refuse(f"different K and V head sizes ({spec.head_size} / {spec.head_size_v})")
     default = FullAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
                                 head_size=spec.head_size, dtype=spec.dtype)
     for f in dataclasses.fields(spec):
         if f.name not in SPEC_FREE_FIELDS and getattr(spec, f.name) != getattr(default, f.name):
-            _refuse(f"a KV cache spec variant vToken has not proven ({f.name}={getattr(spec, f.name)!r})")
+            refuse(f"a KV cache spec variant vToken has not proven ({f.name}={getattr(spec, f.name)!r})")
 
 
 def check_supported(vllm_config, kv_cache_config) -> int:
@@ -139,11 +134,11 @@ def full_attention_group(groups) -> int:
     names = ", ".join(sorted({k.__name__ for k in kinds}))
     other = sorted({k.__name__ for k in kinds if k not in (FullAttentionSpec, SlidingWindowSpec)})
     if other:
-        _refuse(f"{len(groups)} KV cache groups ({names}): hybrid models with {', '.join(other)} layers "
+        refuse(f"{len(groups)} KV cache groups ({names}): hybrid models with {', '.join(other)} layers "
                 "(Mamba, chunked local, cross attention) are not supported; sliding-window + full attention is")
     full = [i for i, k in enumerate(kinds) if k is FullAttentionSpec]
     if len(full) != 1:
-        _refuse(f"{len(groups)} KV cache groups ({names}) with {len(full)} full-attention groups: vToken keeps "
+        refuse(f"{len(groups)} KV cache groups ({names}) with {len(full)} full-attention groups: vToken keeps "
                 "one token table per request on exactly one full-attention group (a hybrid model whose global "
                 "layers fill more than one group)")
     check_kv_spec(groups[full[0]].kv_cache_spec)
@@ -154,16 +149,16 @@ def check_attention_layer(name: str, impl) -> None:
     """Refuse an attention layer implementation whose attention vToken's scores or layout cannot reproduce
     (raises ``ConfigError``); ``impl`` is the layer's ``AttentionImpl`` (``layer.impl``)."""
     if getattr(impl, "alibi_slopes", None) is not None:
-        _refuse(f"ALiBi position biases (layer {name})")
+        refuse(f"ALiBi position biases (layer {name})")
     if getattr(impl, "logits_soft_cap", None) not in (None, 0, 0.0):
-        _refuse(f"attention logit soft-capping (layer {name}, soft cap {impl.logits_soft_cap})")
+        refuse(f"attention logit soft-capping (layer {name}, soft cap {impl.logits_soft_cap})")
     if getattr(impl, "sinks", None) is not None:
-        _refuse(f"learned attention sinks (layer {name})")
+        refuse(f"learned attention sinks (layer {name})")
     window = getattr(impl, "sliding_window", None)
     if window not in (None, -1, (-1, -1)):
-        _refuse(f"sliding-window attention (layer {name}, window {window})")
+        refuse(f"sliding-window attention (layer {name}, window {window})")
     if str(getattr(impl, "kv_cache_dtype", "auto")) != "auto":
-        _refuse(f"a quantized KV cache (layer {name}, kv_cache_dtype={impl.kv_cache_dtype!r})")
+        refuse(f"a quantized KV cache (layer {name}, kv_cache_dtype={impl.kv_cache_dtype!r})")
     attn_type = str(getattr(impl, "attn_type", "decoder")).lower()
     if "decoder" not in attn_type or "encoder" in attn_type:
-        _refuse(f"{attn_type} attention (layer {name}); only causal decoder self-attention is supported")
+        refuse(f"{attn_type} attention (layer {name}); only causal decoder self-attention is supported")
