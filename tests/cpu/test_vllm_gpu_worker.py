@@ -53,6 +53,8 @@ L, NB, B, H, D = 2, 10, 16, 2, 32
 
 def _gpu_runner(block_size=B, layout="flash_attn", dtype=torch.float32):
     """A ``VTokenGPUModelRunner`` without vLLM's constructor: just what the vToken hooks read."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
     from vtoken.vllm.gpu_worker import VTokenGPUModelRunner
 
     views = allocate_kv_caches(layout, L, NB, B, H, D, dtype)
@@ -71,8 +73,10 @@ def _gpu_runner(block_size=B, layout="flash_attn", dtype=torch.float32):
     r = object.__new__(VTokenGPUModelRunner)
     r.device = torch.device("cpu")
     r.cache_config = SimpleNamespace(block_size=block_size)
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=H, head_size=D, dtype=dtype)
     r.kv_cache_config = SimpleNamespace(kv_cache_layout="LBNHC",
-                                        kv_cache_groups=[SimpleNamespace(layer_names=list(ctx))])
+                                        kv_cache_groups=[SimpleNamespace(layer_names=list(ctx), kv_cache_spec=spec)])
+    r.attn_groups = [[]]  # one KV cache group, no metadata builders to wrap
     r.compilation_config = SimpleNamespace(static_forward_context=ctx)
     return r, views, ctx, calls
 
