@@ -112,21 +112,23 @@ def kv_dashboard() -> dict:
     savings = [
         _panel(timeseries, "KV blocks: vToken vs Naive-Evict vs packing bound",
                "Blocks held with repacking, what the paired Naive-Evict accounting would hold for the same "
-               "evictions, the lower bound sum(ceil(live/B)), and the pool.", "none",
+               "evictions, the lower bound sum(ceil(live/B)), and the pool; on a hybrid model the blocks of its "
+               "sliding-window layers (vLLM's, never evicted) beside them.", "none",
                [_q(held, "held (vToken)"), _q(naive, "naive (Naive-Evict)"),
                 _q(f"sum({names.PACKING_BOUND_BLOCKS.name}{{{SEL}}})", "packing bound"),
+                _q(f"sum({names.WINDOW_BLOCKS.name}{{{SEL}}})", "sliding window (hybrid)"),
                 _q(f"sum({names.POOL_BLOCKS.name}{{{SEL}}})", "pool")], span=16),
         _panel(stat, "Blocks saved vs Naive-Evict", "1 - held / naive over the selected replicas.",
                "percentunit",
                [_q(f"1 - {held} / clamp_min({naive}, 1)", "saved")], span=8),
         _panel(timeseries, "Live tokens and free KV slots",
-               "Live (not evicted) tokens; free slots = (pool - held) * B.", "short",
+               "Live (not evicted) tokens; free slots = (pool - held - window) * B.", "short",
                [_q(f"sum({names.LIVE_TOKENS.name}{{{SEL}}})", "live tokens"),
                 _q(f"sum({names.FREE_KV_TOKENS.name}{{{SEL}}})", "free KV slots")], span=24),
     ]
     replicas = [
         _panel(timeseries, "KV utilization per replica",
-               f"held / pool; VTokenKVSaturated fires above {names.KV_SATURATED:.0%} for 10 minutes.",
+               f"(held + window) / pool; VTokenKVSaturated fires above {names.KV_SATURATED:.0%} for 10 minutes.",
                "percentunit",
                [_q(f"{names.KV_UTILIZATION.name}{{{SEL}}}", "{{replica}}")])
         .min(0).max(1).thresholds(_thresholds((None, "green"), (names.KV_SATURATED, "red"))),

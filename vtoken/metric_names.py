@@ -93,11 +93,14 @@ NAIVE_BLOCKS = Metric("vtoken:naive_blocks", GAUGE, "Blocks the paired Naive-Evi
                       "blocks", ("mode",))
 POOL_BLOCKS = Metric("vtoken:pool_blocks", GAUGE, "KV blocks in the pool (without vLLM's null block)",
                      "blocks", ("mode",))
-FREE_KV_TOKENS = Metric("vtoken:free_kv_tokens", GAUGE, "Free KV slots after reclamation: (pool - held) * B",
-                        "tokens", ("mode",))
+WINDOW_BLOCKS = Metric("vtoken:window_blocks", GAUGE,
+                       "KV blocks held in a hybrid model's sliding-window groups (vLLM's; 0 on other models)",
+                       "blocks", ("mode",))
+FREE_KV_TOKENS = Metric("vtoken:free_kv_tokens", GAUGE,
+                        "Free KV slots after reclamation: (pool - held - window) * B", "tokens", ("mode",))
 FRAGMENTATION_RATIO = Metric("vtoken:fragmentation_ratio", GAUGE, "1 - live / (held * B)", "ratio",
                              ("mode",))
-KV_UTILIZATION = Metric("vtoken:kv_utilization", GAUGE, "held / pool", "ratio", ("mode",))
+KV_UTILIZATION = Metric("vtoken:kv_utilization", GAUGE, "(held + window) / pool", "ratio", ("mode",))
 ADMISSION_LIMIT = Metric("vtoken:admission_limit", GAUGE,
                          "Running-batch limit SLO-aware admission holds the engine to (absent when admission is off)",
                          "requests", ("mode",))
@@ -137,8 +140,8 @@ REPACK_SECONDS = Metric("vtoken:repack_seconds", HISTOGRAM, "Duration of one rep
 ROUTING_STATS_POLLS = Metric("vtoken:routing_stats_polls", COUNTER,
                              "Polls of record_routing_stats answered (Serve feeding the KV-aware router)", "polls")
 
-KV_GAUGES = (LIVE_TOKENS, HELD_BLOCKS, PACKING_BOUND_BLOCKS, NAIVE_BLOCKS, POOL_BLOCKS, FREE_KV_TOKENS,
-             FRAGMENTATION_RATIO, KV_UTILIZATION, STATS_AGE_SECONDS, ADMISSION_LIMIT)
+KV_GAUGES = (LIVE_TOKENS, HELD_BLOCKS, PACKING_BOUND_BLOCKS, NAIVE_BLOCKS, POOL_BLOCKS, WINDOW_BLOCKS,
+             FREE_KV_TOKENS, FRAGMENTATION_RATIO, KV_UTILIZATION, STATS_AGE_SECONDS, ADMISSION_LIMIT)
 KV_COUNTERS = (EVICTED_TOKENS, RECLAIMED_BLOCKS, REPACK_MOVES, REPACK_PLANS, COW_BLOCKS, COW_MOVES, COW_FALLBACKS,
                INVARIANT_CHECKS, INVARIANT_VIOLATIONS, INVARIANT_SECONDS)
 SLA_METRICS = (REQUESTS, SLO_MET, TTFT_SECONDS, TPOT_SECONDS, E2E_SECONDS, REPACK_SECONDS, ROUTING_STATS_POLLS)
@@ -173,6 +176,6 @@ def series_names(metrics: tuple[Metric, ...] = ALL_METRICS) -> frozenset[str]:
 
 # ------------------------------------------------ alert thresholds (dashboards/build.py, k8s/rules.py)
 SLO_TARGET = 0.99  # share of finished requests that must meet the TTFT and TPOT SLOs
-KV_SATURATED = 0.95  # kv_utilization = held / pool above which VTokenKVSaturated fires
+KV_SATURATED = 0.95  # kv_utilization = (held + window) / pool above which VTokenKVSaturated fires
 FRAGMENTATION_MAX = 0.5  # fragmentation_ratio above which VTokenKVFragmentationHigh fires (pool busy)
 INVARIANT_WINDOW = "10m"  # VTokenKVInvariantViolated fires on any violation within it (and the panel shows it)

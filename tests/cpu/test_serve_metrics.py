@@ -47,6 +47,7 @@ def test_snapshot_from_vanilla_and_from_vtoken_stats():
         naive_blocks=7,
         pool_blocks=63,
         block_size=32,
+        window_blocks=5,
         counters=ReclaimCounters(evicted_tokens=50, reclaimed_blocks=3, repack_moves=20, repack_seconds=0.002,
                                  repack_plans=5),
         policy="h2o",
@@ -60,7 +61,8 @@ def test_snapshot_from_vanilla_and_from_vtoken_stats():
         50,
         1,
     )
-    assert snap.fragmentation_ratio == pytest.approx(1 - 100 / 128)
+    assert snap.fragmentation_ratio == pytest.approx(1 - 100 / 128)  # of the managed group: window not in it
+    assert (snap.window_blocks, snap.free_blocks) == (5, 63 - 4 - 5)
     assert snap.admission_limit is None  # admission off
     from vtoken.vllm.stats import ADMISSION_LIMIT, admission_limit_from
 
@@ -68,8 +70,8 @@ def test_snapshot_from_vanilla_and_from_vtoken_stats():
         got = snapshot_from(sched(usage=0.5, extra={**extra, ADMISSION_LIMIT: 6}), 63, 32, vtoken_stats_from,
                             admission_limit_from)
         assert (got.admission_limit, got.source) == (6, "vtoken" if extra else "vllm")
-    assert snap.kv_utilization == pytest.approx(4 / 63)
-    assert snap.free_kv_tokens == 59 * 32
+    assert snap.kv_utilization == pytest.approx((4 + 5) / 63)
+    assert snap.free_kv_tokens == (63 - 4 - 5) * 32
 
 
 def test_latency_and_slo_rules():
@@ -139,7 +141,7 @@ def test_exposition_has_architecture_names_and_replica_labels():
         sink.put(
             KVSnapshot(
                 live_tokens=96, held_blocks=4, packing_bound_blocks=3, naive_blocks=6, pool_blocks=63, block_size=32,
-                num_running=1,
+                num_running=1, window_blocks=10,
                 counters=ReclaimCounters(evicted_tokens=12, reclaimed_blocks=3, repack_moves=9, repack_seconds=0.004,
                                          repack_plans=2),
             )
@@ -158,8 +160,9 @@ def test_exposition_has_architecture_names_and_replica_labels():
     assert value("vtoken:held_blocks") == 4 and value("vtoken:live_tokens") == 96
     assert value("vtoken:packing_bound_blocks") == 3 and value("vtoken:naive_blocks") == 6
     assert value("vtoken:fragmentation_ratio") == pytest.approx(0.25)
-    assert value("vtoken:kv_utilization") == pytest.approx(4 / 63)
-    assert value("vtoken:free_kv_tokens") == 59 * 32
+    assert value("vtoken:window_blocks") == 10  # a hybrid model's sliding-window blocks count as taken
+    assert value("vtoken:kv_utilization") == pytest.approx((4 + 10) / 63)
+    assert value("vtoken:free_kv_tokens") == (63 - 4 - 10) * 32
     assert m["vtoken:evicted_tokens_total"][0] == ({**labels, "policy": "h2o"}, 12.0)
     assert value("vtoken:reclaimed_blocks_total") == 3 and value("vtoken:repack_moves_total") == 9
     assert value("vtoken:repack_seconds_count") == 2 and value("vtoken:repack_seconds_sum") == pytest.approx(

@@ -81,4 +81,5 @@ def test_async_llm_multiprocess(tmp_path, monkeypatch):
     assert last.counters.reclaimed_blocks > 0 and last.counters.repack_moves > 0 and last.counters.repack_seconds > 0
     busy = [s for s in seen if s.num_requests == 3]
     assert busy and all(s.held_blocks <= s.naive_blocks for s in busy)
+    assert all(s.window_blocks == 0 for s in seen)  # one KV cache group: no sliding-window blocks
     assert any(s.held_blocks < s.naive_blocks for s in busy)

@@ -28,10 +28,10 @@ def test_one_worker_name_builds_the_platforms_worker():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vtoken.vllm import WORKER_CLS, engine_kwargs
+    from vtoken.vllm.cpu_worker import VTokenCPUWorker
     from vtoken.vllm.gpu_worker import VTokenGPUModelRunner, VTokenGPUWorker
     from vtoken.vllm.internals import is_vtoken_worker
     from vtoken.vllm.runner import VTokenRunnerMixin
-    from vtoken.vllm.cpu_worker import VTokenCPUWorker
     from vtoken.vllm.worker import VTokenWorker, platform_worker_class
 
     assert WORKER_CLS == "vtoken.vllm.worker.VTokenWorker" and engine_kwargs()["worker_cls"] == WORKER_CLS

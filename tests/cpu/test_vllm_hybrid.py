@@ -59,6 +59,30 @@ def test_the_engine_manages_the_full_attention_group_only(hybrid_engine):
     assert type(sched._vt_manager).__name__ == "FullAttentionManager"
 
 
+def test_window_blocks_make_the_free_count_the_whole_pools(hybrid_engine):
+    """Mid-run, the snapshot's free blocks (pool − held − window) equal vLLM's own free-block count: the
+    sliding groups' blocks are counted as taken (per group at most the window and a 64-token prefill chunk,
+    ⌈(64 + 64) / 32⌉ + 1 blocks, then ⌈64/32⌉ + 1 while decoding; the null block stands in for the rest of
+    the row); with nothing running both are back to the whole pool."""
+    llm, _ = hybrid_engine
+    eng, sched = llm.llm_engine, scheduler_of(llm)
+    pool = sched.kv_cache_manager.block_pool
+    prompt = np.random.default_rng(7).integers(10, 500, 200).tolist()
+    eng.add_request("wb", {"prompt_token_ids": prompt}, sp(40, mode="repack", budget=64))
+    seen = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        snap = sched.vtoken_stats()
+        if snap.num_requests:
+            seen.append((snap.window_blocks, snap.held_blocks, snap.free_blocks, pool.get_num_free_blocks()))
+    assert seen and all(free == vllm_free for *_, free, vllm_free in seen), seen
+    assert all(0 < window <= 3 * 5 for window, *_ in seen), seen  # 3 sliding groups, 64-token windows
+    assert seen[-1][0] <= 3 * 3, seen  # decoding
+    assert seen[-1][0] < 3 * -(-(200 + 40) // 32)  # the windows hold less than full rows would
+    idle = sched.vtoken_stats()
+    assert (idle.window_blocks, idle.held_blocks, idle.free_blocks) == (0, 0, pool.get_num_free_blocks())
+
+
 def test_prefix_cache_hits_across_groups_and_stays_exact(hybrid_engine, ref_gemma3):
     """vLLM's hybrid prefix cache hits where every group cached the blocks: a sliding-window group caches
     the window at the end of a prompt, so a later prompt that extends an earlier one (multi-turn) hits it;

@@ -9,6 +9,7 @@ import typer
 
 from vtoken.bench.report import refuse
 from vtoken.core.config import DEFAULT_SCORE_LAYERS
+from vtoken.models.default import MODEL_HELP
 
 bench_app = typer.Typer(help="Benchmarks (JSON out, with the command that produced it).", no_args_is_help=True)
 
@@ -53,7 +54,7 @@ def retained(
 
 @bench_app.command("overhead")
 def overhead_cmd(
-    model: str = typer.Option("tiny-llama", help="default | tiny-llama | tiny-qwen2 | PATH"),
+    model: str = typer.Option("tiny-llama", help=MODEL_HELP),
     block_size: int = typer.Option(32, "--block-size"),
     batch: int = typer.Option(8, help="concurrent requests"),
     prompt_len: int = typer.Option(256, "--prompt-len"),
@@ -99,7 +100,7 @@ def overhead_cmd(
 
 @bench_app.command("capacity")
 def capacity_cmd(
-    model: str = typer.Option("tiny-llama", help="default | tiny-llama | tiny-qwen2 | PATH"),
+    model: str = typer.Option("tiny-llama", help=MODEL_HELP),
     policy: str = typer.Option("h2o"),
     budget: float = typer.Option(0.2, help="budget (fraction of the context, or a token count)"),
     block_size: int = typer.Option(32, "--block-size"),
@@ -156,7 +157,7 @@ QUALITY_PRESETS = {  # (policies, budgets, depths, per_depth, windows, window_to
 
 @bench_app.command("prefix")
 def prefix_cmd(
-    model: str = typer.Option("tiny-llama", help="default | tiny-llama | tiny-qwen2 | PATH"),
+    model: str = typer.Option("tiny-llama", help=MODEL_HELP),
     block_size: int = typer.Option(32, "--block-size"),
     modes: str = typer.Option("none,repack,reuse+repack", help="comma-separated modes, set per request"),
     policy: str = typer.Option("h2o"),
@@ -285,6 +286,8 @@ def quality_cmd(
 ) -> None:
     """Task quality (pass key, perplexity, RULER-style tasks with 95 % intervals, long-generation fidelity)
     per policy × granularity × budget vs retained blocks."""
+    import os
+
     from rich.console import Console
 
     from vtoken.bench.quality import QualitySetup, run_quality
@@ -292,8 +295,6 @@ def quality_cmd(
     from vtoken.core.config import Budget, VTokenConfig
     from vtoken.errors import ConfigError
     from vtoken.policies import policy_names
-
-    import os
 
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the report
     preset = QUALITY_PRESETS["quick" if quick else "full"]
@@ -478,7 +479,7 @@ def soak_cmd(
 
 @bench_app.command("serve")
 def serve_cmd(
-    model: str = typer.Option("default", help="default | tiny-llama | … | PATH"),
+    model: str = typer.Option("default", help=MODEL_HELP),
     modes: str = typer.Option("none,naive,repack", help="comma-separated: none naive repack reuse+repack"),
     policies: str = typer.Option("h2o", help="comma-separated policies for the evicting modes"),
     budget: str = typer.Option("0.2", help="fraction in (0, 1] or token count"),

@@ -43,6 +43,7 @@ import typer
 
 from vtoken.bench.report import emit
 from vtoken.core.config import DEFAULT_SCORE_LAYERS
+from vtoken.models.default import MODEL_HELP
 
 # the top-level keys ``run_overhead`` always returns; besides them ``policy`` (one policy) or ``policies``
 # (several), and with a query-free policy ``SCORE_COLLECTION_KEYS``; ``report.emit`` adds ``environment``
@@ -199,7 +200,7 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
 
 
 def overhead(
-    model: Annotated[str, typer.Option(help="default | tiny-llama | tiny-qwen2 | PATH")] = "tiny-llama",
+    model: Annotated[str, typer.Option(help=MODEL_HELP)] = "tiny-llama",
     block_size: Annotated[int, typer.Option("--block-size")] = 32,
     batch: Annotated[int, typer.Option(help="concurrent requests")] = 8,
     prompt_len: Annotated[int, typer.Option("--prompt-len")] = 256,

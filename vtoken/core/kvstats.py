@@ -69,7 +69,11 @@ class KVSnapshot:
 
     Gauges: ``live_tokens`` (Σ live tokens over requests), ``held_blocks`` (blocks they hold),
     ``packing_bound_blocks`` (Σ ⌈live/B⌉), ``naive_blocks`` (what the paired Naive-Evict accounting would
-    hold), ``pool_blocks`` (usable blocks), ``block_size``, ``num_requests`` (with a token table).
+    hold), ``pool_blocks`` (usable blocks), ``block_size``, ``num_requests`` (with a token table),
+    ``window_blocks`` (blocks held in the sliding-window KV cache groups of a hybrid model: vLLM's, never
+    evicted by vToken; 0 on other models). ``live_tokens``, ``held_blocks``, ``packing_bound_blocks`` and
+    ``naive_blocks`` describe the one group vToken manages; ``free_blocks`` and ``kv_utilization`` the whole
+    pool (its window blocks counted as taken).
     ``num_running`` / ``num_waiting``: vLLM's scheduler queues (filled in by the replica).
     ``source``: ``"vtoken"`` when the numbers come from vToken's accounting, ``"vllm"`` when estimated from
     vLLM's ``kv_cache_usage`` (vToken off). ``at``: wall-clock time of the step (0: never stepped).
@@ -84,6 +88,7 @@ class KVSnapshot:
     pool_blocks: int = 0
     block_size: int = 32
     num_requests: int = 0
+    window_blocks: int = 0
     num_running: int = 0
     num_waiting: int = 0
     counters: ReclaimCounters = field(default_factory=ReclaimCounters)
@@ -95,7 +100,7 @@ class KVSnapshot:
 
     @property
     def free_blocks(self) -> int:
-        return max(0, self.pool_blocks - self.held_blocks)
+        return max(0, self.pool_blocks - self.held_blocks - self.window_blocks)
 
     @property
     def free_kv_tokens(self) -> int:
@@ -109,5 +114,5 @@ class KVSnapshot:
 
     @property
     def kv_utilization(self) -> float:
-        """held / pool, in [0, 1]."""
-        return kv_utilization(self.held_blocks, self.pool_blocks)
+        """(held + window) / pool, in [0, 1]."""
+        return kv_utilization(self.held_blocks + self.window_blocks, self.pool_blocks)

@@ -1,4 +1,4 @@
-"""``vtoken model …``: prepare checkpoints; ``prepare_model``/``_fail``/``MODEL_HELP`` are shared with
+"""``vtoken model …``: prepare checkpoints; ``prepare_model``/``_fail`` are shared with
 ``vtoken trace`` (``vtoken/sim/trace_cli.py``).
 
 Mounted by ``vtoken/cli.py``. Side effects: ``prepare`` may build or convert a model into the cache (spinner
@@ -12,8 +12,7 @@ from pathlib import Path
 
 import typer
 
-MODEL_HELP = ("default | smollm2 | gemma3-270m | tiny-llama | tiny-qwen2 | tiny-gemma3 | PATH to a Hugging Face "
-              "checkpoint directory")
+from vtoken.models.default import MODEL_HELP
 
 model_app = typer.Typer(help="Prepare the models vToken runs (converted/built once into the cache).",
                         no_args_is_help=True)
@@ -28,8 +27,14 @@ def prepare_model(spec: str | None, cache_dir: Path | None = None) -> Path:
     """Resolve ``spec`` (building/converting if needed, with a spinner on stderr) or exit 2 with a message."""
     from rich.console import Console
 
-    from vtoken.models.default import (DEFAULT_ALIASES, GEMMA3_ALIASES, GEMMA3_DIRNAME, ModelUnavailableError,
-                                       is_converted, resolve_model)
+    from vtoken.models.default import (
+        DEFAULT_ALIASES,
+        GEMMA3_ALIASES,
+        GEMMA3_DIRNAME,
+        ModelUnavailableError,
+        is_converted,
+        resolve_model,
+    )
 
     label = f"Preparing {spec}"
     if spec is None or (spec in DEFAULT_ALIASES and not is_converted(cache_dir)):

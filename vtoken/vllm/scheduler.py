@@ -356,11 +356,20 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
             pool_blocks=pool.num_gpu_blocks - 1,  # without vLLM's null block
             block_size=self.block_size,
             num_requests=len(tables),
+            window_blocks=self._vt_window_blocks(),
             counters=self._vt_counters,
             policy=self.vt.cfg.policy,
             mode=self.vt.cfg.mode.value,
             source="vtoken",
         )
+
+    def _vt_window_blocks(self) -> int:
+        """Blocks the requests hold in the KV cache groups vToken does not manage (a hybrid model's
+        sliding-window groups; vLLM's null block, which stands in a row for blocks left behind the window,
+        not counted). 0 on a model with one group. Reads only."""
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        return sum(not blk.is_null for m in managers if m is not self._vt_manager
+                   for row in m.req_to_blocks.values() for blk in row)
 
     def vtoken_stats(self) -> KVSnapshot | None:
         """Current gauges and counters (in-process callers; served engines read them from SchedulerStats).

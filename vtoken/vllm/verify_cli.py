@@ -25,12 +25,13 @@ import typer
 
 from vtoken.core.config import Budget, Mode, VTokenConfig
 from vtoken.errors import ConfigError
+from vtoken.models.default import MODEL_HELP
 from vtoken.vllm.verify import VerifyCase, run_cases
 
 
 def verify(
     model: Annotated[
-        str, typer.Option(help="default | tiny-llama | tiny-qwen2 | PATH to an HF checkpoint")
+        str, typer.Option(help=MODEL_HELP)
     ] = "tiny-llama",
     policy: Annotated[str, typer.Option(help="eviction policy (see `vtoken policies`)")] = "h2o",
     budget: Annotated[str, typer.Option(help="fraction in (0, 1] or a token count")] = "0.3",

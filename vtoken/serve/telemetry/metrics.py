@@ -53,6 +53,7 @@ class KVCollector(Collector):
             (names.PACKING_BOUND_BLOCKS, snap.packing_bound_blocks),
             (names.NAIVE_BLOCKS, snap.naive_blocks),
             (names.POOL_BLOCKS, snap.pool_blocks),
+            (names.WINDOW_BLOCKS, snap.window_blocks),
             (names.FREE_KV_TOKENS, snap.free_kv_tokens),
             (names.FRAGMENTATION_RATIO, snap.fragmentation_ratio),
             (names.KV_UTILIZATION, snap.kv_utilization),
