@@ -296,3 +296,62 @@ def wait_for(condition, what: str, timeout: float = 60.0, period: float = 0.2, d
         time.sleep(period)
     detail = f"\n{diagnose()}" if diagnose else ""
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}{detail}")
+
+
+class LocalServe:
+    """``vtoken serve --port PORT ARGS…`` (what ``make serve`` runs) in its own session. Entering waits (up to
+    ``start_s``) for the banner's last line, "Ctrl-C to stop."; ``banner``, ``lines``, ``tmp`` (the run's
+    private temp dir, from the banner) and ``url`` are then set. ``stop()`` (also on exit) sends Ctrl-C and
+    collects ``returncode``, ``rest`` (output after the banner) and ``stop_s``; a run that does not stop in
+    120 s is killed with its whole process group."""
+
+    def __init__(self, port: int, *args: str, start_s: float = 300.0) -> None:
+        import os
+        import sys
+
+        self.cmd = [str(Path(sys.executable).with_name("vtoken")), "serve", "--port", str(port), *args]
+        self.env = {k: v for k, v in os.environ.items() if k != "VTOKEN_API_KEY"}
+        self.url, self.start_s = f"http://127.0.0.1:{port}", start_s
+        self.lines: list[str] = []
+        self.tmp: str | None = None
+        self.returncode: int | None = None
+        self.rest, self.stop_s = "", 0.0
+
+    @property
+    def banner(self) -> str:
+        return "\n".join(self.lines)
+
+    def __enter__(self) -> LocalServe:
+        import re
+
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=self.env, start_new_session=True)
+        deadline = time.monotonic() + self.start_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line.rstrip())
+            if self.tmp is None and (m := re.search(r"temp dir (/tmp/vtr-\w+)", line)):
+                self.tmp = m.group(1)
+            if "Ctrl-C to stop." in line:
+                break
+        return self
+
+    def stop(self) -> None:
+        import os
+        import signal
+
+        if self.returncode is not None:
+            return
+        started = time.monotonic()
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.rest, _ = self.proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.rest, _ = self.proc.communicate()
+        self.returncode, self.stop_s = self.proc.returncode, time.monotonic() - started
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

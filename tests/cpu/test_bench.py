@@ -31,6 +31,7 @@ def test_capacity_repack_fits_more_concurrent_requests_than_naive_in_the_same_po
     assert json.loads(run.stdout) == report and report["command"].startswith("vtoken bench capacity")
     modes = report["modes"]
     assert set(modes) == {"naive", "repack", "reuse+repack"}
+    assert [g["kind"] for g in report["kv_cache_groups"]] == ["full"]
     for mode, row in modes.items():
         k = row["max_feasible_concurrency"]
         verdict = {p["k"]: p["feasible"] for p in row["probes"]}
@@ -43,6 +44,24 @@ def test_capacity_repack_fits_more_concurrent_requests_than_naive_in_the_same_po
     naive, repack = modes["naive"]["max_feasible_concurrency"], modes["repack"]["max_feasible_concurrency"]
     assert repack > naive >= 1
     assert modes["reuse+repack"]["max_feasible_concurrency"] >= naive
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_capacity_on_a_hybrid_model_counts_the_whole_pool(tmp_path):
+    """The tiny Gemma 3 (3 sliding-window groups of 64 tokens beside the global group, one shared pool): the
+    report names the groups, and repack still fits more requests than naive though every request also holds
+    its sliding-window blocks, which no mode evicts."""
+    out = tmp_path / "cap.json"
+    run = vtoken("bench", "capacity", "--model", "tiny-gemma3", "--kv-blocks", "64", "--prompt-len", "256",
+                 "--gen-len", "96", "--requests", "2", "--repeats", "1", "--modes", "naive,repack",
+                 "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    groups = sorted((g["kind"], g.get("window")) for g in report["kv_cache_groups"])
+    assert groups == [("full", None)] + [("sliding_window", 64)] * 3
+    modes = report["modes"]
+    assert modes["repack"]["max_feasible_concurrency"] > modes["naive"]["max_feasible_concurrency"] >= 1, modes
 
 
 def attainments(burst: dict, slo: dict) -> set[float]:
@@ -206,6 +225,7 @@ def test_capacity_report_has_exactly_its_report_keys(monkeypatch):
                                 (0.1,) * count, (0.01,) * count)
 
     monkeypatch.setattr(capacity, "build_engine", lambda setup: None)
+    monkeypatch.setattr(capacity, "kv_cache_groups", lambda llm: [{"kind": "full", "layers": 2}])
     monkeypatch.setattr(capacity, "close", lambda llm: None)
     monkeypatch.setattr(capacity, "run_batch", run_batch)
     setup = capacity.CapacitySetup(model="m", policy="h2o", budget=0.2, block_size=32, kv_blocks=8,

@@ -4,14 +4,12 @@ example, answers the openai client, and stops cleanly on Ctrl-C with no process 
 from __future__ import annotations
 
 import os
-import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from serve_support import LocalServe, wait_for
 
 from vtoken.serve.launch.local import free_port
 
@@ -62,45 +60,12 @@ def test_vtoken_serve_prints_examples_answers_and_stops_cleanly_on_ctrl_c():
     import openai
 
     port, metrics_port = free_port(), free_port()
-    cmd = [
-        str(Path(sys.executable).with_name("vtoken")),
-        "serve",
-        "--model",
-        "tiny-llama",
-        "--mode",
-        "repack",
-        "--budget",
-        "0.5",
-        "--port",
-        str(port),
-        "--set",
-        "engine.kv_cache_blocks=40",
-        "--set",
-        "engine.max_model_len=1024",
-        "--set",
-        "limits.max_tokens=256",
-        "--set",
-        f"metrics.port={metrics_port}",
-    ]
-    env = {k: v for k, v in os.environ.items() if k != "VTOKEN_API_KEY"}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
-    lines, tmp = [], None
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line.rstrip())
-            if tmp is None and (m := re.search(r"temp dir (/tmp/vtr-\w+)", line)):
-                tmp = m.group(1)
-            if "Ctrl-C to stop." in line:
-                break
-        banner = "\n".join(lines)
+    srv = LocalServe(port, "--model", "tiny-llama", "--mode", "repack", "--budget", "0.5",
+                     "--set", "engine.kv_cache_blocks=40", "--set", "engine.max_model_len=1024",
+                     "--set", "limits.max_tokens=256", "--set", f"metrics.port={metrics_port}")
+    with srv:
+        banner, url = srv.banner, srv.url
         assert "Ctrl-C to stop." in banner, banner[-3000:]
-        url = f"http://127.0.0.1:{port}"
         assert f"{url}/v1" in banner and "curl -s" in banner and "from openai import OpenAI" in banner
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=120)
         chat = client.chat.completions.create(
@@ -110,7 +75,7 @@ def test_vtoken_serve_prints_examples_answers_and_stops_cleanly_on_ctrl_c():
             messages=[{"role": "user", "content": "What is the capital of France?"}],
         )
         assert chat.usage.completion_tokens == 8
-        curl = next(line.strip() for line in lines if line.strip().startswith("curl -s"))
+        curl = next(line.strip() for line in srv.lines if line.strip().startswith("curl -s"))
         out = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=120)
         assert '"chat.completion"' in out.stdout, out.stdout + out.stderr
         snippet = banner.split("python - <<'EOF'\n", 1)[1].split("\n    EOF", 1)[0]
@@ -118,20 +83,48 @@ def test_vtoken_serve_prints_examples_answers_and_stops_cleanly_on_ctrl_c():
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert run.returncode == 0 and run.stdout.strip(), run.stderr
         check_lm_eval_requests(url)
-    finally:
-        stopped = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        try:
-            rest, _ = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rest, _ = proc.communicate()
-    print(f"\n[local] Ctrl-C -> exit {proc.returncode} in {time.monotonic() - stopped:.1f} s")
-    assert proc.returncode == 0, rest[-3000:]
-    assert "stopped." in rest
-    assert tmp is not None
-    leftovers = processes_mentioning(tmp)
+    print(f"\n[local] Ctrl-C -> exit {srv.returncode} in {srv.stop_s:.1f} s")
+    assert srv.returncode == 0, srv.rest[-3000:]
+    assert "stopped." in srv.rest
+    assert srv.tmp is not None
+    leftovers = processes_mentioning(srv.tmp)
     assert not leftovers, f"processes left behind: {leftovers}"
+
+
+def test_vtoken_serve_runs_a_hybrid_model_and_its_modes_pair_per_request():
+    """A hybrid model (the tiny Gemma 3: sliding-window layers of 64 tokens beside a global layer) behind the
+    OpenAI API: the same greedy completion of a 300-token prompt with the replica's repack and, per request,
+    naive (``vllm_xargs``) gives the same tokens (the paired oracle, served), the policy evicted, and the
+    exporter writes ``vtoken:window_blocks`` with the pool whole again once idle."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port, metrics_port = free_port(), free_port()
+    srv = LocalServe(port, "--model", "tiny-gemma3", "--mode", "repack", "--budget", "0.3",
+                     "--set", "engine.kv_cache_blocks=64", "--set", "engine.max_model_len=1024",
+                     "--set", "limits.max_tokens=128", "--set", f"metrics.port={metrics_port}")
+    prompt = " ".join(f"item {i} is number {i * 7 % 13}." for i in range(40))
+    with srv:
+        assert "Ctrl-C to stop." in srv.banner, srv.banner[-3000:]
+        texts = {}
+        for mode in ("repack", "naive"):
+            r = httpx.post(f"{srv.url}/v1/completions", timeout=120, json={
+                "model": "tiny-gemma3", "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+                "vllm_xargs": {"vtoken.mode": mode}})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["usage"]["prompt_tokens"] > 200 and body["usage"]["completion_tokens"] == 48
+            texts[mode] = body["choices"][0]["text"]
+        assert texts["repack"] == texts["naive"]
+
+        def metrics() -> dict | None:
+            text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+            out = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+            return out if out.get("vtoken:evicted_tokens_total", 0) > 0 else None
+
+        m = wait_for(metrics, "the replica to report evictions", 60)
+        assert m["vtoken:window_blocks"] == 0 and m["vtoken:free_kv_tokens"] == m["vtoken:pool_blocks"] * 32
+    assert srv.returncode == 0, srv.rest[-3000:]
 
 
 @pytest.mark.timeout(120)

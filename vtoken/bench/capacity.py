@@ -20,7 +20,9 @@ Two measurements per mode:
   meeting both SLOs per second), peak / mean running requests, preemptions.
 
 Ratios are taken against the paired ``naive`` run of the same process (``*_vs_naive``). Prints JSON with
-the command that produced it; progress on stderr.
+the command that produced it; progress on stderr. ``kv_cache_groups`` lists vLLM's KV cache groups: on a hybrid
+model (sliding-window + global layers) the pool is shared by all of them and vToken evicts from the global group
+only, so the concurrency a mode reaches is of the whole pool, the sliding-window blocks included.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class CapacitySetup:
 # the top-level keys ``run_capacity`` returns (``report.emit`` adds ``environment``); tests/cpu/test_bench.py
 # holds the builder and the committed capacity-*.json to them
 REPORT_KEYS = frozenset({"bench", "command", *CapacitySetup.__dataclass_fields__, "requests", "repeats",
-                         "slo", "modes", "ratios_vs_naive"})
+                         "slo", "kv_cache_groups", "modes", "ratios_vs_naive"})
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,13 @@ def build_engine(setup: CapacitySetup):
                    num_gpu_blocks_override=setup.kv_blocks, max_num_seqs=setup.max_seqs,
                    max_num_batched_tokens=max(setup.prompt_len, 256), enable_prefix_caching=False,
                    enable_chunked_prefill=True, **tp_kw, **engine_kwargs(cfg))
+
+
+def kv_cache_groups(llm) -> list[dict]:
+    """The engine's KV cache groups (``vtoken.vllm.support.describe_groups``)."""
+    from vtoken.vllm.support import describe_groups
+
+    return describe_groups(llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups)
 
 
 def close(llm) -> None:
@@ -199,6 +208,7 @@ def run_capacity(setup: CapacitySetup, modes: tuple[str, ...], requests: int, tt
                     "repeats": repeats, "slo": {"ttft_s": ttft_slo, "tpot_s": tpot_slo}, "modes": {}}
     llm = build_engine(setup)
     try:
+        report["kv_cache_groups"] = kv_cache_groups(llm)
         with Progress(transient=True, redirect_stdout=False) as bar:
             task = bar.add_task("capacity", total=None)
             run_batch(llm, setup, modes[0], 2, "warm", stop_on_preemption=False)

@@ -145,6 +145,22 @@ def full_attention_group(groups) -> int:
     return full[0]
 
 
+def describe_groups(groups) -> list[dict]:
+    """The KV cache groups as reports state them: per group ``kind`` (``full`` or ``sliding_window``, else the
+    spec's class name), ``layers`` and, for a window, ``window`` (tokens). Pure."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    out = []
+    for g in groups:
+        spec = g.kv_cache_spec
+        if type(spec) is SlidingWindowSpec:
+            out.append({"kind": "sliding_window", "layers": len(g.layer_names), "window": spec.sliding_window})
+        else:
+            kind = "full" if type(spec) is FullAttentionSpec else type(spec).__name__
+            out.append({"kind": kind, "layers": len(g.layer_names)})
+    return out
+
+
 def check_attention_layer(name: str, impl) -> None:
     """Refuse an attention layer implementation whose attention vToken's scores or layout cannot reproduce
     (raises ``ConfigError``); ``impl`` is the layer's ``AttentionImpl`` (``layer.impl``)."""
