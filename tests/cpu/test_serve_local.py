@@ -95,13 +95,16 @@ def test_vtoken_serve_runs_a_hybrid_model_and_its_modes_pair_per_request():
     """A hybrid model (the tiny Gemma 3: sliding-window layers of 64 tokens beside a global layer) behind the
     OpenAI API: the same greedy completion of a 300-token prompt with the replica's repack and, per request,
     naive (``vllm_xargs``) gives the same tokens (the paired oracle, served), the policy evicted, and the
-    exporter writes ``vtoken:window_blocks`` with the pool whole again once idle."""
+    exporter writes ``vtoken:window_blocks`` with the pool whole again once idle. Prefix caching off: a hit
+    would skip the second request's prefill attention over the cached prompt, which H2O's scores sum."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     port, metrics_port = free_port(), free_port()
+    # vLLM sizes each of the 4 groups for one max_model_len request (a sliding group for a whole prefill
+    # chunk beside its window): 4 x 33 blocks + the null block at max_model_len 1024
     srv = LocalServe(port, "--model", "tiny-gemma3", "--mode", "repack", "--budget", "0.3",
-                     "--set", "engine.kv_cache_blocks=64", "--set", "engine.max_model_len=1024",
+                     "--set", "engine.kv_cache_blocks=160", "--set", "engine.enable_prefix_caching=false", "--set", "engine.max_model_len=1024",
                      "--set", "limits.max_tokens=128", "--set", f"metrics.port={metrics_port}")
     prompt = " ".join(f"item {i} is number {i * 7 % 13}." for i in range(40))
     with srv:
