@@ -62,8 +62,28 @@ def test_each_server_gets_the_fixed_pool_its_mode_and_room_for_the_longest_reque
     assert variant_config(s, "repack", "h2o", True).slo.admission is True  # the variant's own setting
     assert c.engine.max_model_len == 39 * 32 and c.router.stats_period_s == 0.25
     assert variant_config(s, "none", None).vtoken.mode == "none"
-    with pytest.raises(ValueError, match="kv_cache_blocks"):
+    with pytest.raises(ValueError, match="--pool-blocks 4"):
         variant_config(ServeBenchSetup(model="tiny-llama", pool_blocks=4), "none", None)
+
+
+def test_a_hybrid_models_server_gets_the_longest_length_its_pool_holds_in_every_group():
+    """The tiny Gemma 3's 4 KV cache groups (3 sliding of 64, 1 full; 2048 tokens in flight, read from vLLM's
+    engine config): 80 blocks hold max_model_len 608 in every group (4 x 19 + 3 + 1 = 80), not the 79 x 32
+    a one-group model gets — vLLM refused that engine, so the served bench could not run a hybrid model; a
+    pool that cannot hold the longest request in every group is refused naming --pool-blocks."""
+    from vtoken.bench.serve_bench import pool_shape_of
+    from vtoken.models.default import resolve_model
+    from vtoken.vllm.pool_need import FULL
+
+    s = ServeBenchSetup(model="tiny-gemma3", pool_blocks=80, input_len=64, output_len=64)
+    shape = pool_shape_of(s, str(resolve_model("tiny-gemma3")))
+    assert sorted(shape.windows, key=str) == [64, 64, 64, FULL] and shape.in_flight_tokens == 2048
+    c = variant_config(s, "repack", "h2o", shape=shape)
+    assert c.engine.max_model_len == 608 and shape.need(608) == 80 < shape.need(609)
+    assert variant_config(s, "none", None).engine.max_model_len == 79 * 32  # without the shape: one group
+    with pytest.raises(ValueError, match="--pool-blocks 20 cannot hold the longest request"):
+        variant_config(ServeBenchSetup(model="tiny-gemma3", pool_blocks=20, input_len=64, output_len=64),
+                       "none", None, shape=shape)
 
 
 def test_chat_requests_fit_the_server_limits_at_the_widest_draw():
@@ -174,7 +194,7 @@ def test_replica_metrics_read_the_peak_batch_the_prefix_cache_growth_and_the_pre
     (["--policies", "nope"], "nope"),
     (["--rates", "0,1"], "--rates"),
     (["--dataset", "sharegpt"], "sharegpt"),
-    (["--pool-blocks", "4"], "kv_cache_blocks"),
+    (["--pool-blocks", "4"], "--pool-blocks 4"),
     (["--set", "engine.nope=1"], "engine.nope"),
     (["--admission", "maybe"], "--admission"),
     (["--stop-after-misses", "-1"], "--stop-after-misses"),
@@ -267,6 +287,22 @@ def test_command_serves_one_mode_through_vllm_bench_serve_and_reports_json(tmp_p
     # with a loose TPOT (20 s, the server's slo.tpot_ms from --tpot-ms) it never went below max_num_seqs
     assert all(run["admission_limit_min"] == 16 for run in variant["runs"]), variant["runs"]
     assert (tmp_path / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_command_serves_a_hybrid_model_on_a_pool_sized_per_group(tmp_path):
+    """`vtoken bench serve` on the tiny Gemma 3 (4 KV cache groups): its server's max_model_len is what the
+    pool holds in every group, so the engine starts and every request completes with H2O evicting (before,
+    the server got 79 x 32 tokens and vLLM refused to start it)."""
+    cmd = [*VTOKEN, "bench", "serve", "--model", "tiny-gemma3", "--modes", "repack", "--policies", "h2o",
+           "--budget", "0.5", "--pool-blocks", "80", "--rates", "1000", "--num-prompts", "4", "--input-len",
+           "64", "--output-len", "64", "--ttft-ms", "120000", "--tpot-ms", "20000", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=880)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (variant,) = json.loads(out.stdout)["variants"]
+    (run,) = variant["runs"]
+    assert run["completed"] == 4 and run["failed"] == 0 and run["slo_attainment"] == 1.0, run
 
 
 def _variant(mode, policy, admission, rate, interpolated):

@@ -197,3 +197,24 @@ def test_vtoken_serve_exits_with_the_refusal_before_starting_anything():
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "quantized KV cache (kv_cache_dtype='fp8')" in proc.stderr and "docs/support.md" in proc.stderr
     assert "Ray" not in proc.stdout  # nothing started
+
+
+@pytest.mark.parametrize("mode", ["none", "repack"])
+def test_vtoken_serve_refuses_a_pool_under_the_hybrid_models_need_by_name(mode):
+    """The tiny Gemma 3 has 4 KV cache groups: at max_model_len 1024 vLLM needs 32 + 3 x 33 + 1 = 132 blocks
+    (``pool_need``), not the 33 a one-group model needs. 100 blocks pass the one-group check, so before the
+    preflight counted groups the replica died inside the engine and `vtoken serve` said only that it could
+    not start; now it exits 2 naming engine.kv_cache_blocks and what fits, in every mode, before Ray starts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cmd = [str(Path(sys.executable).with_name("vtoken")), "serve", "--model", "tiny-gemma3", "--mode", mode,
+           "--set", "engine.kv_cache_blocks=100", "--set", "engine.max_model_len=1024", "--set",
+           "limits.max_tokens=64", "--port", "18998"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "engine.kv_cache_blocks 100 is too small for engine.max_model_len 1024" in proc.stderr
+    assert "4 KV cache group(s)" in proc.stderr and "= 132 blocks" in proc.stderr
+    assert "lower engine.max_model_len to 768" in proc.stderr  # 4 x 24 + 3 + 1 = 100
+    assert "Ray" not in proc.stdout  # nothing started

@@ -59,6 +59,24 @@ def test_the_engine_manages_the_full_attention_group_only(hybrid_engine):
     assert type(sched._vt_manager).__name__ == "FullAttentionManager"
 
 
+def test_pool_need_is_the_groups_vllm_built_and_the_smallest_pool_it_starts_on(hybrid_engine, gemma3_tiny,
+                                                                               tmp_path):
+    """``pool_need`` from the config alone names the groups vLLM built (3 sliding of 64, 1 full) and their
+    need at max_model_len 448 with 64 tokens in flight — 14 + 3 x 5 + 1 = 30, the fixture's pool, on which
+    the engine runs; one block fewer and vLLM refuses to start (what ``vtoken serve`` now says first)."""
+    from vtoken.vllm.pool_need import pool_shape
+
+    llm, _ = hybrid_engine
+    sched = scheduler_of(llm)
+    shape = pool_shape(sched.vllm_config)
+    built = [getattr(g.kv_cache_spec, "sliding_window", None) for g in sched.kv_cache_config.kv_cache_groups]
+    assert sorted(shape.windows, key=str) == sorted(built, key=str) == [64, 64, 64, None]
+    assert shape.need(448) == sched.kv_cache_config.num_blocks == 30
+    with pytest.raises(ValueError, match="To serve at least one request"):
+        start_engine(str(gemma3_tiny), 32, str(tmp_path), max_num_batched_tokens=64, max_model_len=448,
+                     num_gpu_blocks_override=29)
+
+
 def test_window_blocks_make_the_free_count_the_whole_pools(hybrid_engine):
     """Mid-run, the snapshot's free blocks (pool − held − window) equal vLLM's own free-block count: the
     sliding groups' blocks are counted as taken (per group at most the window and a 64-token prefill chunk,

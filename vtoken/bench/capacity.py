@@ -27,7 +27,6 @@ only, so the concurrency a mode reaches is of the whole pool, the sliding-window
 
 from __future__ import annotations
 
-import os
 import shlex
 import statistics
 import sys
@@ -37,6 +36,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from vtoken.bench.report import emit
+from vtoken.vllm.launch import vllm_logs_to_stderr
 
 MODES = ("naive", "repack", "reuse+repack")
 
@@ -257,7 +257,7 @@ def ratios(modes: dict) -> dict:
 
 def main(setup: CapacitySetup, modes: tuple[str, ...], requests: int, ttft_slo: float, tpot_slo: float,
          repeats: int, out: str | None) -> dict:
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the JSON
+    vllm_logs_to_stderr()
     report = run_capacity(setup, modes, requests, ttft_slo, tpot_slo, repeats)
     emit(report, out)
     return report

@@ -171,9 +171,9 @@ def prefix_cmd(
     out: str = typer.Option(None, help="also write the JSON here"),
 ) -> None:
     """Prefix-cache hits and TTFT of sequential requests sharing a system prompt, per mode (one engine)."""
-    import os
+    from vtoken.vllm.launch import vllm_logs_to_stderr
 
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the report
+    vllm_logs_to_stderr()
     from vtoken.bench.prefix import prefix
     from vtoken.core.config import VTokenConfig
     from vtoken.errors import ConfigError
@@ -286,7 +286,6 @@ def quality_cmd(
 ) -> None:
     """Task quality (pass key, perplexity, RULER-style tasks with 95 % intervals, long-generation fidelity)
     per policy × granularity × budget vs retained blocks."""
-    import os
 
     from rich.console import Console
 
@@ -295,8 +294,9 @@ def quality_cmd(
     from vtoken.core.config import Budget, VTokenConfig
     from vtoken.errors import ConfigError
     from vtoken.policies import policy_names
+    from vtoken.vllm.launch import vllm_logs_to_stderr
 
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the report
+    vllm_logs_to_stderr()
     preset = QUALITY_PRESETS["quick" if quick else "full"]
     names = policies or preset[0]
     chosen = tuple(policy_names()) if names == "all" else tuple(p.strip() for p in names.split(",") if p.strip())
@@ -507,8 +507,11 @@ def serve_cmd(
 ) -> None:
     """The served path per mode: `vtoken serve` + `vllm bench serve`, goodput and SLO attainment per rate."""
     from vtoken.bench.report import emit, partial_writer
-    from vtoken.bench.serve_bench import DATASETS, ServeBenchSetup, run_serve_bench, variant_config
+    from vtoken.bench.serve_bench import DATASETS, ServeBenchSetup, pool_shape_of, run_serve_bench, variant_config
+    from vtoken.models.default import resolve_model
+    from vtoken.vllm.launch import vllm_logs_to_stderr
 
+    vllm_logs_to_stderr()  # the pool probe builds vLLM's engine config; servers and client log to --log
     try:
         rate_list = tuple(float(x) for x in rates.split(",") if x.strip())
     except ValueError:
@@ -537,14 +540,16 @@ def serve_cmd(
         stop_after_misses=stop_after_misses, repeats=repeats)
     if not setup.variants():
         refuse(f"--modes {modes!r} / --policies {policies!r}: nothing to run")
+    shape = None
     for mode, policy, adm in setup.variants():  # every server's config is valid before the first one starts
         try:
-            variant_config(setup, mode, policy, adm)
+            shape = shape or pool_shape_of(setup, str(resolve_model(setup.model)))  # the model's KV groups
+            variant_config(setup, mode, policy, adm, shape=shape)
         except ValueError as exc:
             refuse(f"mode {mode!r}, policy {policy!r}: {exc}")
     echo = (lambda *_: None) if as_json else (lambda line: typer.echo(line, err=True))
     try:
-        report = run_serve_bench(setup, echo, log, checkpoint=partial_writer(out))
+        report = run_serve_bench(setup, echo, log, checkpoint=partial_writer(out), shape=shape)
     except RuntimeError as exc:
         refuse(str(exc))
     if plot:

@@ -44,6 +44,7 @@ import typer
 from vtoken.bench.report import emit
 from vtoken.core.config import DEFAULT_SCORE_LAYERS
 from vtoken.models.default import MODEL_HELP
+from vtoken.vllm.launch import vllm_logs_to_stderr
 
 # the top-level keys ``run_overhead`` always returns; besides them ``policy`` (one policy) or ``policies``
 # (several), and with a query-free policy ``SCORE_COLLECTION_KEYS``; ``report.emit`` adds ``environment``
@@ -213,7 +214,7 @@ def overhead(
     policies: tuple[str, ...] = ("random",),
 ) -> None:
     """Decode-step overhead of repack vs naive vs none (no memory pressure), and of score collection."""
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the JSON
+    vllm_logs_to_stderr()
     report = run_overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats, tensor_parallel_size,
                           score_layers, policies)
     emit(report, out)

@@ -49,6 +49,7 @@ from vtoken.bench.serve_results import (
     variant_label,
 )
 from vtoken.bench.serve_summary import headline, summarize
+from vtoken.vllm.pool_need import FULL, PoolShape
 
 DATASETS = ("random", "chat")  # chat: a shared system prompt + lengths drawn ±50 % (a chat-like mix)
 CHAT_RANGE_RATIO = 0.5  # chat: prompt and output lengths drawn from [(1 - r)·len, (1 + r)·len]
@@ -129,25 +130,29 @@ def client_command(s: ServeBenchSetup, url: str, model_path: str, rate: float, r
 
 
 def variant_config(s: ServeBenchSetup, mode: str, policy: str | None, admission: bool = False,
-                   metrics_port: int = 9500):
+                   metrics_port: int = 9500, shape: PoolShape | None = None):
     """The ``ServeAppConfig`` of one variant's server: one replica, the fixed pool, the variant's mode,
     policy and ``slo.admission``, the benchmark's SLOs (what admission targets and ``vtoken:slo_met``
     counts), then ``s.extra`` (``key=value`` as ``vtoken serve --set``; it may override any of these).
-    Validates: raises ``ValueError`` (pydantic's ``ValidationError``) naming the bad setting, before any
-    server starts."""
+    ``shape``: the model's KV cache groups (``pool_shape_of``; default one full-attention group) — its
+    ``max_model_len`` is the longest the pool holds in every group. Validates: raises ``ValueError``
+    (pydantic's ``ValidationError``) naming the bad setting, before any server starts."""
     from vtoken.serve.config import ServeAppConfig
     from vtoken.serve.launch.cli import parse_scalar
 
     vt = {"mode": mode} | ({"policy": policy, "budget": s.budget} if policy else {})
     block_size = ServeAppConfig.model_validate({"model": s.model, "vtoken": vt}).vtoken.block_size
-    # max_model_len: what the pool holds (one block is vLLM's null block); a pool too small for the longest
-    # request fails validation here. Not the longest request itself: the client re-tokenizes its random
-    # prompts, and a small-vocabulary tokenizer can make them much longer than asked.
-    pool_tokens = (s.pool_blocks - 1) * block_size
+    shape = shape or PoolShape(windows=(FULL,), block_size=block_size, in_flight_tokens=0)
+    if shape.need(s.longest_request()) > s.pool_blocks:
+        raise ValueError(f"--pool-blocks {s.pool_blocks} cannot hold the longest request "
+                         f"({s.longest_request()} tokens) in every KV cache group: "
+                         f"{shape.describe(s.longest_request())} = {shape.need(s.longest_request())} blocks")
+    # max_model_len: what the pool holds in every group. Not the longest request itself: the client
+    # re-tokenizes its random prompts, and a small-vocabulary tokenizer can make them much longer than asked.
     config = ServeAppConfig.model_validate({
         "model": s.model, "vtoken": vt, "deployment": {"num_replicas": 1},
         "engine": {"kv_cache_blocks": s.pool_blocks, "max_num_seqs": s.max_num_seqs,
-                   "max_model_len": max(s.longest_request(), pool_tokens)},
+                   "max_model_len": shape.longest_len(s.pool_blocks)},
         "limits": {"max_tokens": s.longest_output()}, "metrics": {"port": metrics_port},
         # the server's SLO (metrics, admission) = the client's
         "slo": {"ttft_ms": s.ttft_ms, "tpot_ms": s.tpot_ms, "admission": admission}})
@@ -158,6 +163,20 @@ def variant_config(s: ServeBenchSetup, mode: str, policy: str | None, admission:
             raise ValueError(f"--set expects key=value, got {item!r}")
         extra[key.strip()] = parse_scalar(value.strip())
     return config.merged(extra) if extra else config
+
+
+def pool_shape_of(s: ServeBenchSetup, model_path: str) -> PoolShape:
+    """The model's KV cache groups as vLLM will build them for the servers (``pool_need``): vLLM's engine
+    config for a stock-vLLM variant (reads the model's config, loads no weights)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from vtoken.serve.replica.engine import engine_args
+    from vtoken.vllm.pool_need import pool_shape
+
+    # probed at the one-group max_model_len, the longest any variant runs: the in-flight tokens vLLM
+    # reserves for grow with it, so the shape's need is never under what the servers' engines need
+    probe = variant_config(s, "none", None)
+    return pool_shape(AsyncEngineArgs(**engine_args(probe, model_path)).create_engine_config())
 
 
 def served_name(model: str) -> str:
@@ -195,7 +214,7 @@ def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
 
 
 def run_variant(s: ServeBenchSetup, variant: tuple[str, str | None, bool], model_path: str, log,
-                echo) -> dict:
+                echo, shape: PoolShape | None = None) -> dict:
     """Start one server, run every rate against it, stop it; returns the variant's report."""
     from vtoken.serve.launch.local import free_port
 
@@ -203,7 +222,7 @@ def run_variant(s: ServeBenchSetup, variant: tuple[str, str | None, bool], model
     port, metrics_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
-    config = variant_config(s, mode, policy, asked, metrics_port)
+    config = variant_config(s, mode, policy, asked, metrics_port, shape)
     admission = config.slo.admission  # a ``--set slo.admission=…`` wins: label and JSON say what ran
     variant = (mode, policy, admission)
     runs = []
@@ -270,7 +289,7 @@ def sigterm_as_interrupt():
 
 
 def run_serve_bench(s: ServeBenchSetup, echo=lambda line: None, log_path: str | None = None,
-                    checkpoint=lambda report: None) -> dict:
+                    checkpoint=lambda report: None, shape: PoolShape | None = None) -> dict:
     """Every variant, one after another (one server at a time on this machine), ``s.repeats`` times; returns
     the report. ``checkpoint(report)`` gets the report of the repeats done so far after each repeat (the CLI
     writes it to ``--out``, so a long run stopped part-way keeps its finished repeats). SIGTERM stops the
@@ -278,13 +297,14 @@ def run_serve_bench(s: ServeBenchSetup, echo=lambda line: None, log_path: str | 
     from vtoken.models.default import resolve_model
 
     model_path = str(resolve_model(s.model))
+    shape = shape or pool_shape_of(s, model_path)
     started = time.perf_counter()
     repeats: list[list[dict]] = []
     with open(log_path or os.devnull, "w") as log, sigterm_as_interrupt():
         for i in range(s.repeats):
             if s.repeats > 1:
                 echo(f"repeat {i + 1} of {s.repeats}")
-            repeats.append([run_variant(s, variant, model_path, log, echo) for variant in s.variants()])
+            repeats.append([run_variant(s, variant, model_path, log, echo, shape) for variant in s.variants()])
             checkpoint(_report(s, model_path, repeats, started))
     report = _report(s, model_path, repeats, started)
     for line in headline(report["summary"]):

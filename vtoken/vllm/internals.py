@@ -52,6 +52,14 @@ Scheduler side (engine-core process) — ``vtoken/vllm/scheduler.py``, ``async_s
     end, because msgspec drops subclass fields (``vtoken/vllm/stats.py``).
   * ``vllm.v1.kv_cache_interface.FullAttentionSpec`` / ``SlidingWindowSpec`` / ``KVCacheGroupSpec`` — to find
     the full-attention group of a hybrid model (the others must be sliding-window groups) and refuse the rest.
+  * Mirrored, not called (``vtoken/vllm/pool_need.py``): ``kv_cache_utils._get_kv_cache_groups_uniform_page_size``'s
+    grouping rule (layers bucketed by kind, groups of the fewest layers a kind has, or the most when no kind
+    has 1.5 × the fewest), ``FullAttentionSpec`` / ``SlidingWindowSpec.max_memory_usage_bytes`` (blocks per
+    ``max_model_len`` request; ``VllmConfig.max_in_flight_tokens`` read) and the null block reserved by
+    ``get_kv_cache_configs``' start-up check — so ``vtoken serve`` refuses a pool vLLM would refuse, by name,
+    before anything starts; reads ``hf_text_config.layer_types`` / ``sliding_window`` and
+    ``scheduler_config.disable_hybrid_kv_cache_manager``. ``tests/cpu/test_vllm_hybrid.py`` compares it with
+    the groups and pool of a real engine.
 
 Engine construction (worker and scheduler) — ``vtoken/vllm/engine_setup.py``
   * ``VllmConfig.use_v2_model_runner`` (a property over ``vllm.envs.VLLM_USE_V2_MODEL_RUNNER``,

@@ -39,6 +39,13 @@ def scoped_env(**values: str):
         envs.disable_envs_cache()
 
 
+def vllm_logs_to_stderr() -> None:
+    """Send vLLM's log lines to stderr unless ``VLLM_LOGGING_STREAM`` says otherwise (mutates
+    ``os.environ``; child processes inherit it), so a command's stdout carries only its report. Call before
+    vLLM is imported: its logger reads the variable once."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
+
 def tp_cpu_env(tp: int) -> dict[str, str]:
     """Environment for a CPU engine with ``tp`` ranks (pure): vLLM's automatic thread binding wants one NUMA
     node per rank, so unless the caller bound threads explicitly, rank ``r`` binds core ``r mod ncpu``."""

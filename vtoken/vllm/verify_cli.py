@@ -16,7 +16,6 @@ stderr while it runs.
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import sys
 from typing import Annotated
@@ -55,8 +54,9 @@ def verify(
     """Run vToken in vLLM, replay through HF with the same keys masked, and compare (exit 1 on mismatch)."""
     from vtoken.models.default import resolve_model
     from vtoken.vllm import engine_kwargs
+    from vtoken.vllm.launch import vllm_logs_to_stderr
 
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the report
+    vllm_logs_to_stderr()
     try:
         b = Budget.parse(budget)
         m = Mode.parse(mode)

@@ -105,17 +105,37 @@ def cpu_binding(cfg: ServeAppConfig, local_rank: int, ncpu: int | None = None) -
 
 
 def preflight(cfg: ServeAppConfig, model_path: str) -> None:
-    """Refuse, before anything starts, an engine configuration vToken cannot keep exact (raises
-    ``ConfigError`` naming the feature; ``vtoken serve`` exits with it). Builds vLLM's engine config from
-    ``engine_args`` (reads the model's config, loads no weights) and runs vToken's start-up check on it;
-    nothing to check with vToken off (mode ``none``)."""
-    if not cfg.vtoken.mode.evicts:
+    """Refuse, before anything starts, an engine this config cannot start or vToken cannot keep exact
+    (raises ``ConfigError`` naming the setting or feature; ``vtoken serve`` exits with it). Builds vLLM's
+    engine config from ``engine_args`` (reads the model's config, loads no weights), then checks a fixed
+    pool (``engine.kv_cache_blocks``) against what vLLM needs in every KV cache group (``pool_need``; any
+    mode) and runs vToken's start-up check (evicting modes)."""
+    if cfg.engine.kv_cache_blocks is None and not cfg.vtoken.mode.evicts:
         return
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from vtoken.vllm.support import check_engine_config
 
-    check_engine_config(AsyncEngineArgs(**engine_args(cfg, model_path)).create_engine_config())
+    vllm_config = AsyncEngineArgs(**engine_args(cfg, model_path)).create_engine_config()
+    check_pool(cfg, vllm_config)
+    if cfg.vtoken.mode.evicts:
+        check_engine_config(vllm_config)
+
+
+def check_pool(cfg: ServeAppConfig, vllm_config) -> None:
+    """Raise ``ConfigError`` when ``engine.kv_cache_blocks`` is under what vLLM needs to start: room for
+    one ``max_model_len`` request in each of the model's KV cache groups (a hybrid model has several)."""
+    from vtoken.errors import ConfigError
+    from vtoken.vllm.pool_need import pool_shape
+
+    blocks, length = cfg.engine.kv_cache_blocks, cfg.engine.max_model_len
+    shape = pool_shape(vllm_config)
+    if blocks is not None and blocks < shape.need(length):
+        raise ConfigError(
+            f"engine.kv_cache_blocks {blocks} is too small for engine.max_model_len {length}: vLLM keeps "
+            f"room for one such request in each of the model's {len(shape.windows)} KV cache group(s): "
+            f"{shape.describe(length)} = {shape.need(length)} blocks. Raise engine.kv_cache_blocks to "
+            f"{shape.need(length)} or lower engine.max_model_len to {shape.longest_len(blocks)}")
 
 
 def bind_cpus(cfg: ServeAppConfig, local_rank: int) -> str:
