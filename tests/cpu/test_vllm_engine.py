@@ -210,6 +210,25 @@ def test_protected_prompt_is_kept_exact_and_paired(protection, prefix_engine, re
         assert np.any(ev[P:] >= 0)  # generated tokens go
 
 
+def test_a_shorter_prompt_len_makes_the_rest_of_the_prompt_evictable_as_generated(prefix_engine, ref_llama):
+    """Per-request ``prompt_len`` (teacher forcing in the fidelity bench): with ``scope: generated`` and
+    ``prompt_len: 40`` on a 150-token prompt, the first 40 tokens are kept whole and tokens 40-149, fed as
+    prompt, go as generated ones would — exact against the HF masked reference and the paired naive run.
+    Without it the whole 150-token prompt is kept (the test above)."""
+    llm, d = prefix_engine
+    P, kept = 150, 40
+    prompt = np.random.default_rng(21).integers(10, 500, P).tolist()
+    outs, traces = run_one_by_one(llm, d, prompt, [("pl-repack", {"mode": "repack"}), ("pl-naive", {"mode": "naive"})],
+                                  20, policy="h2o", budget=0.3, salt=23, scope="generated", prompt_len=kept)
+    tokens = check_against_reference(ref_llama, prompt, outs[0], traces[0])
+    assert tokens == list(outs[1].outputs[0].token_ids), "tokens differ from the paired naive run"
+    ev = np.asarray(traces[0].epochs[0].evicted_round)
+    assert np.array_equal(ev, np.asarray(traces[1].epochs[0].evicted_round))
+    assert traces[0].prompt_len == kept
+    assert not np.any(ev[:kept] >= 0), "a token before prompt_len was evicted"
+    assert np.any(ev[kept:P] >= 0), "the prompt after prompt_len was kept whole"
+
+
 def test_question_aware_prompt_scores_are_exact_paired_and_change_h2o(prefix_engine, ref_llama):
     """``prompt_scores: window`` per request through vLLM: the worker measures the observation window for H2O,
     which then ranks the prompt by it — exact against the HF masked reference, equal to its paired naive run,

@@ -114,6 +114,12 @@ def test_request_overrides():
         request_settings(eng, {"vtoken": {"policy": "bogus"}})
     with pytest.raises(ConfigError, match="'block_size'"):
         request_settings(eng, {"vtoken": {"block_size": 64}})
+    assert request_settings(eng, None).prompt_len_of(150) == 150  # vLLM's prompt
+    assert request_settings(eng, {"vtoken": {"prompt_len": 40}}).prompt_len_of(150) == 40
+    assert request_settings(eng, {"vtoken": {"prompt_len": 400}}).prompt_len_of(150) == 150  # at most the prompt
+    for bad in (0, -3, True, "40"):
+        with pytest.raises(ConfigError, match="prompt_len must be a positive integer"):
+            request_settings(eng, {"vtoken": {"prompt_len": bad}})
 
 
 def _stats(repack_seconds: float = 0.0123, at: float = 1.0) -> KVSnapshot:

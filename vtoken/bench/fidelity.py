@@ -7,7 +7,11 @@ Task-independent, so it holds for any model. Per prompt (a short window of prose
 3. teacher forcing: prompt + teacher continuation as one prompt, fed in chunks of one block so the
    policy evicts as the continuation grows (between chunks, as it does between decode steps), with the
    top-``k`` log-probabilities of every position; per continuation position, **top-1 agreement** with
-   the full cache's teacher-forced run and a **KL lower bound** KL(full ‖ point).
+   the full cache's teacher-forced run and a **KL lower bound** KL(full ‖ point). The request's
+   ``prompt_len`` is the short prompt's, so the continuation's tokens are evictable as generated ones
+   (``scope: generated``, ``prompt_tail`` and question-aware scores see the prompt the greedy run has;
+   before 2026-12-03 they saw prompt + continuation as the prompt, so decode-only points evicted nothing
+   here).
 
 The KL bound: both runs return their own top-k; the tokens in both sets stay separate bins and every
 other token goes to one "rest" bin. KL of the coarse-grained distributions is ≤ the true KL (data
@@ -95,7 +99,8 @@ def run_fidelity(setup, tokenizer, pts, on_phase) -> dict:
     def greedy(extra, case):
         return SamplingParams(max_tokens=n_gen, temperature=0.0, ignore_eos=True, extra_args=extra)
 
-    def forced(extra, case):
+    def forced(extra, case):  # the teacher's tokens count as generated: scope, tail and window as in ``greedy``
+        extra = {"vtoken": {**extra["vtoken"], "prompt_len": setup.fidelity_prompt_tokens}}
         return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP_K, extra_args=extra)
 
     generated = run_on_engine(setup, prompts, pts, greedy, max_model_len=max_len)

@@ -158,12 +158,14 @@ class EngineSettings:
 @dataclass(frozen=True)
 class RequestSettings:
     """A request's effective config (engine values with its overrides) plus its own keys: ``trace_id``
-    names its trace file, ``salt`` seeds per-request randomness (equal salts ⇒ paired, identical decisions).
-    Per-request keys = ``keys()``: every ``VTokenConfig`` field but ``block_size``, plus these two."""
+    names its trace file, ``salt`` seeds per-request randomness (equal salts ⇒ paired, identical decisions),
+    ``prompt_len`` is where vToken takes its prompt to end (``prompt_len_of``; unset: vLLM's prompt).
+    Per-request keys = ``keys()``: every ``VTokenConfig`` field but ``block_size``, plus these three."""
 
     cfg: VTokenConfig
     trace_id: str | None = None
     salt: int | None = None
+    prompt_len: int | None = None
 
     def __post_init__(self) -> None:
         t = self.trace_id
@@ -172,6 +174,17 @@ class RequestSettings:
         s = self.salt
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
             raise ConfigError(f"salt must be a non-negative integer, got {s!r}")
+        n = self.prompt_len
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ConfigError(f"prompt_len must be a positive integer, got {n!r}")
+
+    def prompt_len_of(self, num_prompt_tokens: int) -> int:
+        """The prompt length vToken uses for a request whose prompt has ``num_prompt_tokens`` tokens (what
+        ``prompt_tail``, ``scope: generated`` and question-aware scoring see as the prompt): ``prompt_len``
+        when set, at most the prompt. Setting it scores a continuation under teacher forcing as it would be
+        generated — the continuation fed as prompt, its tokens evictable as generated ones
+        (``vtoken bench quality``'s fidelity)."""
+        return num_prompt_tokens if self.prompt_len is None else min(self.prompt_len, num_prompt_tokens)
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:

@@ -134,7 +134,7 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
             trace = RequestTrace(
                 request_id=request.request_id, trace_id=rs.trace_id, policy=rs.cfg.policy,
                 mode=rs.cfg.mode.value, budget=str(rs.cfg.budget), block_size=self.block_size,
-                prompt_len=request.num_prompt_tokens,
+                prompt_len=rs.prompt_len_of(request.num_prompt_tokens),
             )
             observer = TraceRecorder(trace, self.vt.trace_dir)
         salt = rs.salt if rs.salt is not None else request_salt(request.request_id)
@@ -268,7 +268,7 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
             t = st.table
             offset = t.seen - t.live
             appended = int(slots[0]) == t.live - n and (n == 1 or int(slots[-1]) == t.live - 1)
-            prompt = self.requests[rid].num_prompt_tokens
+            prompt = st.settings.prompt_len_of(self.requests[rid].num_prompt_tokens)
             window = window_queries(prompt, computed_before, n) if st.want_window else 0  # SnapKV's, once
             back = st.norm_back(computed_before, n)  # KNorm: a fresh table's cache hits (request_state.py)
             if offset or not appended or st.want_attention or st.want_key_norm or window:
@@ -295,7 +295,7 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
         """The row slots of the ``n`` tokens this step computes (mutates the table; creates it first)."""
         if st.table is None:
             st.table = TokenTable(block_size=self.block_size, mode=st.settings.cfg.mode,
-                                  prompt_len=self.requests[rid].num_prompt_tokens)
+                                  prompt_len=st.settings.prompt_len_of(self.requests[rid].num_prompt_tokens))
             st.observer.new_table(computed_before)
             if computed_before:  # prefix-cache hits: computed with full visibility
                 st.table.place(computed_before)
