@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vtoken.vllm.launch import start_engine
+from vtoken.vllm.launch import scheduler_of, start_engine
 from vtoken.vllm.trace import RequestTrace
 from vtoken.vllm.verify import VerifyCase, reference_scores, run_cases
 
@@ -23,11 +23,6 @@ pytestmark = pytest.mark.slow
 POLICIES = ["h2o", "tova", "scissorhands", "knorm", "random", "streamingllm"]
 MODES = ["naive", "repack", "reuse+repack"]
 TOL = 1e-4
-
-
-def scheduler_of(llm):
-    """The in-process engine's scheduler (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-    return llm.llm_engine.engine_core.engine_core.scheduler
 
 
 def shutdown(llm) -> None:

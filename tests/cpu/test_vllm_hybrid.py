@@ -17,9 +17,9 @@ import shutil
 
 import numpy as np
 import pytest
-from test_vllm_engine import POLICIES, TOL, check_against_reference, scheduler_of, shutdown, sp
+from test_vllm_engine import POLICIES, TOL, check_against_reference, shutdown, sp
 
-from vtoken.vllm.launch import start_engine
+from vtoken.vllm.launch import scheduler_of, start_engine
 from vtoken.vllm.trace import RequestTrace
 from vtoken.vllm.verify import VerifyCase, run_cases
 

@@ -14,6 +14,7 @@ from vtoken.core.token_table import TokenTable
 from vtoken.errors import ConfigError, IntegrityError
 from vtoken.vllm.config import EngineSettings
 from vtoken.vllm.invariants import pool_violations, table_violations
+from vtoken.vllm.launch import scheduler_of
 
 
 def pool(n: int = 16):
@@ -92,7 +93,7 @@ def run(llm, n: int = 4, seed: int = 0):
 
 @pytest.mark.slow
 def test_idle_check_runs_clean_then_fires_on_a_leaking_copy(engine, monkeypatch, caplog):
-    sched = engine.llm_engine.engine_core.engine_core.scheduler
+    sched = scheduler_of(engine)
     run(engine)
     c0 = sched.vtoken_stats().counters
     assert c0.invariant_checks >= 1 and c0.invariant_violations == 0  # idle after the batch: checked, clean

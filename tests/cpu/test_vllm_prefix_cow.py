@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_vllm_engine import check_against_reference, scheduler_of, shutdown, sp
+from test_vllm_engine import check_against_reference, shutdown, sp
 
-from vtoken.vllm.launch import start_engine
+from vtoken.vllm.launch import scheduler_of, start_engine
 from vtoken.vllm.trace import RequestTrace
 
 pytestmark = pytest.mark.slow

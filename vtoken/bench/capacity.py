@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from vtoken.bench.report import emit
-from vtoken.vllm.launch import vllm_logs_to_stderr
+from vtoken.vllm.launch import scheduler_of, vllm_logs_to_stderr
 
 MODES = ("naive", "repack", "reuse+repack")
 
@@ -108,7 +108,7 @@ def kv_cache_groups(llm) -> list[dict]:
     """The engine's KV cache groups (``vtoken.vllm.support.describe_groups``)."""
     from vtoken.vllm.support import describe_groups
 
-    return describe_groups(llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups)
+    return describe_groups(scheduler_of(llm).kv_cache_config.kv_cache_groups)
 
 
 def close(llm) -> None:
@@ -121,7 +121,7 @@ def run_batch(llm, setup: CapacitySetup, mode: str, count: int, tag: str, stop_o
     from vllm import SamplingParams
 
     eng = llm.llm_engine
-    sched = eng.engine_core.engine_core.scheduler
+    sched = scheduler_of(llm)
     rng = np.random.default_rng(1234)  # the same prompts for every mode
     vocab = min(eng.vllm_config.model_config.get_vocab_size(), 30_000)
     params = SamplingParams(max_tokens=setup.gen_len, temperature=0.0, ignore_eos=True,

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from vtoken.vllm.launch import scheduler_of
+
 DEFAULT_STEPS_FILE = Path("docs/results/fleet-steps.json")
 # the top-level keys ``measure_steps`` returns (``environment`` included: the steps file is written as is);
 # tests/cpu/test_bench.py holds the committed docs/results/fleet-steps.json to them
@@ -96,7 +98,7 @@ def _run(llm, prompts: list[list[int]], gen: int, tag: str) -> tuple[list[float]
     from vllm import SamplingParams
 
     eng = llm.llm_engine
-    sched = eng.engine_core.engine_core.scheduler
+    sched = scheduler_of(llm)
     for i, p in enumerate(prompts):
         eng.add_request(f"{tag}-{i}", {"prompt_token_ids": p},
                         SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True))

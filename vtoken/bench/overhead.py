@@ -44,7 +44,7 @@ import typer
 from vtoken.bench.report import emit
 from vtoken.core.config import DEFAULT_SCORE_LAYERS
 from vtoken.models.default import MODEL_HELP
-from vtoken.vllm.launch import vllm_logs_to_stderr
+from vtoken.vllm.launch import scheduler_of, vllm_logs_to_stderr
 
 # the top-level keys ``run_overhead`` always returns; besides them ``policy`` (one policy) or ``policies``
 # (several), and with a query-free policy ``SCORE_COLLECTION_KEYS``; ``report.emit`` adds ``environment``
@@ -83,7 +83,7 @@ def _decode_steps(llm, prompts: list[list[int]], gen_len: int, mode: str | None,
     from vllm import SamplingParams
 
     eng = llm.llm_engine
-    sched = eng.engine_core.engine_core.scheduler
+    sched = scheduler_of(llm)
     extra = {"vtoken": {"mode": mode, "policy": policy, "salt": 1, "score_layers": score_layers}} if mode else None
     for i, p in enumerate(prompts):
         eng.add_request(f"{tag}-{i}", {"prompt_token_ids": p},
@@ -154,7 +154,7 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
         for r in range(repeats):  # variants interleaved, so bursts of contention hit them evenly
             for label, name, m, layers, p in runs:
                 llm = engines[label]
-                sched = llm.llm_engine.engine_core.engine_core.scheduler
+                sched = scheduler_of(llm)
                 before = sched.vtoken_stats().counters.repack_moves if m else 0
                 progress.update(task, description=f"{name} (run {r + 1}/{repeats})")
                 t = _decode_steps(llm, prompts, gen_len, m, f"{name}-{r}", lambda: progress.advance(task),

@@ -52,7 +52,7 @@ def run_prefix(model: str, block_size: int, modes: list[str], policy: str, budge
     from vtoken.core.config import VTokenConfig
     from vtoken.models.default import resolve_model
     from vtoken.vllm import engine_kwargs
-    from vtoken.vllm.launch import scoped_env
+    from vtoken.vllm.launch import scheduler_of, scoped_env
 
     path = str(resolve_model(model))
     cfg = VTokenConfig(policy=policy, budget=budget, mode="repack", block_size=block_size)
@@ -60,7 +60,7 @@ def run_prefix(model: str, block_size: int, modes: list[str], policy: str, budge
         llm = LLM(model=path, dtype="float32", enforce_eager=True, seed=seed,
                   max_model_len=system_len + user_len + gen_len + block_size, enable_prefix_caching=True,
                   max_num_batched_tokens=max(system_len + user_len, 256), **engine_kwargs(cfg))
-    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    sched = scheduler_of(llm)
     rng = np.random.default_rng(seed)
     system = rng.integers(10, 500, system_len).tolist()
     prompts = [system + rng.integers(10, 500, user_len).tolist() for _ in range(requests)]

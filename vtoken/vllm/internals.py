@@ -125,6 +125,9 @@ Engine/front end
   * ``vllm.envs.disable_envs_cache`` — ``vtoken.vllm.launch.scoped_env`` builds in-process engines for
     ``vtoken verify`` / ``vtoken bench overhead`` / tests with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` without
     leaking it: vLLM memoises its environment once an engine starts, so the memo is cleared around the build.
+  * ``LLM.llm_engine.engine_core.engine_core.scheduler`` (``InprocClient`` → ``EngineCore``) — the scheduler of
+    an in-process engine, read by ``vtoken.vllm.launch.scheduler_of`` only (the benches' counters and groups,
+    tests).
   * ``vllm.plugins`` ``vllm.general_plugins`` entry point ``vtoken`` → ``vtoken.vllm.plugin:register``. vLLM
     0.32 calls it in the engine core (``EngineCore.__init__``) and in every worker (``WorkerWrapperBase``),
     which is where ``vtoken.vllm.lifetime.watch_parent`` starts: nothing in vLLM ends an engine core whose

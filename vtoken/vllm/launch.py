@@ -39,6 +39,13 @@ def scoped_env(**values: str):
         envs.disable_envs_cache()
 
 
+def scheduler_of(llm):
+    """The vToken scheduler of an engine built in this process (``start_engine``, or ``LLM(...)`` with
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``LLM.llm_engine`` → its ``InprocClient`` ``.engine_core`` → the
+    ``EngineCore``'s ``.scheduler`` (vLLM 0.32; listed in ``internals.py``). Reads only."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
 def vllm_logs_to_stderr() -> None:
     """Send vLLM's log lines to stderr unless ``VLLM_LOGGING_STREAM`` says otherwise (mutates
     ``os.environ``; child processes inherit it), so a command's stdout carries only its report. Call before
