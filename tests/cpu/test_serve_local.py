@@ -102,7 +102,7 @@ def test_vtoken_serve_runs_a_hybrid_model_and_its_modes_pair_per_request():
 
     port, metrics_port = free_port(), free_port()
     # vLLM sizes each of the 4 groups for one max_model_len request (a sliding group for a whole prefill
-    # chunk beside its window): 4 x 33 blocks + the null block at max_model_len 1024
+    # chunk beside its window): 32 + 3 x 33 blocks + the null block = 132 at max_model_len 1024 (pool_need)
     srv = LocalServe(port, "--model", "tiny-gemma3", "--mode", "repack", "--budget", "0.3",
                      "--set", "engine.kv_cache_blocks=160", "--set", "engine.enable_prefix_caching=false",
                      "--set", "engine.max_model_len=1024",

@@ -540,10 +540,12 @@ def serve_cmd(
         stop_after_misses=stop_after_misses, repeats=repeats)
     if not setup.variants():
         refuse(f"--modes {modes!r} / --policies {policies!r}: nothing to run")
-    shape = None
+    try:  # the model's KV cache groups, as vLLM will build them for every server
+        shape = pool_shape_of(setup, str(resolve_model(setup.model)))
+    except ValueError as exc:
+        refuse(str(exc))
     for mode, policy, adm in setup.variants():  # every server's config is valid before the first one starts
         try:
-            shape = shape or pool_shape_of(setup, str(resolve_model(setup.model)))  # the model's KV groups
             variant_config(setup, mode, policy, adm, shape=shape)
         except ValueError as exc:
             refuse(f"mode {mode!r}, policy {policy!r}: {exc}")

@@ -173,8 +173,9 @@ def pool_shape_of(s: ServeBenchSetup, model_path: str) -> PoolShape:
     from vtoken.serve.replica.engine import engine_args
     from vtoken.vllm.pool_need import pool_shape
 
-    # probed at the one-group max_model_len, the longest any variant runs: the in-flight tokens vLLM
-    # reserves for grow with it, so the shape's need is never under what the servers' engines need
+    # probed at the one-group max_model_len, which no variant of a model with a full-attention group exceeds:
+    # the in-flight tokens vLLM reserves for never shrink as the length grows, so the shape's need is never
+    # under what the servers' engines need
     probe = variant_config(s, "none", None)
     return pool_shape(AsyncEngineArgs(**engine_args(probe, model_path)).create_engine_config())
 

@@ -268,8 +268,7 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
             t = st.table
             offset = t.seen - t.live
             appended = int(slots[0]) == t.live - n and (n == 1 or int(slots[-1]) == t.live - 1)
-            prompt = st.settings.prompt_len_of(self.requests[rid].num_prompt_tokens)
-            window = window_queries(prompt, computed_before, n) if st.want_window else 0  # SnapKV's, once
+            window = window_queries(t.prompt_len, computed_before, n) if st.want_window else 0  # SnapKV's, once
             back = st.norm_back(computed_before, n)  # KNorm: a fresh table's cache hits (request_state.py)
             if offset or not appended or st.want_attention or st.want_key_norm or window:
                 steps[rid] = RequestStep(
