@@ -78,3 +78,24 @@ def test_watchdog_is_off_unless_asked_and_started_once(monkeypatch):
     monkeypatch.setenv(EXIT_WITH_PARENT_ENV, "1")
     first = watch_parent(period_s=3600, grace_s=GRACE_S)  # this test process's parent outlives the test
     assert first is not None and first.daemon and watch_parent() is first
+
+
+def test_an_engine_process_is_known_by_its_title_when_its_name_was_not_set():
+    """``setproctitle`` called off a process's main thread rewrites its title (``cmdline``) but not its name
+    (``comm``, the main thread's): ``procs.is_engine`` reads both (a CI run saw a VLLM::Worker named python)."""
+    code = (
+        "import sys, threading, setproctitle\n"
+        "t = threading.Thread(target=setproctitle.setproctitle, args=('VLLM::Worker',)); t.start(); t.join()\n"
+        "print('ready', flush=True); sys.stdin.read()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert not procs.comm(child.pid).startswith("VLLM"), procs.comm(child.pid)
+        assert procs.title(child.pid) == "VLLM::Worker"
+        assert procs.is_engine(child.pid)
+        assert not procs.is_engine(os.getpid())
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    assert procs.title(child.pid) == "" and not procs.is_engine(child.pid)

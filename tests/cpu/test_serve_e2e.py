@@ -527,8 +527,12 @@ def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
     handle = ray.get_actor(replica_actor_name(app, victim), namespace="serve")
     replica_pid = ray.get(handle.__ray_call__.remote(lambda replica: os.getpid()), timeout=30)
     below = procs.with_descendants([replica_pid], procs.snapshot()) - {replica_pid}
-    engine = sorted(pid for pid in below if procs.is_engine(pid))  # VLLM::EngineCore and its VLLM::Worker
-    assert len(engine) >= 2, [(pid, procs.comm(pid)) for pid in below]
+    tree = [(pid, procs.comm(pid), procs.title(pid)) for pid in sorted(below)]
+    print(f"\n[kill] below the replica: {tree}")
+    # VLLM::EngineCore, its VLLM::Worker and multiprocessing's resource tracker: every one must exit. Named
+    # by title, not only by comm: a CI run once showed the worker's comm still "python"
+    assert any(procs.title(pid).startswith("VLLM::EngineCore") for pid in below), tree
+    descendants = sorted(below)
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(one, i) for i in range(48)]
         wait_for(lambda: replica_samples(app, "vllm:num_requests_running").get(victim, 0) >= 1,
@@ -538,8 +542,8 @@ def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
         # its engine processes exit on their own (vtoken/vllm/lifetime.py), before Serve's replacement needs
         # room: timed from the kill, while the clients still run
         # (procs.alive: not a zombie — an exited process only waits for its new parent to reap it)
-        wait_for(lambda: not procs.alive(engine), "the killed replica's engine processes to exit",
-                 ENGINE_EXIT_BOUND_S, 0.2, lambda: [(pid, procs.comm(pid)) for pid in procs.alive(engine)])
+        wait_for(lambda: not procs.alive(descendants), "the killed replica's engine processes to exit",
+                 ENGINE_EXIT_BOUND_S, 0.2, lambda: [(pid, procs.title(pid)) for pid in procs.alive(descendants)])
         engine_gone_s = time.monotonic() - killed_at
         for f in futures:
             f.result()
@@ -556,7 +560,7 @@ def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
         time.sleep(1)
     tally = Counter(outcomes)
     print(
-        f"\n[kill] outcomes {dict(tally)}; engine processes {engine} gone "
+        f"\n[kill] outcomes {dict(tally)}; processes {descendants} gone "
         f"{engine_gone_s:.1f} s after the SIGKILL; replica replaced and serving after "
         f"{recovered if recovered is None else round(recovered, 1)} s"
     )

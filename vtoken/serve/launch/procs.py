@@ -129,9 +129,19 @@ def comm(pid: int) -> str:
         return ""
 
 
+def title(pid: int) -> str:
+    """The process's title (``/proc/<pid>/cmdline``, which ``setproctitle`` rewrites whichever thread calls
+    it, while ``comm`` follows only the calling thread's name); ``""`` once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
 def is_engine(pid: int) -> bool:
-    """A vLLM engine process (``VLLM::EngineCore``, ``VLLM::Worker``), which is no Ray process."""
-    return comm(pid).startswith("VLLM")
+    """A vLLM engine process (``VLLM::EngineCore``, ``VLLM::Worker``), which is no Ray process: by its name
+    or by its title (a title set off the main thread leaves the name ``python``)."""
+    return comm(pid).startswith("VLLM") or title(pid).startswith("VLLM")
 
 
 def kill_ray_of_node(pgid: int, timeout: float = 30.0) -> tuple[list[int], list[int]]:
