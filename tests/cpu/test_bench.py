@@ -317,6 +317,7 @@ def bench_keys() -> dict[str, tuple[frozenset, bool]]:
         serve_bench,
         sim_scale,
         soak,
+        yardstick_plot,
     )
 
     return {"serve": (serve_bench.REPORT_KEYS, True), "quality": (quality.REPORT_KEYS, True),
@@ -324,7 +325,7 @@ def bench_keys() -> dict[str, tuple[frozenset, bool]]:
             "prefix": (prefix.REPORT_KEYS, True), "fleet-steps": (fleet_steps.REPORT_KEYS, True),
             "fleet": (fleet.REPORT_KEYS, False), "retained": (retained.REPORT_KEYS, False),
             "sim-scale": (sim_scale.REPORT_KEYS, False), "kernels": (kernels.REPORT_KEYS, False),
-            "soak": (soak.REPORT_KEYS, True)}
+            "soak": (soak.REPORT_KEYS, True), "yardstick": (yardstick_plot.REPORT_KEYS, False)}
 
 
 def bench_of(words: list[str], report: dict) -> str:

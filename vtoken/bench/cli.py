@@ -353,6 +353,51 @@ def quality_cmd(
     emit(report, out)
 
 
+@bench_app.command("yardstick")
+def yardstick_cmd(
+    reports: list[str] = typer.Argument(..., help="`vtoken bench quality` JSON reports on one yardstick"),
+    fidelity_from: str = typer.Option("all", "--fidelity-from",
+                                      help="comma-separated reports whose fidelity half counts, 'all' or 'none'"),
+    plot: str = typer.Option(None, help="write the yardstick figure (PNG) here"),
+    table: bool = typer.Option(False, "--table", help="print the Markdown table instead of the JSON"),
+    out: str = typer.Option(None, help="also write the merged JSON here"),
+) -> None:
+    """Every setting measured on the yardstick, from several quality runs: one merged report (JSON), its
+    figure and its Markdown table."""
+    import json
+    import shlex
+    import sys
+    from pathlib import Path
+
+    from vtoken.bench.report import emit
+    from vtoken.bench.yardstick_plot import merge_reports, plot_yardstick, yardstick_table
+
+    runs = []
+    for name in reports:
+        try:
+            report = json.loads(Path(name).read_text())
+        except (OSError, ValueError) as exc:
+            refuse(f"report {name!r}: {exc}")
+        if not isinstance(report, dict) or not {"ruler", "fidelity", "points", "full_cache"} <= report.keys():
+            refuse(f"report {name!r} is no `vtoken bench quality` report")
+        runs.append((name, report))
+    chosen = {"all": list(reports), "none": []}.get(fidelity_from, [n for n in fidelity_from.split(",") if n])
+    try:
+        merged = merge_reports(runs, chosen)
+    except ValueError as exc:
+        refuse(exc)
+    merged = {"command": "vtoken " + shlex.join(sys.argv[1:]), **merged}
+    if plot:
+        plot_yardstick(merged, plot)
+        merged["plot"] = plot
+    if table:
+        typer.echo(yardstick_table(merged), nl=False)
+        if out:
+            Path(out).write_text(json.dumps(merged, indent=2) + "\n")
+        return
+    emit(merged, out)
+
+
 @bench_app.command("kernels")
 def kernels_cmd(
     backend: str = typer.Option("triton", help="torch | triton"),

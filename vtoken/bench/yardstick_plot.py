@@ -4,12 +4,18 @@ fidelity, against the KV blocks a request holds.
 ``plot_yardstick`` writes one PNG (side effect: writes ``path``): one panel per task × length (solved
 rate with Wilson 95 % error bars against retained blocks; the full cache's interval as a grey band) and
 one fidelity panel (mean top-1 agreement under teacher forcing; the stated bound as a dotted line).
-``yardstick_table`` is the Markdown table docs/quality.md shows (pure).
+``yardstick_table`` is the Markdown table docs/quality.md shows (pure). ``merge_reports`` makes one such
+report of several runs on the same yardstick (pure), so that every setting measured shows in one figure.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from vtoken.core.config import DEFAULT_SCORE_LAYERS
+
+REPORT_KEYS = frozenset({"bench", "command", "model", "reports", "fidelity_from", "commands", "ruler", "fidelity",
+                         "full_cache", "points"})  # what ``vtoken bench yardstick`` writes (``merge_reports``)
 
 
 def setting(point: dict) -> str:
@@ -24,7 +30,74 @@ def setting(point: dict) -> str:
         name += " question-aware"
     if point.get("keep_mass") is not None:
         name += f" mass {point['keep_mass']:g}"
+    layers = point.get("score_layers", DEFAULT_SCORE_LAYERS)
+    if layers != DEFAULT_SCORE_LAYERS:
+        name += " all layers" if layers is None else f" {layers} layers"
     return name
+
+
+def _tasks(report: dict) -> list[str]:
+    return [f"{t['task']}@{t['length']}" for t in report["ruler"]["tasks"]]
+
+
+def merge_reports(runs: list[tuple[str, dict]], fidelity_from: list[str]) -> dict:
+    """One yardstick report of several ``vtoken bench quality`` runs ``(name, report)``. Pure.
+
+    The runs that measured RULER tasks must share the model, the tasks × lengths, the samples, the seed and
+    the full cache's rates (the same yardstick); their points' RULER halves are kept. Fidelity is taken only
+    from the runs named in ``fidelity_from`` (which must share tokens and bound): a run whose fidelity is
+    superseded (measured before a fix) gives its RULER half alone. A point is one setting (``setting``) ×
+    budget × granularity; a later run's half replaces an earlier one's. ValueError names the run that does
+    not fit."""
+    ruler_runs = [(n, r) for n, r in runs if r["ruler"]["tasks"]]
+    fid_runs = [(n, r) for n, r in runs if n in fidelity_from]
+    if not ruler_runs:
+        raise ValueError("no run measured RULER tasks")
+    if missing := [n for n in fidelity_from if n not in dict(runs)]:
+        raise ValueError(f"--fidelity-from {', '.join(missing)}: not among the reports")
+    ref_name, ref = ruler_runs[0]
+
+    def yardstick(r: dict) -> tuple:
+        full = r["full_cache"]["ruler"]
+        return (Path(r["model"]).name, _tasks(r), r["setup"]["ruler_samples"], r["setup"]["seed"],
+                [full[t]["solved"] for t in _tasks(r)])
+
+    for name, r in ruler_runs[1:]:
+        if yardstick(r) != yardstick(ref):
+            raise ValueError(f"{name}: model, tasks, samples, seed or full-cache rates differ from {ref_name}'s "
+                             f"({yardstick(r)} vs {yardstick(ref)})")
+    for name, r in fid_runs:
+        if not r["fidelity"].get("prompts"):
+            raise ValueError(f"{name}: measured no fidelity (--fidelity-prompts 0)")
+        if Path(r["model"]).name != Path(ref["model"]).name or (
+                (r["fidelity"]["prompts"], r["fidelity"]["tokens"], r["fidelity"]["top1_bound"])
+                != (fid_runs[0][1]["fidelity"]["prompts"], fid_runs[0][1]["fidelity"]["tokens"],
+                    fid_runs[0][1]["fidelity"]["top1_bound"])):
+            raise ValueError(f"{name}: model or fidelity prompts, tokens or bound differ from {fid_runs[0][0]}'s")
+    points: dict[tuple, dict] = {}
+    for name, r in runs:
+        for p in r["points"]:
+            key = (setting(p), p["budget"], p["granularity"])
+            merged = points.setdefault(key, {k: v for k, v in p.items() if k not in ("ruler", "fidelity")})
+            if r["ruler"]["tasks"]:
+                merged["ruler"] = p["ruler"]
+            if name in fidelity_from:
+                merged["fidelity"] = p["fidelity"]
+    full = {"ruler": ref["full_cache"]["ruler"]}
+    if fid_runs:
+        full["fidelity"] = fid_runs[-1][1]["full_cache"]["fidelity"]
+    return {
+        "bench": "yardstick",
+        "model": ref["model"],
+        "reports": [n for n, _ in runs],
+        "fidelity_from": list(fidelity_from),
+        "commands": {n: r.get("command") for n, r in runs},
+        "ruler": {"tasks": ref["ruler"]["tasks"], "samples": ref["setup"]["ruler_samples"]},
+        "fidelity": ({k: fid_runs[-1][1]["fidelity"][k] for k in ("prompts", "tokens", "top1_bound")}
+                     if fid_runs else {}),
+        "full_cache": full,
+        "points": list(points.values()),
+    }
 
 
 def plot_yardstick(report: dict, path: str | Path) -> None:
@@ -33,7 +106,7 @@ def plot_yardstick(report: dict, path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tasks = [f"{t['task']}@{t['length']}" for t in report["ruler"]["tasks"]]
+    tasks = _tasks(report)
     panels = tasks + (["fidelity"] if report["fidelity"].get("prompts") else [])
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
@@ -43,8 +116,11 @@ def plot_yardstick(report: dict, path: str | Path) -> None:
     full = report["full_cache"]
     for ax, panel in zip(axes.ravel(), panels):
         for name in policies:
-            row = sorted((p for p in report["points"] if setting(p) == name and p["granularity"] == "token"),
+            row = sorted((p for p in report["points"] if setting(p) == name and p["granularity"] == "token"
+                          and (p.get("fidelity") if panel == "fidelity" else panel in p.get("ruler", {}))),
                          key=lambda p: p["budget"])
+            if not row:
+                continue
             if panel == "fidelity":
                 xs = [p["fidelity"]["retained_blocks_mean"] for p in row]
                 ax.plot(xs, [p["fidelity"]["top1_agreement"] for p in row], "o-", color=colours[name], label=name)
@@ -81,16 +157,18 @@ def plot_yardstick(report: dict, path: str | Path) -> None:
 def yardstick_table(report: dict) -> str:
     """One row per setting (policy and prompt protection, ``setting``) and budget (token granularity): each
     task's solved rate with its 95 % interval, fidelity (top-1 agreement, median tokens to the first
-    divergence), and whether the point is at parity; the full cache first. Pure."""
-    tasks = [f"{t['task']}@{t['length']}" for t in report["ruler"]["tasks"]]
+    divergence), and whether the point is at parity (both halves; "–" when a half it passed was not
+    measured); the full cache first. Pure."""
+    tasks = _tasks(report)
     fid = bool(report["fidelity"].get("prompts"))
 
     def cells(p: dict) -> list[str]:
-        out = [f"{p['ruler'][t]['rate']:.2f} [{p['ruler'][t]['ci95'][0]:.2f}, {p['ruler'][t]['ci95'][1]:.2f}]"
-               for t in tasks]
+        ruler = p.get("ruler", {})
+        out = [f"{ruler[t]['rate']:.2f} [{ruler[t]['ci95'][0]:.2f}, {ruler[t]['ci95'][1]:.2f}]" if t in ruler
+               else "–" for t in tasks]
         if fid:
-            f = p["fidelity"]
-            out.append(f"{f['top1_agreement']:.3f} / {f['tokens_to_divergence_median']:g}")
+            f = p.get("fidelity")
+            out.append(f"{f['top1_agreement']:.3f} / {f['tokens_to_divergence_median']:g}" if f else "–")
         return out
 
     head = ["policy", "budget", *tasks, *(["top-1 / divergence"] if fid else []), "at parity"]
@@ -98,9 +176,9 @@ def yardstick_table(report: dict) -> str:
     lines.append("| " + " | ".join(["full cache", "–", *cells(report["full_cache"]), "–"]) + " |")
     for p in sorted((p for p in report["points"] if p["granularity"] == "token"),
                     key=lambda p: (setting(p), p["budget"])):
-        parity = p["ruler"].get("at_parity")
-        if fid and parity is not None:
-            parity = parity and p["fidelity"]["keeps_fidelity"]
-        lines.append("| " + " | ".join([setting(p), f"{p['budget']:g}", *cells(p),
-                                        "yes" if parity else "no"]) + " |")
+        halves = [p.get("ruler", {}).get("at_parity")]
+        if fid:
+            halves.append(p["fidelity"]["keeps_fidelity"] if p.get("fidelity") else None)
+        parity = "no" if False in halves else "yes" if all(halves) else "–"
+        lines.append("| " + " | ".join([setting(p), f"{p['budget']:g}", *cells(p), parity]) + " |")
     return "\n".join(lines) + "\n"
