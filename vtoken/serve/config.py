@@ -28,6 +28,7 @@ from vtoken.errors import ConfigError
 from vtoken.serve.control.autoscaling import ScalingParams
 from vtoken.serve.control.ranking import RouterParams
 from vtoken.vllm.config import check_platform_block_size
+from vtoken.vllm.pool_need import FULL, PoolShape
 
 CONFIG_ENV = "VTOKEN_SERVE_CONFIG"  # path to a YAML/JSON file, or inline JSON, read by serve_app.py
 
@@ -221,7 +222,10 @@ class ServeAppConfig(_Section):
                 f"engine.max_model_len {self.engine.max_model_len}"
             )
         blocks = self.engine.kv_cache_blocks
-        if blocks is not None and (blocks - 1) * self.vtoken.block_size < self.engine.max_model_len:
+        # the need of a model's one full-attention group, known without reading the model; a hybrid model's
+        # other groups are checked at start-up (vtoken.serve.replica.engine.preflight)
+        one_group = PoolShape(windows=(FULL,), block_size=self.vtoken.block_size, in_flight_tokens=0)
+        if blocks is not None and blocks < one_group.need(self.engine.max_model_len):
             raise ValueError(
                 f"engine.kv_cache_blocks {blocks} hold {(blocks - 1) * self.vtoken.block_size} tokens "
                 f"(one block is vLLM's null block), less than max_model_len {self.engine.max_model_len}"
