@@ -369,7 +369,7 @@ def yardstick_cmd(
     import sys
     from pathlib import Path
 
-    from vtoken.bench.report import emit
+    from vtoken.bench.report import emit, partial_writer
     from vtoken.bench.yardstick_plot import merge_reports, plot_yardstick, yardstick_table
 
     runs = []
@@ -390,10 +390,9 @@ def yardstick_cmd(
     if plot:
         plot_yardstick(merged, plot)
         merged["plot"] = plot
-    if table:
+    if table:  # the table on stdout; the JSON, as emit writes it, only to ``out``
         typer.echo(yardstick_table(merged), nl=False)
-        if out:
-            Path(out).write_text(json.dumps(merged, indent=2) + "\n")
+        partial_writer(out)(merged)
         return
     emit(merged, out)
 

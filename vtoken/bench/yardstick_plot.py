@@ -66,13 +66,14 @@ def merge_reports(runs: list[tuple[str, dict]], fidelity_from: list[str]) -> dic
         if yardstick(r) != yardstick(ref):
             raise ValueError(f"{name}: model, tasks, samples, seed or full-cache rates differ from {ref_name}'s "
                              f"({yardstick(r)} vs {yardstick(ref)})")
+    def fidelity_setup(r: dict) -> tuple:
+        return r["fidelity"]["prompts"], r["fidelity"]["tokens"], r["fidelity"]["top1_bound"]
+
     for name, r in fid_runs:
         if not r["fidelity"].get("prompts"):
             raise ValueError(f"{name}: measured no fidelity (--fidelity-prompts 0)")
-        if Path(r["model"]).name != Path(ref["model"]).name or (
-                (r["fidelity"]["prompts"], r["fidelity"]["tokens"], r["fidelity"]["top1_bound"])
-                != (fid_runs[0][1]["fidelity"]["prompts"], fid_runs[0][1]["fidelity"]["tokens"],
-                    fid_runs[0][1]["fidelity"]["top1_bound"])):
+        if (Path(r["model"]).name != Path(ref["model"]).name
+                or fidelity_setup(r) != fidelity_setup(fid_runs[0][1])):
             raise ValueError(f"{name}: model or fidelity prompts, tokens or bound differ from {fid_runs[0][0]}'s")
     points: dict[tuple, dict] = {}
     for name, r in runs:
@@ -93,7 +94,7 @@ def merge_reports(runs: list[tuple[str, dict]], fidelity_from: list[str]) -> dic
         "fidelity_from": list(fidelity_from),
         "commands": {n: r.get("command") for n, r in runs},
         "ruler": {"tasks": ref["ruler"]["tasks"], "samples": ref["setup"]["ruler_samples"]},
-        "fidelity": ({k: fid_runs[-1][1]["fidelity"][k] for k in ("prompts", "tokens", "top1_bound")}
+        "fidelity": (dict(zip(("prompts", "tokens", "top1_bound"), fidelity_setup(fid_runs[-1][1])))
                      if fid_runs else {}),
         "full_cache": full,
         "points": list(points.values()),
