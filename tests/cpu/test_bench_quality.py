@@ -169,6 +169,9 @@ def test_quality_bad_input_exits_2_naming_the_value():
                         (["--tasks", "niah_x"], "'niah_x'"), (["--lengths", "100"], "--lengths '100'"),
                         (["--lengths", "1k"], "--lengths '1k'"),
                         (["--keep-masses", "1.5"], "1.5"), (["--keep-masses", "0.9", "--policies", "knorm"], "knorm"),
+                        (["--score-pools", "x"], "--score-pools 'x'"), (["--score-pools", "-2"], "-2"),
+                        (["--score-pools", "3", "--policies", "knorm"], "knorm"),
+                        (["--score-pools", "3", "--keep-masses", "0.9"], "keep_mass"),
                         (["--tasks", "none", "--fidelity-prompts", "0", "--plot-ruler", "x.png"], "--plot-ruler")):
         run = subprocess.run([VTOKEN, "bench", "quality", "--quick", *args], capture_output=True, text=True,
                              timeout=120)

@@ -140,3 +140,6 @@ def test_the_parity_budget_is_the_smallest_with_every_larger_one_at_parity_too()
     # the adaptive budget is a setting of its own: its points never mix with the fixed budget's
     masses = parity_budgets([{**point("h2o", 1.0, True), "keep_mass": 0.9}, point("h2o", 1.0, False)])
     assert {r["keep_mass"]: r["parity_budget"] for r in masses} == {0.9: 1.0, None: None}
+    # so is span pooling
+    pools = parity_budgets([{**point("h2o", 0.9, True), "score_pool": 3}, point("h2o", 0.9, False)])
+    assert {r["score_pool"]: r["parity_budget"] for r in pools} == {3: 0.9, 0: None}

@@ -235,3 +235,40 @@ def test_keep_mass_takes_the_larger_count_and_follows_the_trigger():
     assert mass_victims(0.6, policy="tova") == [0, 4, 5]  # TOVA's newest-query masses: 0.10 0.01 0.02 …
     with pytest.raises(Exception, match="keep_mass needs a policy that scores attention mass"):
         mass_victims(0.9, policy="knorm")
+
+
+# ------------------------------------------------------------------------------ span pooling
+@pytest.mark.parametrize(("evict", "expected"), [(1, [3]), (2, [3, 4]), (3, [3, 4, 5]), (4, [2, 3, 4, 5])])
+def test_score_pool_ranks_a_token_by_the_heaviest_neighbour_so_spans_go_together(evict, expected):
+    """``score_pool: 1`` with H2O on ``attended()``: prompt tokens 0..5 hold 2.590 1.610 1.130 0.817 1.177
+    0.987, generated token 6 holds 0.33 (recent = 3 protects 6..8 but its score still pools). Each token ranks
+    by the max within logical distance 1: 2.590 2.590 1.610 1.177 1.177 1.177, so two victims are the
+    adjacent 3, 4 (the ties go oldest first) where plain H2O takes 3 and 5."""
+    cfg = VTokenConfig(policy="h2o", budget=9 - evict, block_size=4, sinks=0, recent=3, score_pool=1)
+    assert choose_victims(attended(), cfg.make_policy(), cfg, 0).tolist() == expected
+    if evict == 2:
+        assert victims(attended(), make_policy("h2o"), 2, recent=3) == [3, 5]
+
+
+def test_max_pool_reaches_only_live_neighbours_within_the_distance():
+    """An evicted neighbour is absent: logical 1's score reaches 0 and 2 (distance ≤ 1), not 5 (distance 4);
+    rows of a 2-D context pool independently."""
+    from vtoken.policies.base import max_pool
+
+    logical = np.array([0, 1, 2, 5, 6])
+    scores = np.array([0.0, 1.0, 0.0, 0.0, 0.5])
+    assert max_pool(scores, logical, 1).tolist() == [1.0, 1.0, 1.0, 0.5, 0.5]
+    assert max_pool(scores, logical, 4).tolist() == [1.0, 1.0, 1.0, 1.0, 0.5]  # 1→5 is 4 apart; 0→6 is 6
+    rows = max_pool(np.stack([scores, scores[::-1]]), np.stack([logical, logical]), 1)
+    assert rows.tolist() == [[1.0, 1.0, 1.0, 0.5, 0.5], [0.5, 0.5, 0.0, 1.0, 1.0]]
+    assert max_pool(scores, logical, 0).tolist() == scores.tolist()
+
+
+def test_score_pool_is_refused_where_scores_are_no_attention_or_must_add_up():
+    with pytest.raises(Exception, match="score_pool pools attention scores; policy 'knorm'.*valid: h2o, snapkv, tova"):
+        VTokenConfig(policy="knorm", score_pool=2)
+    with pytest.raises(Exception, match="score_pool does not combine with keep_mass"):
+        VTokenConfig(policy="h2o", keep_mass=0.9, score_pool=2)
+    with pytest.raises(Exception, match="score_pool must be a non-negative integer, got -1"):
+        VTokenConfig(policy="h2o", score_pool=-1)
+    assert VTokenConfig(policy="knorm", score_pool=0).make_policy().pool == 0

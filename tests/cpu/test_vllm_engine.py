@@ -243,6 +243,29 @@ def test_question_aware_prompt_scores_are_exact_paired_and_change_h2o(prefix_eng
     assert not np.array_equal(ev["qa-repack"], ev["qa-all"]), "the window did not change H2O's decisions"
 
 
+def test_span_pooling_is_exact_paired_and_evicts_runs_of_neighbours(prefix_engine, ref_llama):
+    """``score_pool: 3`` per request through vLLM: H2O ranks each token by the heaviest score within 3
+    positions, so its victims come in longer runs of adjacent tokens than without — exact against the HF
+    masked reference and equal to the paired naive run."""
+    llm, d = prefix_engine
+    prompt = np.random.default_rng(13).integers(10, 500, 150).tolist()
+    runs = [("sp-repack", {"mode": "repack", "score_pool": 3}), ("sp-naive", {"mode": "naive", "score_pool": 3}),
+            ("sp-off", {"mode": "repack"})]
+    outs, found = run_one_by_one(llm, d, prompt, runs, 30, policy="h2o", budget=0.4, salt=29)
+    traces = dict(zip((name for name, _ in runs), found))
+    tokens = check_against_reference(ref_llama, prompt, outs[0], traces["sp-repack"])
+    assert tokens == list(outs[1].outputs[0].token_ids), "tokens differ from the paired naive run"
+    check_against_reference(ref_llama, prompt, outs[2], traces["sp-off"])
+    ev = {name: np.asarray(t.epochs[0].evicted_round) >= 0 for name, t in traces.items()}
+    assert np.array_equal(ev["sp-repack"], ev["sp-naive"])
+
+    def runs_of(gone: np.ndarray) -> int:  # maximal runs of adjacent evicted positions
+        return int(gone[0]) + int(np.count_nonzero(gone[1:] & ~gone[:-1]))
+
+    assert ev["sp-repack"].sum() == ev["sp-off"].sum() > 0
+    assert runs_of(ev["sp-repack"]) < runs_of(ev["sp-off"]), "pooling did not group the victims"
+
+
 @pytest.mark.parametrize("policy", ["h2o", "tova"])
 def test_adaptive_budget_is_exact_paired_and_keeps_what_the_mass_needs(policy, prefix_engine, ref_llama):
     """``keep_mass: 0.9`` with ``budget: 1.0`` per request through vLLM: the scores alone decide how many

@@ -189,16 +189,17 @@ def prefix_cmd(
     prefix(model, block_size, chosen, policy, budget, requests, system_len, user_len, gen_len, repeats, seed, out)
 
 
-def _prompt_tail(text: str) -> int:
-    """``--prompt-tails`` item: a non-negative token count (``ConfigError`` naming it)."""
+def _count_setting(text: str, option: str, key: str) -> int:
+    """One item of a comma-separated ``option`` (``--prompt-tails``, ``--score-pools``): a non-negative
+    integer, checked as ``VTokenConfig``'s ``key`` (``ConfigError`` naming the option and the item)."""
     from vtoken.core.config import VTokenConfig
     from vtoken.errors import ConfigError
 
     try:
         n = int(text.strip())
     except ValueError:
-        raise ConfigError(f"--prompt-tails {text.strip()!r}: give non-negative token counts") from None
-    return VTokenConfig(prompt_tail=n).prompt_tail
+        raise ConfigError(f"{option} {text.strip()!r}: give non-negative token counts") from None
+    return getattr(VTokenConfig(**{key: n}), key)
 
 
 def _score_layers(text: str) -> int | None:
@@ -264,6 +265,9 @@ def quality_cmd(
                                     help="comma-separated: none and/or fractions τ in (0, 1) (the adaptive budget: "
                                          "also evict while the rest holds τ of the attention mass); each point "
                                          "per value"),
+    score_pools: str = typer.Option("0", "--score-pools",
+                                    help="comma-separated score_pool values (span pooling: a token ranks by the "
+                                         "heaviest score within that many positions; 0: off); each point per value"),
     model: str = typer.Option("default", help="a trained model: default | smollm2 | gemma3-270m | PATH"),
     seed: int = typer.Option(0, help="draws other pass keys, needle positions and text windows"),
     context_tokens: int = typer.Option(400, "--context-tokens", help="filler tokens around the pass key"),
@@ -304,16 +308,21 @@ def quality_cmd(
     try:
         budget_values = tuple(Budget.parse(b.strip()).to_json() for b in (budgets or preset[1]).split(","))
         layer_values = tuple(_score_layers(v) for v in score_layers.split(",") if v.strip())
-        tail_values = tuple(_prompt_tail(v) for v in prompt_tails.split(",") if v.strip()) or (0,)
+        tail_values = tuple(_count_setting(v, "--prompt-tails", "prompt_tail")
+                            for v in prompt_tails.split(",") if v.strip()) or (0,)
         scope_values = tuple(VTokenConfig(scope=v.strip()).scope.value for v in scopes.split(",") if v.strip())
         ps_values = tuple(VTokenConfig(prompt_scores=v.strip()).prompt_scores.value
                           for v in prompt_scores.split(",") if v.strip())
         mass_values = tuple(None if v.strip() == "none" else VTokenConfig(keep_mass=v.strip()).keep_mass
                             for v in keep_masses.split(",") if v.strip()) or (None,)
+        pool_values = tuple(_count_setting(v, "--score-pools", "score_pool")
+                            for v in score_pools.split(",") if v.strip()) or (0,)
         for p in chosen:
             for g in grans:
                 for m in mass_values:
-                    VTokenConfig(policy=p, keep_mass=m, **({"granularity": g} if g != "token" else {}))
+                    for w in pool_values:
+                        VTokenConfig(policy=p, keep_mass=m, score_pool=w,
+                                     **({"granularity": g} if g != "token" else {}))
         if chunk < 16 or context_tokens < 32:
             raise ConfigError(f"--chunk {chunk} / --context-tokens {context_tokens}: need ≥ 16 / ≥ 32")
         ruler_tasks = _ruler_tasks(tasks or preset[6])
@@ -332,7 +341,7 @@ def quality_cmd(
         windows=preset[4], window_tokens=preset[5], chunk=chunk, seed=seed,
         tensor_parallel_size=tensor_parallel_size, score_layers=layer_values or (DEFAULT_SCORE_LAYERS,),
         prompt_tails=tail_values, scopes=scope_values or ("all",), prompt_scores=ps_values or ("all",),
-        keep_masses=mass_values, ruler_tasks=ruler_tasks, ruler_lengths=ruler_lengths,
+        keep_masses=mass_values, score_pools=pool_values, ruler_tasks=ruler_tasks, ruler_lengths=ruler_lengths,
         ruler_samples=samples or preset[8],
         fidelity_prompts=fid_prompts,
         fidelity_tokens=fidelity_tokens or preset[10],

@@ -59,6 +59,7 @@ class QualitySetup:
     scopes: tuple[str, ...] = ("all",)  # VTokenConfig.scope: each point once per value
     prompt_scores: tuple[str, ...] = ("all",)  # VTokenConfig.prompt_scores: each point once per value
     keep_masses: tuple[float | None, ...] = (None,)  # VTokenConfig.keep_mass: each point once per value
+    score_pools: tuple[int, ...] = (0,)  # VTokenConfig.score_pool: each point once per value
     ruler_tasks: tuple[str, ...] = ()  # RULER-style tasks (ruler_tasks.TASKS); () skips them
     ruler_lengths: tuple[int, ...] = (1024,)  # each task at each length (prompt + lm-eval's answer budget)
     ruler_samples: int = 50
@@ -79,6 +80,7 @@ class Point:
     scope: str = "all"  # "generated": decode-only eviction, the prompt kept whole
     prompt_scores: str = "all"  # "window": question-aware (H2O ranks the prompt by its observation window)
     keep_mass: float | None = None  # the adaptive budget: also evict while the rest holds this attention share
+    score_pool: int = 0  # span pooling: rank by the heaviest score within this logical distance
 
     @property
     def mode(self) -> str:
@@ -93,6 +95,7 @@ class Point:
         tail += f"_{self.scope}" if self.scope != "all" else ""
         tail += f"_q{self.prompt_scores}" if self.prompt_scores != "all" else ""
         tail += f"_m{self.keep_mass:g}" if self.keep_mass is not None else ""
+        tail += f"_pool{self.score_pool}" if self.score_pool else ""
         return f"{self.policy}_{self.granularity}_{self.budget}{tail}"
 
     def extra(self, trace_id: str, salt: int) -> dict:
@@ -110,6 +113,8 @@ class Point:
             vt["prompt_scores"] = self.prompt_scores
         if self.keep_mass is not None:
             vt["keep_mass"] = self.keep_mass
+        if self.score_pool:
+            vt["score_pool"] = self.score_pool
         return {"vtoken": vt}
 
 
@@ -122,9 +127,10 @@ REPORT_KEYS = frozenset({"bench", "command", "model", "setup", "full_cache", "po
 
 
 def points(setup: QualitySetup) -> list[Point]:
-    return [FULL] + [Point(p, g, b, n, t, s, q, m) for p in setup.policies for g in setup.granularities
+    return [FULL] + [Point(p, g, b, n, t, s, q, m, w) for p in setup.policies for g in setup.granularities
                      for b in setup.budgets for n in setup.score_layers for t in setup.prompt_tails
-                     for s in setup.scopes for q in setup.prompt_scores for m in setup.keep_masses]
+                     for s in setup.scopes for q in setup.prompt_scores for m in setup.keep_masses
+                     for w in setup.score_pools]
 
 
 def run_retrieval(setup: QualitySetup, tokenizer, pts: list[Point], on_phase) -> dict:
@@ -179,7 +185,8 @@ def run_language_modelling(setup: QualitySetup, tokenizer, pts: list[Point], on_
 
 
 def parity_budgets(merged_points: list[dict]) -> list[dict]:
-    """Per policy × granularity × score_layers × prompt_tail × scope × prompt_scores × keep_mass × budget kind
+    """Per policy × granularity × score_layers × prompt_tail × scope × prompt_scores × keep_mass × score_pool ×
+    budget kind
     (fraction or token count): the smallest budget at quality parity — inside the full cache's 95 % interval
     on every RULER task (``ruler.at_parity``) and, where fidelity ran, ``keeps_fidelity`` — *with every
     larger budget measured at parity too* (one lucky small budget under a failing larger one is noise, not a
@@ -190,17 +197,19 @@ def parity_budgets(merged_points: list[dict]) -> list[dict]:
         if "at_parity" in p["ruler"]:
             kind = "tokens" if isinstance(p["budget"], int) else "fraction"
             groups.setdefault((p["policy"], p["granularity"], p["score_layers"], p.get("prompt_tail", 0),
-                               p.get("scope", "all"), p.get("prompt_scores", "all"), p.get("keep_mass"), kind),
+                               p.get("scope", "all"), p.get("prompt_scores", "all"), p.get("keep_mass"),
+                               p.get("score_pool", 0), kind),
                               []).append(p)
     out = []
-    for (policy, granularity, layers, tail, scope, prompt_scores, keep_mass, kind), group in groups.items():
+    for (policy, granularity, layers, tail, scope, prompt_scores, keep_mass, pool, kind), group in groups.items():
         best = None
         for p in sorted(group, key=lambda p: p["budget"], reverse=True):
             if not (p["ruler"]["at_parity"] and (p["fidelity"] is None or p["fidelity"]["keeps_fidelity"])):
                 break
             best = p["budget"]
         out.append({"policy": policy, "granularity": granularity, "score_layers": layers, "prompt_tail": tail,
-                    "scope": scope, "prompt_scores": prompt_scores, "keep_mass": keep_mass, "budget_kind": kind,
+                    "scope": scope, "prompt_scores": prompt_scores, "keep_mass": keep_mass, "score_pool": pool,
+                    "budget_kind": kind,
                     "budgets": sorted(p["budget"] for p in group), "parity_budget": best})
     return out
 
@@ -228,7 +237,7 @@ def run_quality(setup: QualitySetup, on_phase=lambda text: None) -> dict:
 
         return {"policy": pt.policy, "granularity": pt.granularity, "mode": pt.mode, "budget": pt.budget,
                 "score_layers": pt.score_layers, "prompt_tail": pt.prompt_tail, "scope": pt.scope,
-                "prompt_scores": pt.prompt_scores, "keep_mass": pt.keep_mass,
+                "prompt_scores": pt.prompt_scores, "keep_mass": pt.keep_mass, "score_pool": pt.score_pool,
                 "accuracy": r["accuracy"], "perplexity": m["perplexity"],
                 "retained_blocks_mean": both("retained_blocks_mean"),
                 "packing_bound_mean": both("packing_bound_mean"), "retrieval": r, "language_modelling": m,
@@ -236,7 +245,7 @@ def run_quality(setup: QualitySetup, on_phase=lambda text: None) -> dict:
 
     full = merged(FULL)
     for key in ("policy", "granularity", "budget", "score_layers", "prompt_tail", "scope", "prompt_scores",
-                "keep_mass"):
+                "keep_mass", "score_pool"):
         full.pop(key)
     merged_points = [merged(pt) for pt in pts if pt is not FULL]
     return {

@@ -20,7 +20,8 @@ REPORT_KEYS = frozenset({"bench", "command", "model", "reports", "fidelity_from"
 
 def setting(point: dict) -> str:
     """A point's policy with its prompt protection, as the plot's legend and the table name it:
-    ``h2o``, ``h2o tail 64``, ``h2o decode-only``, ``h2o question-aware``, ``h2o mass 0.9``. Pure."""
+    ``h2o``, ``h2o tail 64``, ``h2o decode-only``, ``h2o question-aware``, ``h2o mass 0.9``, ``h2o pool 3``.
+    Pure."""
     name = point["policy"]
     if point.get("prompt_tail"):
         name += f" tail {point['prompt_tail']}"
@@ -30,6 +31,8 @@ def setting(point: dict) -> str:
         name += " question-aware"
     if point.get("keep_mass") is not None:
         name += f" mass {point['keep_mass']:g}"
+    if point.get("score_pool"):
+        name += f" pool {point['score_pool']}"
     layers = point.get("score_layers", DEFAULT_SCORE_LAYERS)
     if layers != DEFAULT_SCORE_LAYERS:
         name += " all layers" if layers is None else f" {layers} layers"

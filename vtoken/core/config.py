@@ -249,6 +249,10 @@ class VTokenConfig:
     tokens while the kept evictable ones hold ≥ ``keep_mass`` of their attention mass
     (``ScorerPolicy.mass_evictions``; attention-mass policies, token granularity); ``budget`` stays an
     upper bound on what is kept (``1.0``: only the mass decides), so each request keeps what it needs.
+    ``score_pool``: span pooling (0: off): a token ranks by the highest score among the live tokens within
+    this logical distance (``ScorerPolicy.pool``, SnapKV's pooling for every attention-mass policy), so a
+    value spread over several tokens is kept or evicted whole; not with ``keep_mass`` (pooled scores do not
+    add up).
     """
 
     __pydantic_config__ = {"extra": "forbid"}  # read by pydantic only (the serving config's edge)
@@ -267,6 +271,7 @@ class VTokenConfig:
     seed: int = 0
     score_layers: int | None = DEFAULT_SCORE_LAYERS
     keep_mass: float | None = None
+    score_pool: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", Budget.parse(self.budget))
@@ -276,7 +281,7 @@ class VTokenConfig:
         object.__setattr__(self, "prompt_scores", PromptScores.parse(self.prompt_scores))
         object.__setattr__(self, "granularity", Granularity.parse(self.granularity))
         check_block_size(self.block_size)
-        for name in ("sinks", "recent", "prompt_tail", "seed"):
+        for name in ("sinks", "recent", "prompt_tail", "seed", "score_pool"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
@@ -286,6 +291,7 @@ class VTokenConfig:
                               f"got {n!r}")
         cls = get_policy_class(self.policy)
         self._check_keep_mass(cls)
+        self._check_score_pool(cls)
 
     def _check_keep_mass(self, cls) -> None:
         m = self.keep_mass
@@ -307,6 +313,19 @@ class VTokenConfig:
                               f"valid: {', '.join(valid)}")
         if self.granularity is Granularity.BLOCK:
             raise ConfigError("keep_mass evicts single tokens; it does not combine with granularity 'block'")
+
+    def _check_score_pool(self, cls) -> None:
+        if not self.score_pool:
+            return
+        if not cls.attention_mass:
+            from vtoken.policies import policy_names
+
+            valid = [n for n in policy_names() if get_policy_class(n).attention_mass]
+            raise ConfigError(f"score_pool pools attention scores; policy {self.policy!r} has none; "
+                              f"valid: {', '.join(valid)}")
+        if self.keep_mass is not None:
+            raise ConfigError("score_pool does not combine with keep_mass (pooled scores do not add up to a "
+                              "mass); set one of them")
 
     @property
     def question_aware(self) -> bool:
@@ -337,7 +356,7 @@ class VTokenConfig:
 
     def make_policy(self):
         """A fresh policy instance for this config (policies are frozen dataclasses)."""
-        return make_policy(self.policy, seed=self.seed)
+        return make_policy(self.policy, seed=self.seed, pool=self.score_pool)
 
     @property
     def policy_class(self):

@@ -19,8 +19,10 @@ def get_policy_class(name: str) -> type[ScorerPolicy]:
     return REGISTRY.get(name)
 
 
-def make_policy(name: str, seed: int = 0) -> ScorerPolicy:
-    return REGISTRY.get(name)(seed=seed)
+def make_policy(name: str, seed: int = 0, pool: int = 0) -> ScorerPolicy:
+    """A fresh instance of the policy registered as ``name`` (``seed``: the random policy's; ``pool``: span
+    pooling, ``ScorerPolicy.pool``)."""
+    return REGISTRY.get(name)(seed=seed, pool=pool)
 
 
 def policy_names() -> list[str]:

@@ -10,6 +10,14 @@ Adaptive budget (``mass_evictions``, ``keep_mass`` τ): for a policy whose score
 (``attention_mass``), how many of the lowest-scored evictable tokens can go while the kept evictable ones
 still hold ≥ τ of their total score.
 
+Span pooling (``pool`` = ``VTokenConfig.score_pool``, 0: off): every selection ranks a token by the highest
+score among the live tokens within logical distance ``pool`` (``max_pool``), so a token that scores high keeps
+its neighbours and a value spread over several tokens (a number's digits) is kept or evicted together::
+
+    pool 1     logical   0    1    2    3    4    5
+               score    .01  .02  .90  .01  .03  .02
+               ranked   .02  .90  .90  .90  .03  .03     the tokens beside the heavy hitter rank with it
+
 Block granularity (``select_blocks``, the block-level baseline): whole original blocks instead of tokens;
 a block is a candidate only if all its tokens are live and evictable, blocks go by their tokens' mean score.
 
@@ -29,7 +37,8 @@ from vtoken.policies.context import ATTENTION_STATS, EvictionContext, Stat
 
 @dataclass(frozen=True)
 class ScorerPolicy:
-    """Base of every policy. Subclasses implement ``score`` only (higher = keep).
+    """Base of every policy. Subclasses implement ``score`` only (higher = keep); selection ranks by
+    ``ranked`` (``score``, max-pooled over ``pool`` neighbours each side when ``pool`` > 0).
 
     ``needs`` names the statistics ``score()`` reads (``Stat`` members; engines measure and pass only
     those). It is checked when the subclass is defined: an unknown name fails at import, not at run time.
@@ -39,6 +48,7 @@ class ScorerPolicy:
     needs: ClassVar[frozenset[Stat]] = frozenset()
     attention_mass: ClassVar[bool] = False  # score() is non-negative attention that adds up (keep_mass applies)
     seed: int = 0
+    pool: int = 0  # span pooling: rank by the max score within this logical distance (0: off)
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -78,6 +88,8 @@ class ScorerPolicy:
         """
         if not self.attention_mass:
             raise TypeError(f"policy {self.name!r} does not score attention mass; keep_mass needs one that does")
+        if self.pool:
+            raise TypeError("keep_mass sums attention mass; pooled scores do not add up (score_pool must be 0)")
         scores = np.sort(self._finite_scores(ctx, evictable)[evictable])
         if scores.size and scores[0] < 0:
             raise ValueError(f"policy {self.name!r} returned a negative attention mass")
@@ -103,8 +115,14 @@ class ScorerPolicy:
         chosen = np.sort(ids[np.lexsort((ids, mean))[: -(-n_evict // block_size)]])
         return (chosen[:, None] * block_size + np.arange(block_size)).ravel().astype(np.int64)
 
-    def _finite_scores(self, ctx: EvictionContext, evictable: np.ndarray) -> np.ndarray:
+    def ranked(self, ctx: EvictionContext) -> np.ndarray:
+        """What selection ranks by (float64, aligned with ``ctx.logical``): ``score``, max-pooled over the
+        live tokens within logical distance ``pool`` when ``pool`` > 0. Pure."""
         scores = np.asarray(self.score(ctx), dtype=np.float64)
+        return max_pool(scores, ctx.logical, self.pool) if self.pool else scores
+
+    def _finite_scores(self, ctx: EvictionContext, evictable: np.ndarray) -> np.ndarray:
+        scores = self.ranked(ctx)
         if not np.all(np.isfinite(scores[evictable])):
             raise ValueError(f"policy {self.name!r} returned non-finite scores")
         return scores
@@ -119,7 +137,7 @@ class ScorerPolicy:
         k_max = int(n_evict.max(initial=0))
         if k_max <= 0:
             return victims
-        raw = np.asarray(self.score(ctx), dtype=np.float64)
+        raw = self.ranked(ctx)
         if not np.isfinite(raw).all():
             raise ValueError(f"policy {self.name!r} returned non-finite scores")
         scores = np.where(evictable, raw, np.inf)
@@ -144,3 +162,16 @@ class ScorerPolicy:
         ties = (scores == kth) & np.isfinite(scores)
         room = n[:, None] - below.sum(axis=1, keepdims=True)
         return below | (ties & (np.cumsum(ties, axis=1) <= room))
+
+
+def max_pool(scores: np.ndarray, logical: np.ndarray, half: int) -> np.ndarray:
+    """Each entry's maximum over the entries whose logical position is within ``half`` of its own (itself
+    included), along the last axis; ``logical`` ascends along it (1-D, or 2-D rows). A neighbour that was
+    evicted is simply absent, so the window never reaches past ``half`` logical positions. Pure."""
+    w, pos = np.asarray(scores, dtype=np.float64), np.asarray(logical)
+    pooled = w.copy()
+    for k in range(1, half + 1):  # logicals ascend: a neighbour within distance half is within half entries
+        near = pos[..., k:] - pos[..., :-k] <= half
+        np.maximum(pooled[..., k:], np.where(near, w[..., :-k], -np.inf), out=pooled[..., k:])
+        np.maximum(pooled[..., :-k], np.where(near, w[..., k:], -np.inf), out=pooled[..., :-k])
+    return pooled

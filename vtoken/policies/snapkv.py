@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vtoken.policies.base import ScorerPolicy
+from vtoken.policies.base import ScorerPolicy, max_pool
 from vtoken.policies.context import OBSERVATION_WINDOW, EvictionContext, Stat
 from vtoken.policies.registry import register_policy
 
@@ -29,11 +29,7 @@ class SnapKVPolicy(ScorerPolicy):
 
     def score(self, ctx: EvictionContext) -> np.ndarray:
         w, pos = np.asarray(ctx.window, dtype=np.float64), np.asarray(ctx.logical)
-        pooled = w.copy()
-        for k in range(1, HALF + 1):  # logicals ascend: a neighbour within distance 3 is within 3 entries
-            near = pos[..., k:] - pos[..., :-k] <= HALF
-            np.maximum(pooled[..., k:], np.where(near, w[..., :-k], 0.0), out=pooled[..., k:])
-            np.maximum(pooled[..., :-k], np.where(near, w[..., k:], 0.0), out=pooled[..., :-k])
+        pooled = max_pool(w, pos, HALF)
         last = np.where(w > 0, pos, -1).max(axis=-1, keepdims=True, initial=-1)  # the prompt's last token
         top = pooled.max(axis=-1, keepdims=True, initial=0.0) + 1.0  # above every pooled score
         window = pos > last - OBSERVATION_WINDOW

@@ -17,6 +17,8 @@ Engine level (``--additional-config '{"vtoken": {...}}'`` or ``LLM(additional_co
     granularity  token | block  (evict tokens / whole blocks)  token
     seed       int >= 0  (random policy)                       0
     score_layers  int >= 1: attention layers that score, evenly spread, last included; null: every layer   1
+    keep_mass  fraction in (0, 1): adaptive budget, also evict while the kept hold this attention share   unset
+    score_pool int >= 0: span pooling, rank a token by the max score within this logical distance   0
     block_size must equal vLLM's --block-size if given         vLLM's block size
     scores     auto | always | never  (collect q·K scores)     auto (only for attention policies)
     trace_dir  directory: write one JSON trace per finished request (used by `vtoken verify`)  unset
@@ -30,7 +32,7 @@ Engine level (``--additional-config '{"vtoken": {...}}'`` or ``LLM(additional_co
 Per request (``SamplingParams(extra_args={"vtoken": {...}})``; in the OpenAI API, whose ``vllm_xargs`` holds
 flat values only, ``"vllm_xargs": {"vtoken.policy": "tova", "vtoken.budget": 0.3}``):
 ``policy``, ``budget``, ``mode``, ``sinks``, ``recent``, ``prompt_tail``, ``scope``, ``prompt_scores``, ``trigger``,
-``granularity``, ``seed``, ``score_layers`` override the engine's values for that request, ``trace_id`` names its trace file and ``salt`` (int) seeds its randomness (requests
+``granularity``, ``seed``, ``score_layers``, ``keep_mass``, ``score_pool`` override the engine's values for that request, ``trace_id`` names its trace file and ``salt`` (int) seeds its randomness (requests
 with equal salts and settings take identical decisions: that is how paired naive/repack runs are made). Unknown keys and invalid values raise
 ``ConfigError`` naming the value and the valid ones: at engine start-up for the engine settings; for a
 request, the request finishes at once with finish reason ``error`` and the error is logged (the engine keeps
