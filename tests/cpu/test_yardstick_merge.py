@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vtoken.bench.yardstick_plot import merge_reports, yardstick_table
+from vtoken.bench.yardstick_plot import merge_reports, parity_table, yardstick_table
 
 ROOT = Path(__file__).resolve().parents[2]
 VTOKEN = str(Path(__import__("sys").executable).with_name("vtoken"))
@@ -65,6 +65,11 @@ def test_merge_keeps_each_runs_measured_half_and_only_the_chosen_fidelity():
     # without the other -> "–"
     assert rows == {"h2o 0.3": "yes", "h2o 0.4": "–", "h2o 0.2": "no", "h2o 0.25": "–",
                     "h2o all layers 0.3": "no"}, table
+    # the parity budget per setting: 0.3 and 0.4 pass on RULER (0.3 keeps fidelity, 0.4 has none measured),
+    # 0.2 and 0.25 ran no RULER task; every layer fails
+    assert {(r["score_layers"], r["parity_budget"]) for r in merged["parity"]} == {(1, 0.3), (None, None)}
+    assert "| h2o | 0.3, 0.4 | 0.3 |" in parity_table(merged) and "| h2o all layers | 0.3 | none |" in parity_table(
+        merged)
 
 
 def test_merge_refuses_runs_on_another_yardstick_naming_them():
@@ -104,8 +109,10 @@ def test_the_committed_yardstick_figure_and_its_table_in_the_docs_are_its_report
     assert run.returncode == 0, run.stderr[-2000:]
     again = json.loads(run.stdout)
     assert again["points"] == committed["points"] and again["full_cache"] == committed["full_cache"]
+    assert again["parity"] == committed["parity"]
     assert (tmp_path / "y.png").stat().st_size > 10_000
     assert (ROOT / committed["plot"]).stat().st_size > 10_000
     assert yardstick_table(committed) in (ROOT / "docs/quality.md").read_text()
+    assert parity_table(committed) in (ROOT / "docs/quality.md").read_text()
     assert {Path(r).name for r in committed["reports"]} >= {
         "quality-yardstick-smollm2-decode-only.json", "quality-yardstick-smollm2-question-aware.json"}

@@ -379,7 +379,7 @@ def yardstick_cmd(
     from pathlib import Path
 
     from vtoken.bench.report import emit, partial_writer
-    from vtoken.bench.yardstick_plot import merge_reports, plot_yardstick, yardstick_table
+    from vtoken.bench.yardstick_plot import merge_reports, parity_table, plot_yardstick, yardstick_table
 
     runs = []
     for name in reports:
@@ -400,7 +400,7 @@ def yardstick_cmd(
         plot_yardstick(merged, plot)
         merged["plot"] = plot
     if table:  # the table on stdout; the JSON, as emit writes it, only to ``out``
-        typer.echo(yardstick_table(merged), nl=False)
+        typer.echo(yardstick_table(merged) + "\n" + parity_table(merged), nl=False)
         partial_writer(out)(merged)
         return
     emit(merged, out)

@@ -194,7 +194,7 @@ def parity_budgets(merged_points: list[dict]) -> list[dict]:
     key's three prompts cannot say). Pure."""
     groups: dict[tuple, list[dict]] = {}
     for p in merged_points:
-        if "at_parity" in p["ruler"]:
+        if "at_parity" in p.get("ruler", {}):
             kind = "tokens" if isinstance(p["budget"], int) else "fraction"
             groups.setdefault((p["policy"], p["granularity"], p["score_layers"], p.get("prompt_tail", 0),
                                p.get("scope", "all"), p.get("prompt_scores", "all"), p.get("keep_mass"),
@@ -204,7 +204,8 @@ def parity_budgets(merged_points: list[dict]) -> list[dict]:
     for (policy, granularity, layers, tail, scope, prompt_scores, keep_mass, pool, kind), group in groups.items():
         best = None
         for p in sorted(group, key=lambda p: p["budget"], reverse=True):
-            if not (p["ruler"]["at_parity"] and (p["fidelity"] is None or p["fidelity"]["keeps_fidelity"])):
+            fidelity = p.get("fidelity")  # None: not measured (a merged yardstick point may lack the half)
+            if not (p["ruler"]["at_parity"] and (fidelity is None or fidelity["keeps_fidelity"])):
                 break
             best = p["budget"]
         out.append({"policy": policy, "granularity": granularity, "score_layers": layers, "prompt_tail": tail,

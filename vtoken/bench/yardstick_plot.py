@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vtoken.bench.quality import parity_budgets
 from vtoken.core.config import DEFAULT_SCORE_LAYERS
 
 REPORT_KEYS = frozenset({"bench", "command", "model", "reports", "fidelity_from", "commands", "ruler", "fidelity",
-                         "full_cache", "points"})  # what ``vtoken bench yardstick`` writes (``merge_reports``)
+                         "full_cache", "points", "parity"})  # what ``vtoken bench yardstick`` writes (``merge_reports``)
 
 
 def setting(point: dict) -> str:
@@ -50,7 +51,8 @@ def merge_reports(runs: list[tuple[str, dict]], fidelity_from: list[str]) -> dic
     the full cache's rates (the same yardstick); their points' RULER halves are kept. Fidelity is taken only
     from the runs named in ``fidelity_from`` (which must share tokens and bound): a run whose fidelity is
     superseded (measured before a fix) gives its RULER half alone. A point is one setting (``setting``) ×
-    budget × granularity; a later run's half replaces an earlier one's. ValueError names the run that does
+    budget × granularity; a later run's half replaces an earlier one's. ``parity``: each setting's smallest
+    budget at parity (``quality.parity_budgets`` over the merged points). ValueError names the run that does
     not fit."""
     ruler_runs = [(n, r) for n, r in runs if r["ruler"]["tasks"]]
     fid_runs = [(n, r) for n, r in runs if n in fidelity_from]
@@ -101,6 +103,7 @@ def merge_reports(runs: list[tuple[str, dict]], fidelity_from: list[str]) -> dic
                      if fid_runs else {}),
         "full_cache": full,
         "points": list(points.values()),
+        "parity": parity_budgets(list(points.values())),
     }
 
 
@@ -185,4 +188,15 @@ def yardstick_table(report: dict) -> str:
             halves.append(p["fidelity"]["keeps_fidelity"] if p.get("fidelity") else None)
         parity = "no" if False in halves else "yes" if all(halves) else "–"
         lines.append("| " + " | ".join([setting(p), f"{p['budget']:g}", *cells(p), parity]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parity_table(report: dict) -> str:
+    """The parity budget per setting (token granularity; a parity row carries the keys ``setting`` reads):
+    the budgets measured, and the smallest at parity with every larger one at parity too ("none" when the
+    largest is not). Pure."""
+    lines = ["| setting | budgets measured | parity budget |", "|---|---|---|"]
+    for r in sorted((r for r in report["parity"] if r["granularity"] == "token"), key=setting):
+        best = "none" if r["parity_budget"] is None else f"{r['parity_budget']:g}"
+        lines.append(f"| {setting(r)} | {', '.join(f'{b:g}' for b in r['budgets'])} | {best} |")
     return "\n".join(lines) + "\n"
