@@ -5,6 +5,8 @@ Speed and memory targets live here, compared side by side in one run, never as t
 
 from __future__ import annotations
 
+import itertools
+
 import typer
 
 from vtoken.bench.report import refuse
@@ -317,12 +319,8 @@ def quality_cmd(
                             for v in keep_masses.split(",") if v.strip()) or (None,)
         pool_values = tuple(_count_setting(v, "--score-pools", "score_pool")
                             for v in score_pools.split(",") if v.strip()) or (0,)
-        for p in chosen:
-            for g in grans:
-                for m in mass_values:
-                    for w in pool_values:
-                        VTokenConfig(policy=p, keep_mass=m, score_pool=w,
-                                     **({"granularity": g} if g != "token" else {}))
+        for p, g, m, w in itertools.product(chosen, grans, mass_values, pool_values):
+            VTokenConfig(policy=p, keep_mass=m, score_pool=w, **({"granularity": g} if g != "token" else {}))
         if chunk < 16 or context_tokens < 32:
             raise ConfigError(f"--chunk {chunk} / --context-tokens {context_tokens}: need ≥ 16 / ≥ 32")
         ruler_tasks = _ruler_tasks(tasks or preset[6])

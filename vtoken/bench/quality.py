@@ -24,7 +24,7 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from vtoken.bench.fidelity import run_fidelity
 from vtoken.bench.intervals import rate
@@ -119,6 +119,8 @@ class Point:
 
 
 FULL = Point("h2o", "token", None)
+# what makes a point a setting, besides its budget (Point's fields, with their defaults for older reports)
+SETTING_DEFAULTS = {f.name: f.default for f in fields(Point) if f.name != "budget"}
 
 # the top-level keys ``run_quality`` returns; the CLI adds ``plot`` with ``--plot`` and ``report.emit`` adds
 # ``environment`` (tests/cpu/test_bench.py holds the builder and the committed quality-*.json to them)
@@ -185,9 +187,8 @@ def run_language_modelling(setup: QualitySetup, tokenizer, pts: list[Point], on_
 
 
 def parity_budgets(merged_points: list[dict]) -> list[dict]:
-    """Per policy × granularity × score_layers × prompt_tail × scope × prompt_scores × keep_mass × score_pool ×
-    budget kind
-    (fraction or token count): the smallest budget at quality parity — inside the full cache's 95 % interval
+    """Per setting (``SETTING_DEFAULTS``' keys: policy × granularity × score_layers × … × score_pool) × budget
+    kind (fraction or token count): the smallest budget at quality parity — inside the full cache's 95 % interval
     on every RULER task (``ruler.at_parity``) and, where fidelity ran, ``keeps_fidelity`` — *with every
     larger budget measured at parity too* (one lucky small budget under a failing larger one is noise, not a
     setting to bank); ``None`` when the largest budget is not at parity. Empty without RULER tasks (the pass
@@ -196,21 +197,17 @@ def parity_budgets(merged_points: list[dict]) -> list[dict]:
     for p in merged_points:
         if "at_parity" in p.get("ruler", {}):
             kind = "tokens" if isinstance(p["budget"], int) else "fraction"
-            groups.setdefault((p["policy"], p["granularity"], p["score_layers"], p.get("prompt_tail", 0),
-                               p.get("scope", "all"), p.get("prompt_scores", "all"), p.get("keep_mass"),
-                               p.get("score_pool", 0), kind),
-                              []).append(p)
+            key = tuple(p.get(k, default) for k, default in SETTING_DEFAULTS.items())
+            groups.setdefault((key, kind), []).append(p)
     out = []
-    for (policy, granularity, layers, tail, scope, prompt_scores, keep_mass, pool, kind), group in groups.items():
+    for (key, kind), group in groups.items():
         best = None
         for p in sorted(group, key=lambda p: p["budget"], reverse=True):
             fidelity = p.get("fidelity")  # None: not measured (a merged yardstick point may lack the half)
             if not (p["ruler"]["at_parity"] and (fidelity is None or fidelity["keeps_fidelity"])):
                 break
             best = p["budget"]
-        out.append({"policy": policy, "granularity": granularity, "score_layers": layers, "prompt_tail": tail,
-                    "scope": scope, "prompt_scores": prompt_scores, "keep_mass": keep_mass, "score_pool": pool,
-                    "budget_kind": kind,
+        out.append({**dict(zip(SETTING_DEFAULTS, key)), "budget_kind": kind,
                     "budgets": sorted(p["budget"] for p in group), "parity_budget": best})
     return out
 
@@ -245,8 +242,7 @@ def run_quality(setup: QualitySetup, on_phase=lambda text: None) -> dict:
                 "ruler": ruler["points"].get(pt.key, {}), "fidelity": fidelity["points"].get(pt.key)}
 
     full = merged(FULL)
-    for key in ("policy", "granularity", "budget", "score_layers", "prompt_tail", "scope", "prompt_scores",
-                "keep_mass", "score_pool"):
+    for key in ("budget", *SETTING_DEFAULTS):
         full.pop(key)
     merged_points = [merged(pt) for pt in pts if pt is not FULL]
     return {

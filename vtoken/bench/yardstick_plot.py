@@ -15,8 +15,9 @@ from pathlib import Path
 from vtoken.bench.quality import parity_budgets
 from vtoken.core.config import DEFAULT_SCORE_LAYERS
 
+# what ``vtoken bench yardstick`` writes (``merge_reports``)
 REPORT_KEYS = frozenset({"bench", "command", "model", "reports", "fidelity_from", "commands", "ruler", "fidelity",
-                         "full_cache", "points", "parity"})  # what ``vtoken bench yardstick`` writes (``merge_reports``)
+                         "full_cache", "points", "parity"})
 
 
 def setting(point: dict) -> str:

@@ -217,6 +217,13 @@ class Budget:
         return _edge_schema(cls.parse, cls.to_json)
 
 
+def _attention_mass_policies() -> str:
+    """The registered policies whose scores are attention mass (``keep_mass`` and ``score_pool`` need one)."""
+    from vtoken.policies import policy_names
+
+    return ", ".join(n for n in policy_names() if get_policy_class(n).attention_mass)
+
+
 DEFAULT_SCORE_LAYERS = 1  # attention layers that score by default (VTokenConfig.score_layers; measured there)
 
 
@@ -306,11 +313,8 @@ class VTokenConfig:
             raise ConfigError(f"keep_mass must be a fraction in (0, 1) (attention mass kept) or null, got {m!r}")
         object.__setattr__(self, "keep_mass", float(m))
         if not cls.attention_mass:
-            from vtoken.policies import policy_names
-
-            valid = [n for n in policy_names() if get_policy_class(n).attention_mass]
             raise ConfigError(f"keep_mass needs a policy that scores attention mass, not {self.policy!r}; "
-                              f"valid: {', '.join(valid)}")
+                              f"valid: {_attention_mass_policies()}")
         if self.granularity is Granularity.BLOCK:
             raise ConfigError("keep_mass evicts single tokens; it does not combine with granularity 'block'")
 
@@ -318,11 +322,8 @@ class VTokenConfig:
         if not self.score_pool:
             return
         if not cls.attention_mass:
-            from vtoken.policies import policy_names
-
-            valid = [n for n in policy_names() if get_policy_class(n).attention_mass]
             raise ConfigError(f"score_pool pools attention scores; policy {self.policy!r} has none; "
-                              f"valid: {', '.join(valid)}")
+                              f"valid: {_attention_mass_policies()}")
         if self.keep_mass is not None:
             raise ConfigError("score_pool does not combine with keep_mass (pooled scores do not add up to a "
                               "mass); set one of them")
