@@ -120,7 +120,8 @@ def plot_yardstick(report: dict, path: str | Path) -> None:
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.8 * rows), squeeze=False)
     policies = sorted({setting(p) for p in report["points"]})
-    colours = {name: plt.cm.tab10(i % 10) for i, name in enumerate(policies)}
+    # 20 colours x 4 markers: every setting its own look, and every one in the legend (some have one half only)
+    styles = {name: (plt.cm.tab20(i % 20), "osD^"[(i // 20) % 4]) for i, name in enumerate(policies)}
     full = report["full_cache"]
     for ax, panel in zip(axes.ravel(), panels):
         for name in policies:
@@ -131,31 +132,38 @@ def plot_yardstick(report: dict, path: str | Path) -> None:
                 continue
             if panel == "fidelity":
                 xs = [p["fidelity"]["retained_blocks_mean"] for p in row]
-                ax.plot(xs, [p["fidelity"]["top1_agreement"] for p in row], "o-", color=colours[name], label=name)
+                ax.plot(xs, [p["fidelity"]["top1_agreement"] for p in row], "-", marker=styles[name][1],
+                        color=styles[name][0])
                 continue
             xs = [p["ruler"][panel]["retained_blocks_mean"] for p in row]
             ys = [p["ruler"][panel]["rate"] for p in row]
             err = [[y - p["ruler"][panel]["ci95"][0] for y, p in zip(ys, row)],
                    [p["ruler"][panel]["ci95"][1] - y for y, p in zip(ys, row)]]
-            ax.errorbar(xs, ys, yerr=err, fmt="o-", color=colours[name], capsize=3, linewidth=1, label=name)
+            ax.errorbar(xs, ys, yerr=err, fmt="-", marker=styles[name][1], color=styles[name][0], capsize=3,
+                        linewidth=1)
         if panel == "fidelity":
-            ax.axhline(report["fidelity"]["top1_bound"], color="black", linestyle=":", linewidth=1,
-                       label="stated bound")
+            ax.axhline(report["fidelity"]["top1_bound"], color="black", linestyle=":", linewidth=1)
             ax.set_ylabel("top-1 agreement with the full cache")
             ax.set_title(f"fidelity, {report['fidelity']['tokens']} generated tokens", fontsize=9)
         else:
             f = full["ruler"][panel]
-            ax.axhspan(*f["ci95"], color="grey", alpha=0.25,
-                       label=f"full cache 95 % ({f['retained_blocks_mean']:.1f} blocks)")
+            ax.axhspan(*f["ci95"], color="grey", alpha=0.25)
             ax.axhline(f["rate"], color="black", linestyle="--", linewidth=1)
             ax.set_ylabel("solved rate (Wilson 95 %)")
-            ax.set_title(f"{panel} (n = {f['n']})", fontsize=9)
+            ax.set_title(f"{panel} (n = {f['n']}; full cache: {f['retained_blocks_mean']:.1f} blocks)", fontsize=9)
             ax.set_ylim(-0.05, 1.05)
         ax.set_xlabel("retained KV blocks per request")
         ax.grid(alpha=0.3)
     for ax in axes.ravel()[len(panels):]:
         ax.axis("off")
-    axes.ravel()[0].legend(fontsize=7)
+    handles = [plt.Line2D([], [], color=c, marker=m, label=name) for name, (c, m) in styles.items()]
+    handles.append(plt.Rectangle((0, 0), 1, 1, color="grey", alpha=0.25,
+                                 label="full cache's 95 % interval (dashed: its rate)"))
+    if "fidelity" in panels:
+        handles.append(plt.Line2D([], [], color="black", linestyle=":", label="stated top-1 bound"))
+    spare = axes.ravel()[len(panels):]
+    where = (spare[0], "center") if len(spare) else (axes.ravel()[0], "best")
+    where[0].legend(handles=handles, fontsize=7, loc=where[1], ncol=1 + len(handles) // 16)
     fig.suptitle(f"Quality yardstick (token granularity, repack) — {Path(report['model']).name}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
