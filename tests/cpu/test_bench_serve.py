@@ -66,6 +66,20 @@ def test_each_server_gets_the_fixed_pool_its_mode_and_room_for_the_longest_reque
         variant_config(ServeBenchSetup(model="tiny-llama", pool_blocks=4), "none", None)
 
 
+def test_the_bench_evicts_over_every_token_unless_its_command_says_otherwise():
+    """The bench names its own scope (all), so a committed command reproduces what it measured whatever the
+    engine's default; ``--set vtoken.scope=generated`` (the parity runs) still overrides it."""
+    from vtoken.core.config import Scope, VTokenConfig
+
+    assert VTokenConfig().scope is Scope.GENERATED  # the engine's default is not the bench's
+    s = ServeBenchSetup(model="tiny-llama", pool_blocks=40, input_len=100, output_len=20)
+    assert variant_config(s, "repack", "h2o").vtoken.scope is Scope.ALL
+    assert variant_config(s, "naive", "h2o").vtoken.scope is Scope.ALL
+    told = ServeBenchSetup(model="tiny-llama", pool_blocks=40, input_len=100, output_len=20,
+                           extra=("vtoken.scope=generated",))
+    assert variant_config(told, "repack", "h2o").vtoken.scope is Scope.GENERATED
+
+
 def test_a_hybrid_models_server_gets_the_longest_length_its_pool_holds_in_every_group():
     """The tiny Gemma 3's 4 KV cache groups (3 sliding of 64, 1 full; 2048 tokens in flight, read from vLLM's
     engine config): 80 blocks hold max_model_len 608 in every group (4 x 19 + 3 + 1 = 80), not the 79 x 32

@@ -41,7 +41,7 @@ def app_config(metrics_port: int) -> ServeAppConfig:
     return ServeAppConfig.model_validate(
         {
             "model": "tiny-llama",
-            "vtoken": {"mode": "repack", "policy": "h2o", "budget": 0.5, "sinks": 4, "recent": 16},
+            "vtoken": {"mode": "repack", "policy": "h2o", "budget": 0.5, "sinks": 4, "recent": 16, "scope": "all"},
             "engine": {"kv_cache_blocks": 72, "max_model_len": 2048, "max_num_seqs": 8},
             "slo": {"ttft_ms": 2000, "tpot_ms": 200, "admission": True},  # loose for the tiny model: exports
             # vtoken:admission_limit (the SLA dashboard's queue panel) without holding anyone back

@@ -52,7 +52,7 @@ build = load_module(ROOT / "dashboards" / "build.py")
 def app_config(metrics_port: int) -> ServeAppConfig:
     return ServeAppConfig.model_validate({
         "model": "tiny-llama",
-        "vtoken": {"mode": "repack", "policy": "h2o", "budget": 0.5, "sinks": 4, "recent": 16},
+        "vtoken": {"mode": "repack", "policy": "h2o", "budget": 0.5, "sinks": 4, "recent": 16, "scope": "all"},
         "engine": {"kv_cache_blocks": 256, "max_model_len": 8160, "max_num_seqs": 8},  # (256 - 1) · 32
         "limits": {"max_tokens": LONG_TOKENS, "max_prompt_chars": 8000},
         "deployment": {"max_replicas_per_node": 1, "health_check_period_s": 2.0},

@@ -88,12 +88,12 @@ def build_engine(setup: CapacitySetup):
     """An in-process ``LLM`` with the fixed pool. Side effect: starts an engine (free with ``close``)."""
     from vllm import LLM
 
-    from vtoken.core.config import VTokenConfig
+    from vtoken.core.config import Scope, VTokenConfig
     from vtoken.vllm import engine_kwargs
     from vtoken.vllm.launch import scoped_env, tp_engine_kwargs
 
     cfg = VTokenConfig(policy=setup.policy, budget=setup.budget, mode="repack", block_size=setup.block_size,
-                       sinks=setup.sinks, recent=setup.recent)
+                       sinks=setup.sinks, recent=setup.recent, scope=Scope.ALL)
     tp_kw, tp_env = tp_engine_kwargs(setup.tensor_parallel_size)
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **tp_env}
     with scoped_env(**env):

@@ -533,7 +533,8 @@ def serve_cmd(
     model: str = typer.Option("default", help=MODEL_HELP),
     modes: str = typer.Option("none,naive,repack", help="comma-separated: none naive repack reuse+repack"),
     policies: str = typer.Option("h2o", help="comma-separated policies for the evicting modes"),
-    budget: str = typer.Option("0.2", help="fraction in (0, 1] or token count"),
+    budget: str = typer.Option("0.2", help="fraction in (0, 1] or token count, over every token (scope all; "
+                               "--set vtoken.scope=generated: decode-only)"),
     pool_blocks: int = typer.Option(64, "--pool-blocks", help="the replica's KV pool (blocks)"),
     max_num_seqs: int = typer.Option(16, "--max-num-seqs", help="engine batch limit"),
     rates: str = typer.Option("1.5", help="comma-separated request rates (req/s, Poisson)"),

@@ -80,11 +80,12 @@ def load_steps(path: Path, time_scale: float = 1.0) -> tuple[StepModel, dict]:
 def _engine(model: str, block_size: int, mode: str, policy: str, budget: float):
     from vllm import LLM
 
-    from vtoken.core.config import VTokenConfig
+    from vtoken.core.config import Scope, VTokenConfig
     from vtoken.vllm import engine_kwargs
     from vtoken.vllm.launch import scoped_env
 
-    cfg = VTokenConfig(policy=policy, budget=budget, mode=mode, block_size=block_size, sinks=4, recent=16)
+    cfg = VTokenConfig(policy=policy, budget=budget, mode=mode, block_size=block_size, sinks=4, recent=16,
+                       scope=Scope.ALL)
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     with scoped_env(**env):

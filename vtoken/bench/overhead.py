@@ -60,10 +60,11 @@ def _engine(model: str, block_size: int, mode: str, scores: str, budget: float, 
             policy: str = "random"):
     from vllm import LLM
 
-    from vtoken.core.config import VTokenConfig
+    from vtoken.core.config import Scope, VTokenConfig
     from vtoken.vllm import engine_kwargs
 
-    cfg = VTokenConfig(policy=policy, budget=budget, mode=mode, block_size=block_size, sinks=4, recent=16)
+    cfg = VTokenConfig(policy=policy, budget=budget, mode=mode, block_size=block_size, sinks=4, recent=16,
+                       scope=Scope.ALL)
     from vtoken.vllm.launch import scoped_env, tp_engine_kwargs
 
     kw = engine_kwargs(cfg, scores=scores) if mode != "none" else {"block_size": block_size}

@@ -49,13 +49,13 @@ def run_prefix(model: str, block_size: int, modes: list[str], policy: str, budge
     """Every mode ``repeats`` times on one engine (module docstring); returns the report: ``REPORT_KEYS``."""
     from vllm import LLM, SamplingParams
 
-    from vtoken.core.config import VTokenConfig
+    from vtoken.core.config import Scope, VTokenConfig
     from vtoken.models.default import resolve_model
     from vtoken.vllm import engine_kwargs
     from vtoken.vllm.launch import scheduler_of, scoped_env
 
     path = str(resolve_model(model))
-    cfg = VTokenConfig(policy=policy, budget=budget, mode="repack", block_size=block_size)
+    cfg = VTokenConfig(policy=policy, budget=budget, mode="repack", block_size=block_size, scope=Scope.ALL)
     with scoped_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1"):
         llm = LLM(model=path, dtype="float32", enforce_eager=True, seed=seed,
                   max_model_len=system_len + user_len + gen_len + block_size, enable_prefix_caching=True,

@@ -107,8 +107,7 @@ class Point:
         vt["score_layers"] = self.score_layers  # None: every layer (explicit, the engine default is fewer)
         if self.prompt_tail:
             vt["prompt_tail"] = self.prompt_tail
-        if self.scope != "all":
-            vt["scope"] = self.scope
+        vt["scope"] = self.scope  # explicit: the engine default (generated) is not the bench's (all)
         if self.prompt_scores != "all":
             vt["prompt_scores"] = self.prompt_scores
         if self.keep_mass is not None:

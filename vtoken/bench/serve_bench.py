@@ -132,15 +132,16 @@ def client_command(s: ServeBenchSetup, url: str, model_path: str, rate: float, r
 def variant_config(s: ServeBenchSetup, mode: str, policy: str | None, admission: bool = False,
                    metrics_port: int = 9500, shape: PoolShape | None = None):
     """The ``ServeAppConfig`` of one variant's server: one replica, the fixed pool, the variant's mode,
-    policy and ``slo.admission``, the benchmark's SLOs (what admission targets and ``vtoken:slo_met``
-    counts), then ``s.extra`` (``key=value`` as ``vtoken serve --set``; it may override any of these).
+    policy, budget and scope ``all`` (the benchmark's own, not the engine's default) and ``slo.admission``,
+    the benchmark's SLOs (what admission targets and ``vtoken:slo_met`` counts), then ``s.extra``
+    (``key=value`` as ``vtoken serve --set``; it may override any of these).
     ``shape``: the model's KV cache groups (``pool_shape_of``; default one full-attention group) — its
     ``max_model_len`` is the longest the pool holds in every group. Validates: raises ``ValueError``
     (pydantic's ``ValidationError``) naming the bad setting, before any server starts."""
     from vtoken.serve.config import ServeAppConfig
     from vtoken.serve.launch.cli import parse_scalar
 
-    vt = {"mode": mode} | ({"policy": policy, "budget": s.budget} if policy else {})
+    vt = {"mode": mode} | ({"policy": policy, "budget": s.budget, "scope": "all"} if policy else {})
     block_size = ServeAppConfig.model_validate({"model": s.model, "vtoken": vt}).vtoken.block_size
     shape = shape or PoolShape(windows=(FULL,), block_size=block_size, in_flight_tokens=0)
     if shape.need(s.longest_request()) > s.pool_blocks:

@@ -71,7 +71,8 @@ def app_config(setup: SoakSetup, metrics_port: int):
 
     return ServeAppConfig.model_validate({
         "model": "tiny-llama",
-        "vtoken": {"mode": "repack", "policy": "h2o", "budget": 0.5, "sinks": 4, "recent": 16},
+        "vtoken": {"mode": "repack", "policy": "h2o", "budget": 0.5, "sinks": 4, "recent": 16,
+                   "scope": "all"},
         "engine": {"kv_cache_blocks": setup.pool_blocks, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 8},
         "limits": {"max_tokens": 800, "max_n": 2, "max_prompt_chars": 8000, "max_body_bytes": 65536},
         "deployment": {"num_replicas": setup.replicas, "num_cpus": 0.5, "health_check_period_s": 2.0},

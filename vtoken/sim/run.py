@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vtoken.core.config import Granularity, Mode, VTokenConfig
+from vtoken.core.config import Granularity, Mode, Scope, VTokenConfig
 from vtoken.errors import ConfigError
 from vtoken.sim.exact import simulate_exact
 from vtoken.sim.fast import simulate_fast
@@ -33,7 +33,7 @@ class SimConfig:
     also seeds the synthetic attention) plus the workload and how to run it. ``of(**kw)`` takes the
     settings' keys flat, as the CLI passes them."""
 
-    vtoken: VTokenConfig = VTokenConfig(budget=0.2, block_size=16)
+    vtoken: VTokenConfig = VTokenConfig(budget=0.2, block_size=16, scope=Scope.ALL)
     prompt_len: int = 512
     gen_len: int = 256
     requests: int = 64

@@ -5,13 +5,13 @@ Engine level (``--additional-config '{"vtoken": {...}}'`` or ``LLM(additional_co
 
     key        type / values                                   default
     policy     h2o | knorm | random | scissorhands | snapkv | streamingllm | tova   h2o
-    budget     fraction in (0, 1] (e.g. 0.2) or token count (e.g. 512)   0.5
+    budget     fraction in (0, 1] (e.g. 0.2) or token count (e.g. 512)   0.1
     mode       none | naive | repack | reuse+repack            repack
     sinks      int >= 0  (first tokens never evicted)          4
     recent     int >= 0  (last tokens never evicted)           16
     prompt_tail  int >= 0  (the prompt's last tokens never evicted)  0
     scope      all | generated  (generated: decode-only eviction, the prompt kept whole; the budget counts
-               generated tokens)                               all
+               generated tokens)                               generated
     prompt_scores  all | window  (window: question-aware, H2O ranks the prompt by its last 32 queries)   all
     trigger    step | block                                    step
     granularity  token | block  (evict tokens / whole blocks)  token

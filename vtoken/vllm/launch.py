@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from vtoken.core.config import VTokenConfig
+from vtoken.core.config import Scope, VTokenConfig
 
 
 @contextlib.contextmanager
@@ -86,7 +86,7 @@ def start_engine(model: str, block_size: int, trace_dir: str, *, sinks: int = 4,
     from vtoken.vllm import engine_kwargs
 
     cfg = VTokenConfig(policy="h2o", budget=0.5, mode="repack", block_size=block_size, sinks=sinks,
-                       recent=recent, seed=seed)
+                       recent=recent, seed=seed, scope=Scope.ALL)
     kw = engine_kwargs(cfg, trace_dir=trace_dir, check=check, invariants="fatal" if check else "log")
     kw.update(kwargs)
     kw.setdefault("enable_prefix_caching", False)  # paired requests share a prompt: keep their blocks private
