@@ -231,7 +231,7 @@ def test_the_protected_prompt_is_never_evicted_and_the_budget_counts_what_the_sc
 
 
 def test_kept_live_and_kept_prompt_known_answers():
-    all_ = VTokenConfig(budget=0.25, prompt_tail=10)
+    all_ = VTokenConfig(budget=0.25, prompt_tail=10, scope="all")
     gen = VTokenConfig(budget=0.25, scope="generated")
     assert all_.kept_prompt(100) == (90, 100) and all_.kept_prompt(4) == (0, 4)
     assert gen.kept_prompt(100) == (0, 100)
@@ -260,7 +260,7 @@ def test_question_aware_prompt_scores_rank_the_prompt_by_its_window(source):
 
 def test_question_aware_prefill_changes_h2o_victims(source):
     cfgs = {ps: VTokenConfig(policy="h2o", budget=BUDGET, mode=Mode.REPACK, block_size=B, sinks=SINKS,
-                             recent=RECENT, prompt_scores=ps) for ps in ("all", "window")}
+                             recent=RECENT, prompt_scores=ps, scope="all") for ps in ("all", "window")}
     victims = {}
     for ps, cfg in cfgs.items():
         m = CacheManager(cfg, num_blocks=64)

@@ -44,7 +44,7 @@ def test_async_llm_multiprocess(tmp_path, monkeypatch):
             pass
 
     path = tiny_model("llama")
-    cfg = VTokenConfig(policy="h2o", budget=0.3, mode="repack", block_size=32, sinks=4, recent=8)
+    cfg = VTokenConfig(policy="h2o", budget=0.3, mode="repack", block_size=32, sinks=4, recent=8, scope="all")
     args = AsyncEngineArgs(model=str(path), dtype="float32", enforce_eager=True, max_model_len=512,
                            enable_prefix_caching=False, **engine_kwargs(cfg, trace_dir=str(tmp_path)))
     rng = np.random.default_rng(7)

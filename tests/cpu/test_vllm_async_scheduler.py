@@ -32,8 +32,8 @@ def make_scheduler(block_size=8, num_blocks=64, async_scheduling=True, vtoken=No
     from vtoken.vllm import WORKER_CLS
     from vtoken.vllm.scheduler import VTokenScheduler
 
-    settings = {"policy": "h2o", "budget": 0.5, "mode": "repack", "sinks": 1, "recent": 0, "check": True,
-                **(vtoken or {})}
+    settings = {"policy": "h2o", "budget": 0.5, "mode": "repack", "sinks": 1, "recent": 0, "scope": "all",
+                "check": True, **(vtoken or {})}
     model = ModelConfig(model=str(tiny_model("llama")), dtype="float32", seed=0, skip_tokenizer_init=True,
                         max_model_len=512)
     sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,

@@ -504,7 +504,8 @@ def test_openai_server_with_vtoken_on(tmp_path):
     from vtoken.vllm import SCHEDULER_CLS, WORKER_CLS
 
     port = free_port()
-    cfg = {"vtoken": {"policy": "h2o", "budget": 0.3, "mode": "repack", "recent": 8, "trace_dir": str(tmp_path)}}
+    cfg = {"vtoken": {"policy": "h2o", "budget": 0.3, "mode": "repack", "recent": 8, "scope": "all",
+                      "trace_dir": str(tmp_path)}}
     cmd = [*vllm_cli_command(sys.executable, "serve", str(tiny_model("llama"))),
            "--served-model-name", "tiny", "--dtype", "float32", "--block-size", "32", "--max-model-len", "512",
            "--enforce-eager", "--host", "127.0.0.1", "--port", str(port), "--scheduler-cls", SCHEDULER_CLS,
