@@ -122,13 +122,12 @@ def test_the_engine_defaults_are_the_smallest_budget_the_committed_yardstick_put
     """Defaults chosen by the data: the engine's default setting (every field the yardstick varies) was
     measured on the committed merged yardstick, and its default budget is that setting's parity budget (the
     smallest at parity). Changing a default to a setting never measured, or to one not at parity there, fails."""
+    from vtoken.bench.quality import SETTING_DEFAULTS
     from vtoken.core.config import VTokenConfig
 
     default = VTokenConfig().to_dict()
-    varied = ("policy", "granularity", "score_layers", "prompt_tail", "scope", "prompt_scores", "keep_mass",
-              "score_pool")
-    mine = {k: default[k] for k in varied}
+    mine = {k: default[k] for k in SETTING_DEFAULTS}
     report = json.loads((ROOT / "docs" / "results" / "quality-yardstick-smollm2.json").read_text())
-    measured = [p for p in report["parity"] if {k: p[k] for k in varied} == mine]
+    measured = [p for p in report["parity"] if {k: p[k] for k in SETTING_DEFAULTS} == mine]
     assert measured, f"the engine's default setting {mine} is not on the committed yardstick"
     assert [p["parity_budget"] for p in measured] == [default["budget"]], (mine, measured)
