@@ -133,6 +133,10 @@ Engine/front end
     which is where ``vtoken.vllm.lifetime.watch_parent`` starts: nothing in vLLM ends an engine core whose
     front end died.
   * ``vllm.v1.metrics.stats.SchedulerStats`` (read in the front end by ``vtoken_stats_from``).
+  * ``vllm.v1.sample.logits_processor.AdapterLogitsProcessor`` — subclassed by ``vtoken.vllm.teacher
+    .TeacherForcing`` (``LLM(logits_processors=[...])``), which forces given tokens one decode step at a time for
+    ``vtoken bench longgen``; relies on vLLM computing returned log-probabilities from the raw logits
+    (``logprobs_mode`` ``raw_logprobs``) before logits processors run (``vllm.v1.sample.sampler.Sampler``).
 """
 
 from __future__ import annotations

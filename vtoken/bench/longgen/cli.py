@@ -1,0 +1,85 @@
+"""``vtoken bench longgen``: parse the points, run, emit the report (module doc of ``vtoken.bench.longgen``)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+
+import typer
+
+from vtoken.bench.report import emit, refuse
+from vtoken.models.default import MODEL_HELP
+
+DEFAULT_POINT = "default"  # the engine's defaults, VTokenConfig() as it is declared
+
+
+def parse_point(text: str):
+    """``"default"`` or ``"key=value,key=value"`` (values read as JSON where they parse, else as text) →
+    ``(text, VTokenConfig)`` with those settings over the engine's defaults; ``ConfigError`` naming a bad one."""
+    from vtoken.core.config import VTokenConfig
+    from vtoken.errors import ConfigError
+
+    text = text.strip()
+    if text == DEFAULT_POINT:
+        return text, VTokenConfig()
+    raw = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"point {text!r}: {item!r} is not key=value (or use {DEFAULT_POINT!r})")
+        try:
+            raw[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            raw[key.strip()] = value.strip()
+    return text, VTokenConfig.from_dict(raw, where="point")
+
+
+def longgen_cmd(
+    point: list[str] = typer.Option(..., "--point", help="repeatable: 'default' (the engine's defaults) or "
+                                    "'key=value,…' VTokenConfig settings over the defaults, e.g. "
+                                    "'budget=0.1' or 'scope=all,budget=0.9,policy=snapkv'"),
+    model: str = typer.Option("default", help=MODEL_HELP),
+    windows: int = typer.Option(100, min=2, help="text windows (paired units of the bootstrap)"),
+    prompt_tokens: int = typer.Option(32, "--prompt-tokens", min=1),
+    continuation_tokens: int = typer.Option(224, "--continuation-tokens", min=1,
+                                            help="tokens forced one decode step at a time after the prompt"),
+    seed: int = typer.Option(0, help="draws other windows"),
+    max_num_seqs: int = typer.Option(128, "--max-num-seqs", min=1, help="requests decoded together"),
+    kv_space_gib: int = typer.Option(6, "--kv-space-gib", min=1, help="KV pool (no request may be preempted)"),
+    out: str = typer.Option(None, help="also write the JSON here"),
+) -> None:
+    """Long-generation quality on human-written text: perplexity ratio with a paired bootstrap 95 % interval,
+    full-vocabulary KL and top-1 agreement against the full cache, eviction after every token, and the
+    parity rule's verdict per point."""
+    from rich.console import Console
+
+    from vtoken.bench.longgen.report import build_report
+    from vtoken.bench.longgen.run import LonggenSetup, run_longgen
+    from vtoken.bench.longgen.texts import digests, documents
+    from vtoken.bench.longgen.texts import windows as draw
+    from vtoken.errors import ConfigError
+
+    try:
+        points = tuple(parse_point(p) for p in point)
+        if len({label for label, _ in points}) != len(points):
+            raise ConfigError(f"--point given twice: {point}")
+        from transformers import AutoTokenizer
+
+        from vtoken.models.default import resolve_model
+
+        path = str(resolve_model(model))
+        docs = documents()
+        wins = draw(AutoTokenizer.from_pretrained(path), prompt_tokens + continuation_tokens, windows, seed, docs)
+    except (ConfigError, ValueError, OSError) as err:
+        refuse(err)
+    setup = LonggenSetup(model=path, points=points, prompt_tokens=prompt_tokens,
+                         continuation_tokens=continuation_tokens, windows=windows, seed=seed,
+                         max_num_seqs=max_num_seqs, kv_space_gib=kv_space_gib)
+    start = time.perf_counter()
+    with Console(stderr=True).status("longgen", spinner="dots") as status:
+        measured = run_longgen(setup, wins, on_phase=lambda text: status.update(text))
+    report = build_report(setup, wins, measured, digests(docs), "vtoken " + shlex.join(sys.argv[1:]),
+                          time.perf_counter() - start)
+    emit(report, out)
