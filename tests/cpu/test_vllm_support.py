@@ -192,6 +192,61 @@ def test_engine_config_refusals_name_the_feature(feature, tiny_llama):
         check_engine_config(vcfg)
 
 
+# feature -> (extra engine kwargs, extra config.json fields, the words the refusal must contain). vLLM 0.32
+# builds these configs on this machine, but its CPU platform turns dual-batch overlap off and its attention
+# backends cannot run micro-batches, so they are refused on the config only (no engine construction).
+UBATCH_REFUSED = {
+    # the CPU platform resets enable_dbo (CUDA keeps it): the test sets it back on the config vLLM built
+    "dual_batch_overlap": ({"enable_dbo": True}, {}, "dual-batch overlap (enable_dbo=True)"),
+    # vLLM accepts micro-batching only with an expert-parallel all2all backend; the config builds without it
+    "micro_batching": ({"ubatch_size": 2, "all2all_backend": "deepep_low_latency"}, {},
+                       "micro-batching (ubatch_size=2)"),
+    # vLLM reads model_config.is_mm_prefix_lm from the HF config's field of that name (else a model list)
+    "mm_prefix_lm": ({}, {"is_mm_prefix_lm": True},
+                     "an mm-prefix language model (model_config.is_mm_prefix_lm"),
+}
+
+
+@pytest.mark.parametrize("feature", list(UBATCH_REFUSED))
+def test_micro_batching_and_mm_prefix_models_are_refused_by_name(feature, tiny_llama, tmp_path):
+    """Dual-batch overlap / micro-batching (vLLM's ``use_ubatching``) and mm-prefix LMs are refused by
+    ``check_engine_config`` on the ``VllmConfig`` vLLM builds from those options, naming the option and why
+    (whole-batch score offsets; logical ``num_computed_tokens`` against compacted rows)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    engine_kw, hf_fields, needle = UBATCH_REFUSED[feature]
+    model = str(tiny_llama)
+    if hf_fields:
+        shutil.copytree(tiny_llama, tmp_path / "model")
+        cfg = json.loads((tiny_llama / "config.json").read_text())
+        (tmp_path / "model" / "config.json").write_text(json.dumps({**cfg, **hf_fields}))
+        model = str(tmp_path / "model")
+    kw = {**_kwargs_without_refusal(), **engine_kw}
+    vcfg = EngineArgs(model=model, dtype="float32", max_model_len=512, **kw).create_engine_config()
+    if feature == "dual_batch_overlap":
+        assert not vcfg.parallel_config.enable_dbo  # vLLM's CPU platform dropped it
+        vcfg.parallel_config.enable_dbo = True
+    if feature != "mm_prefix_lm":
+        assert vcfg.parallel_config.use_ubatching
+    else:
+        assert vcfg.model_config.is_mm_prefix_lm
+    with pytest.raises(ConfigError) as e:
+        check_engine_config(vcfg)
+    text = str(e.value)
+    assert needle in text and "docs/support.md" in text, text
+    if feature != "mm_prefix_lm":
+        assert "whole-batch offsets" in text and "num_computed_tokens" in text, text
+    else:
+        assert "logical token ranges" in text, text
+
+
+def _kwargs_without_refusal():
+    from vtoken.core.config import VTokenConfig
+    from vtoken.vllm import engine_kwargs
+
+    return engine_kwargs(VTokenConfig(policy="knorm", budget=0.5, mode="repack", block_size=32))
+
+
 @pytest.mark.parametrize("feature", list(REFUSED))
 def test_a_refused_feature_never_reaches_a_first_request(feature, tiny_llama, sliding_llama, global_heavy_gemma3,
                                                          capfd):

@@ -4,8 +4,9 @@ Three checks, each raising ``ConfigError`` with a message that names the model o
 what vToken supports (docs/support.md lists every feature):
 
 ``check_engine_config(vllm_config)``   what the config alone decides: pipeline / context parallelism,
-                                       speculative decoding, KV connectors, quantized (fp8) KV caches,
-                                       pooling runners, MLA, the vToken worker. Called by the vToken worker's
+                                       dual-batch overlap / micro-batching, speculative decoding, KV
+                                       connectors, quantized (fp8) KV caches, pooling runners, MLA,
+                                       mm-prefix LMs, the vToken worker. Called by the vToken worker's
                                        constructor (before the model loads), by the scheduler, and by
                                        ``vtoken serve`` before it starts anything (``preflight``).
 ``check_supported(vllm_config, kv)``   the above plus the KV cache spec vLLM built from the model: one group,
@@ -67,6 +68,13 @@ def check_engine_config(vllm_config) -> None:
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(pc, name, 1) > 1:
             refuse(f"context parallelism ({name}={getattr(pc, name)}) shards a request's tokens over ranks")
+    if getattr(pc, "enable_dbo", False) or getattr(pc, "ubatch_size", 0) > 1:
+        option = ("dual-batch overlap (enable_dbo=True)" if getattr(pc, "enable_dbo", False)
+                  else f"micro-batching (ubatch_size={pc.ubatch_size})")
+        refuse(f"{option}: each micro-batch's attention sees a micro-batch-local query while vToken's "
+                "score accumulator indexes it with whole-batch offsets (and counts each layer once per "
+                "micro-batch), and vLLM splits the batch by logical num_computed_tokens, which rows "
+                "compacted by eviction no longer match; unset enable_dbo and ubatch_size")
     if vllm_config.speculative_config is not None:
         refuse("speculative decoding (drafters compute logical slots)")
     if vllm_config.kv_transfer_config is not None:
@@ -79,6 +87,10 @@ def check_engine_config(vllm_config) -> None:
                 "the pooler waits for; serve pooling models without vToken (mode 'none')")
     if mc is not None and mc.use_mla:
         refuse("multi-head latent attention (MLA) caches one latent per token, not per-head K/V")
+    if mc is not None and getattr(mc, "is_mm_prefix_lm", False):
+        refuse("an mm-prefix language model (model_config.is_mm_prefix_lm: bidirectional attention over "
+                "multimodal prefix spans): vLLM gives those spans as logical token ranges, which rows "
+                "compacted by eviction no longer match, and vToken's scores assume causal attention")
     if not is_vtoken_worker(pc.worker_cls):
         raise ConfigError(
             f"vToken's scheduler needs vToken's worker, got worker_cls={pc.worker_cls!r}; "
