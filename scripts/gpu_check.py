@@ -22,6 +22,13 @@ repository root goes on ``sys.path``). Writes one JSON report (``--out``, also p
                      CUDA graphs, replayed alone, with the step's moves, with moves + score kernels:
                      the overhead ratios
 
+The random inputs are drawn with seeded ``torch.Generator``s on the device the check runs on: every cache's
+contents (``fill_random`` below, installed into ``vtoken.kernels.check`` by ``main`` so that its ``setup``
+draws there too), the decode sections' queries and block tables. The full check fills ~28e9 cache elements,
+which the host's generator took 110–240 s of the 270 s budget to draw. Left on the host: the repack plans
+(numpy, a few thousand draws) and ``check_scores``' query (a few hundred thousand). Kernels and references
+run on the same caches, so which values are drawn does not change what is checked.
+
 ``--dry-run`` runs every section on the CPU with tiny shapes, the Triton kernels in Triton's interpreter and
 no CUDA graphs (eager steps instead): it proves the imports, the code paths and the report format, not speed.
 Exit status 0 when every correctness check passed, 1 otherwise, 2 on a bad invocation.
@@ -43,11 +50,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from vtoken.kernels import check  # noqa: E402
 from vtoken.kernels.check import (  # noqa: E402
     Shape,
     check_moves,
     check_scores,
-    fill_random,
     large_offsets_check,
     run_scores,
     scheduler_plan,
@@ -75,6 +82,18 @@ DRY = dict(shape=Shape(2, 2, 4, 64, 16, 12, torch.float32), requests=3, layouts=
            bw_blocks=12, bw_moves=8, decode_requests=2, decode_blocks=2, step_moves=4, repeats=1, large=None)
 
 
+def fill_random(caches: list[torch.Tensor], seed: int) -> None:
+    """Random values in every layer view (mutates them), drawn by a generator seeded with ``seed`` on the
+    caches' own device: on CUDA no value crosses from the host."""
+    gen = torch.Generator(device=caches[0].device).manual_seed(seed)
+    for kv in caches:
+        kv.copy_(torch.randn(kv.shape, generator=gen, device=kv.device, dtype=kv.dtype))
+
+
+def device_generator(device: str, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def warmup(cfg: dict, device: str) -> dict:
     """The runner's start-up warm-ups, then a step's moves and two score steps: no new compiled variant
     (CUDA; the interpreter compiles nothing, so the dry run checks only that no cache byte changed)."""
@@ -99,9 +118,11 @@ def warmup(cfg: dict, device: str) -> dict:
     src, dst = plan.src[: mover.capacity], plan.dst[: mover.capacity]
     mover.move(caches, src, dst)  # host plan: direct
     mover.move(caches, src.to(device), dst.to(device))  # device plan: staged
+    qgen = device_generator(device, 6)
     for max_queries in (3, 8):  # two steps of different query counts
         specs = score_specs(plan, rng, max_queries)
-        query = torch.randn(specs[-1][1], shape.q_heads, shape.head_dim).to(shape.dtype).to(device)
+        query = torch.randn(specs[-1][1], shape.q_heads, shape.head_dim, generator=qgen, device=device,
+                            dtype=shape.dtype)
         run_scores(TritonScoreAccumulator(lay), caches, specs, query, shape.head_dim**-0.5)
     after = count()
     report["variants_after_warmup"] = variants
@@ -187,16 +208,14 @@ def decode_setup(cfg: dict, device: str, name: str):
         name, base.layers, blocks, base.block_size, base.kv_heads, base.head_dim, base.dtype, device
     )
     fill_random(caches, 3)
-    perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(3))
-    table = perm.view(cfg["decode_requests"], cfg["decode_blocks"]).to(torch.int32).to(device)
+    perm = torch.randperm(blocks, generator=device_generator(device, 3), device=device)
+    table = perm.view(cfg["decode_requests"], cfg["decode_blocks"]).to(torch.int32)
     lens = torch.full(
         (cfg["decode_requests"],), cfg["decode_blocks"] * base.block_size, dtype=torch.int32, device=device
     )
-    q = torch.randn(
-        cfg["decode_requests"], base.q_heads, base.head_dim, generator=torch.Generator().manual_seed(4)
-    )
-    return (caches, layout_for(name, caches[0]).to(device), q.to(base.dtype).to(device), table, lens,
-            base.head_dim**-0.5)
+    q = torch.randn(cfg["decode_requests"], base.q_heads, base.head_dim,
+                    generator=device_generator(device, 4), device=device, dtype=base.dtype)
+    return caches, layout_for(name, caches[0]).to(device), q, table, lens, base.head_dim**-0.5
 
 
 def decode_accumulator(lay, table, lens, device) -> TritonScoreAccumulator:
@@ -224,12 +243,12 @@ def graph_loop(cfg: dict, device: str) -> dict:
     caches, lay, q, table, lens, scale = decode_setup(cfg, device, "flash_attn")
     out = torch.empty_like(q)
     n = cfg["step_moves"]
-    slots = torch.randperm(int(lens.sum()), generator=torch.Generator().manual_seed(5))[: 2 * n]
-    rows = table.view(-1).long().cpu()
+    slots = torch.randperm(int(lens.sum()), generator=device_generator(device, 5), device=device)[: 2 * n]
+    rows = table.view(-1).long()
     phys = rows[slots // lay.block_size] * lay.block_size + slots % lay.block_size
     mover = TritonSlotMover(lay, capacity=n)
     mover.prepare(caches)
-    mover.set_plan(phys[:n].to(device), phys[n:].to(device))
+    mover.set_plan(phys[:n], phys[n:])
     acc = decode_accumulator(lay, table, lens, device)
     acc.add_layer(q, None, caches[0], scale)
 
@@ -278,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no CUDA device (run with --dry-run on a CPU machine)", file=sys.stderr)
         return 2
     device, cfg = ("cpu", DRY) if args.dry_run else ("cuda", FULL)
+    check.fill_random = fill_random  # the shared checks' setup() fills its caches on their device too
     start = time.perf_counter()
     report: dict = {
         "check": "vtoken gpu_check",
@@ -289,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         "triton": triton.__version__,
         "python": platform.python_version(),
         "shape": {k: str(v) for k, v in vars(cfg["shape"]).items()},
+        "random_inputs_drawn_on": device,
         "forbidden_modules_loaded": sorted(m for m in sys.modules if m.split(".")[0] in FORBIDDEN),
     }
     sections = {"warmup": warmup, "correctness": correctness, "large_offsets": large_offsets,
