@@ -319,13 +319,15 @@ def bench_keys() -> dict[str, tuple[frozenset, bool]]:
         soak,
         yardstick_plot,
     )
+    from vtoken.bench.longgen import report as longgen_report
 
     return {"serve": (serve_bench.REPORT_KEYS, True), "quality": (quality.REPORT_KEYS, True),
             "overhead": (overhead.REPORT_KEYS, True), "capacity": (capacity.REPORT_KEYS, True),
             "prefix": (prefix.REPORT_KEYS, True), "fleet-steps": (fleet_steps.REPORT_KEYS, True),
             "fleet": (fleet.REPORT_KEYS, False), "retained": (retained.REPORT_KEYS, False),
             "sim-scale": (sim_scale.REPORT_KEYS, False), "kernels": (kernels.REPORT_KEYS, False),
-            "soak": (soak.REPORT_KEYS, True), "yardstick": (yardstick_plot.REPORT_KEYS, False)}
+            "soak": (soak.REPORT_KEYS, True), "yardstick": (yardstick_plot.REPORT_KEYS, False),
+            "longgen": (longgen_report.REPORT_KEYS, True)}
 
 
 def bench_of(words: list[str], report: dict) -> str:

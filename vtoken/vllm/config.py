@@ -5,7 +5,7 @@ Engine level (``--additional-config '{"vtoken": {...}}'`` or ``LLM(additional_co
 
     key        type / values                                   default
     policy     h2o | knorm | random | scissorhands | snapkv | streamingllm | tova   h2o
-    budget     fraction in (0, 1] (e.g. 0.2) or token count (e.g. 512)   0.1
+    budget     fraction in (0, 1] (e.g. 0.2) or token count (e.g. 512); 1.0 evicts nothing   1.0
     mode       none | naive | repack | reuse+repack            repack
     sinks      int >= 0  (first tokens never evicted)          4
     recent     int >= 0  (last tokens never evicted)           16

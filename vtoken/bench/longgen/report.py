@@ -10,6 +10,13 @@ import numpy as np
 from vtoken.bench.longgen import rule
 from vtoken.bench.longgen.run import LonggenSetup, full_cache_blocks
 
+# the top-level keys ``build_report`` returns; ``report.emit`` adds ``environment`` (tests/cpu/test_bench.py holds
+# the committed longgen-*.json to them)
+REPORT_KEYS = frozenset({"bench", "command", "model", "setup", "rule", "sources", "windows", "full_cache", "points",
+                         "seconds"})
+POINT_KEYS = frozenset({"label", "settings", "perplexity_ratio", "perplexity_ratio_ci95", "top1_agreement", "kl_mean",
+                        "verdict", "retained_blocks_mean", "evicted_tokens", "engine_vs_reference_max_abs_logprob_diff",
+                        "engine_agrees", "per_window"})
 ENGINE_AGREEMENT = 1e-3  # |engine log-prob − replay log-prob| above this (nats) marks the replay as not the engine's
 
 
@@ -65,3 +72,16 @@ def build_report(setup: LonggenSetup, wins, measured: dict, sources: dict[str, s
         "points": points,
         "seconds": round(seconds, 1),
     }
+
+
+def markdown_table(report: dict) -> str:
+    """The report as the Markdown table docs/quality.md shows (a test checks the docs hold it verbatim)."""
+    full = report["full_cache"]
+    lines = ["| setting | perplexity ratio [95 % CI] | top-1 vs full | KL (nats/token) | blocks held | at parity |",
+             "|---|---|---|---|---|---|",
+             f"| full cache (perplexity {full['perplexity']}) | 1 | 1 | 0 | {full['blocks_mean']} | — |"]
+    for p in report["points"]:
+        low, high = p["perplexity_ratio_ci95"]
+        lines.append(f"| `{p['label']}` | {p['perplexity_ratio']} [{low}, {high}] | {p['top1_agreement']} | "
+                     f"{p['kl_mean']} | {p['retained_blocks_mean']} | {'yes' if p['verdict']['at_parity'] else 'no'} |")
+    return "\n".join(lines)

@@ -36,9 +36,9 @@ def perplexity_ratio(nll_point: Sequence[float], nll_full: Sequence[float], *,
                      resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> dict:
     """Per-window mean NLLs (nats/token, same windows in the same order) → ``{"ratio", "ci95"}``: the
     perplexity ratio point ÷ full and its paired bootstrap percentile 95 % interval over windows."""
-    d = np.asarray(nll_point, dtype=np.float64) - np.asarray(nll_full, dtype=np.float64)
-    if d.ndim != 1 or len(nll_point) != len(nll_full):
+    if len(nll_point) != len(nll_full):
         raise ValueError(f"paired per-window NLLs needed, got {len(nll_point)} and {len(nll_full)}")
+    d = np.asarray(nll_point, dtype=np.float64) - np.asarray(nll_full, dtype=np.float64)
     means = d[_resamples(d.size, resamples, seed)].mean(axis=1)
     low, high = np.percentile(means, [2.5, 97.5])
     return {"ratio": round(math.exp(d.mean()), 4), "ci95": [round(math.exp(low), 4), round(math.exp(high), 4)]}
@@ -48,9 +48,9 @@ def paired_difference(point: Sequence[bool], full: Sequence[bool], *,
                       resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> dict:
     """Per-instance correctness (same instances, same order) → ``{"difference", "lower95"}``: the accuracy
     difference point − full and its one-sided 95 % lower bound (paired bootstrap, 5th percentile)."""
-    d = np.asarray(point, dtype=np.float64) - np.asarray(full, dtype=np.float64)
-    if d.ndim != 1 or len(point) != len(full):
+    if len(point) != len(full):
         raise ValueError(f"paired per-instance results needed, got {len(point)} and {len(full)}")
+    d = np.asarray(point, dtype=np.float64) - np.asarray(full, dtype=np.float64)
     means = d[_resamples(d.size, resamples, seed)].mean(axis=1)
     return {"difference": round(float(d.mean()), 4), "lower95": round(float(np.percentile(means, 5)), 4)}
 
