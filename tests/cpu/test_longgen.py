@@ -196,3 +196,17 @@ def test_docs_quality_shows_each_committed_table_verbatim(path):
 
     docs = (Path(__file__).resolve().parents[2] / "docs" / "quality.md").read_text()
     assert markdown_table(json.loads(path.read_text())) in docs
+
+
+def test_the_figure_refuses_reports_of_another_shape_and_draws_one_marker_per_setting(tmp_path):
+    from vtoken.bench.longgen.plot import merged_points, plot_longgen
+
+    path = committed_reports()[0]
+    report = json.loads(path.read_text())
+    points = merged_points([report])
+    assert len(points) == len(report["points"]) and all(0 < p["blocks_ratio"] <= 1.0 + 1e-9 for p in points)
+    other = {**report, "setup": {**report["setup"], "continuation_tokens": 1024}}
+    with pytest.raises(ValueError, match="not on the first report's model and shape"):
+        merged_points([report, other])
+    plot_longgen([report], tmp_path / "f.png")
+    assert (tmp_path / "f.png").stat().st_size > 10_000

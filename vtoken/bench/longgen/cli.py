@@ -83,3 +83,17 @@ def longgen_cmd(
     report = build_report(setup, wins, measured, digests(docs), "vtoken " + shlex.join(sys.argv[1:]),
                           time.perf_counter() - start)
     emit(report, out)
+
+
+def longgen_figure_cmd(
+    reports: list[str] = typer.Argument(..., help="longgen JSON reports of one model and shape"),
+    out: str = typer.Option(..., help="the PNG to write"),
+) -> None:
+    """The yardstick's figure: perplexity ratio (95 % CI) against blocks held, one marker per setting."""
+    from vtoken.bench.longgen.plot import plot_longgen
+
+    try:
+        loaded = [json.loads(open(r).read()) for r in reports]
+        plot_longgen(loaded, out)
+    except (OSError, ValueError, KeyError) as err:
+        refuse(err)
