@@ -62,8 +62,8 @@ def run_engine(setup: LonggenSetup, wins: list[Window], trace_dir: str) -> dict:
     for label, cfg in setup.points:
         for i, w in enumerate(wins):
             tid = f"{label}__{w.name}"
-            prompts.append({"prompt_token_ids": list(w.ids[:p])})
-            extra = {"vtoken": request_settings(cfg, tid, 1000 + i), TEACHER_KEY: list(w.ids[p:])}
+            prompts.append({"prompt_token_ids": list(w.prompt_ids[:p])})
+            extra = {"vtoken": request_settings(cfg, tid, 1000 + i), TEACHER_KEY: list(w.prompt_ids[p:])}
             params.append(SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1,
                                          extra_args=extra))
             keys.append((label, w, tid))
@@ -78,7 +78,7 @@ def run_engine(setup: LonggenSetup, wins: list[Window], trace_dir: str) -> dict:
     result = {}
     for (label, w, tid), out in zip(keys, outs):
         got = list(out.outputs[0].token_ids)
-        if got != list(w.ids[p:]):
+        if got != list(w.prompt_ids[p:]):
             raise RuntimeError(f"{tid}: the engine did not generate the teacher's tokens (first {got[:8]})")
         trace = RequestTrace.read_id(trace_dir, tid)
         if len(trace.epochs) != 1:
@@ -97,9 +97,9 @@ def replay(model, w: Window, prompt_tokens: int, traces: dict) -> dict:
 
     from vtoken.models.hf_reference import masked_logprobs
 
-    ids = list(w.ids[:-1])  # queries: every token but the last
+    ids = list(w.prompt_ids[:-1])  # queries: every token but the last
     t, p = len(ids), prompt_tokens
-    target = torch.as_tensor(w.ids[p:], dtype=torch.long)
+    target = torch.as_tensor(w.prompt_ids[p:], dtype=torch.long)
     causal = np.tri(t, dtype=bool)
 
     def rows(visible):

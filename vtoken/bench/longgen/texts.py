@@ -22,22 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import dataclass
 from pathlib import Path
+
+from vtoken.bench.quality_tasks import TextWindow as Window  # ``prompt_ids``: the whole window here
 
 LICENSES_DIR = Path("/usr/share/common-licenses")
 # GPL-2 / LGPL-* repeat most of GPL-3's or each other's text, GPL-1 / MPL-1.1 are older versions: left out
 LICENSES = ("GPL-3", "Apache-2.0", "MPL-2.0", "GFDL-1.3", "Artistic", "CC0-1.0")
-
-
-@dataclass(frozen=True)
-class Window:
-    """``ids``: tokens ``offset … offset + len(ids)`` of document ``source``."""
-
-    name: str
-    source: str
-    offset: int
-    ids: tuple[int, ...]
 
 
 def documents() -> dict[str, str]:
