@@ -170,3 +170,23 @@ def test_every_mode_is_paired_with_a_run_of_another_mode():
     pair_results([naive, repack, reuse, lone])
     assert (naive.paired_naive_match, repack.paired_naive_match, reuse.paired_naive_match) == (False, False, True)
     assert lone.paired_naive_match is None  # no run of another mode to compare with
+
+
+def test_a_request_that_can_never_evict_collects_no_statistics():
+    """The default budget (1.0) keeps every token: no q·K scores, key norms or window are collected for it,
+    so its steps cost what vLLM's own do; any smaller budget, or keep_mass, or scores='always' collects."""
+    from vtoken.core.config import VTokenConfig
+    from vtoken.vllm.config import RequestSettings
+    from vtoken.vllm.request_state import new_request_state
+
+    def wants(cfg, scores="auto"):
+        st = new_request_state(RequestSettings(cfg), 0, None, scores)
+        return st.want_attention, st.want_key_norm, st.want_window
+
+    assert not VTokenConfig().can_evict and wants(VTokenConfig()) == (False, False, False)
+    assert wants(VTokenConfig(policy="knorm")) == (False, False, False)
+    assert wants(VTokenConfig(budget=0.5)) == (True, False, False)
+    assert wants(VTokenConfig(budget=0.5, policy="knorm")) == (False, True, False)
+    assert wants(VTokenConfig(budget=1.0, keep_mass=0.99)) == (True, False, False)
+    assert wants(VTokenConfig(budget=4096)) == (True, False, False)  # a count may be below a long context
+    assert wants(VTokenConfig(), scores="always") == (True, True, True)

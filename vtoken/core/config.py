@@ -261,7 +261,8 @@ class VTokenConfig:
     value spread over several tokens is kept or evicted whole; not with ``keep_mass`` (pooled scores do not
     add up).
 
-    The default ``budget`` is 1.0: **nothing is evicted unless a request or the engine asks for it**. No
+    The default ``budget`` is 1.0: **nothing is evicted unless a request or the engine asks for it**, and a
+    request that cannot evict (``can_evict``) collects no statistics, so its steps are vLLM's own. No
     evicting setting measured is at quality parity under docs/quality.md's rule (perplexity ratio 95 %
     upper bound ≤ 1.02 on human-written long generations, ``vtoken bench longgen``), and vToken never
     trades a user's quality silently. ``scope`` generated (decode-only: the prompt kept whole) is what a
@@ -345,6 +346,13 @@ class VTokenConfig:
         ``question_aware`` (it becomes the prompt's ``accumulated``)."""
         needs = self.policy_class.needs
         return needs | {Stat.WINDOW} if self.question_aware else needs
+
+    @property
+    def can_evict(self) -> bool:
+        """Whether a request with this setting may ever lose a token: an evicting mode, and a budget below the
+        whole context or an adaptive ``keep_mass`` (a fraction of 1.0 without it keeps every token, so no
+        statistic is worth collecting for it). Pure."""
+        return self.mode.evicts and (self.keep_mass is not None or self.budget.fraction != 1.0)
 
     def kept_prompt(self, prompt_len: int) -> tuple[int, int]:
         """Logical range ``[lo, hi)`` of the prompt never evicted for a request whose prompt has

@@ -120,7 +120,7 @@ class RequestState:
 def new_request_state(rs: RequestSettings, salt: int, observer: RequestObserver, scores: str) -> RequestState:
     """A request's state for its settings ``rs`` and the engine's ``scores`` setting (auto/always/never)."""
     policy = rs.cfg.make_policy()
-    evicts = rs.cfg.mode.evicts
+    evicts = rs.cfg.can_evict  # budget 1.0 (the default): nothing to score, the step runs as vLLM's own
     auto = evicts and scores == "auto"
     return RequestState(
         settings=rs, policy=policy, salt=salt, observer=observer,
