@@ -95,7 +95,7 @@ def test_the_installed_texts_hold_a_hundred_windows_at_both_lengths(default_mode
 # ---------------------------------------------------------------- points
 def test_points_are_settings_over_the_engine_defaults():
     assert parse_point("default") == ("default", VTokenConfig())
-    label, cfg = parse_point("scope=all,budget=0.9,policy=snapkv,score_layers=null")
+    _, cfg = parse_point("scope=all,budget=0.9,policy=snapkv,score_layers=null")
     assert cfg == VTokenConfig(scope=Scope.ALL, budget=0.9, policy="snapkv", score_layers=None)
     with pytest.raises(ConfigError, match="'budget' is not key=value"):
         parse_point("budget")

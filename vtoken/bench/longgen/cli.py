@@ -6,6 +6,7 @@ import json
 import shlex
 import sys
 import time
+from pathlib import Path
 
 import typer
 
@@ -93,7 +94,7 @@ def longgen_figure_cmd(
     from vtoken.bench.longgen.plot import plot_longgen
 
     try:
-        loaded = [json.loads(open(r).read()) for r in reports]
+        loaded = [json.loads(Path(r).read_text()) for r in reports]
         plot_longgen(loaded, out)
     except (OSError, ValueError, KeyError) as err:
         refuse(err)
