@@ -101,6 +101,8 @@ def test_points_are_settings_over_the_engine_defaults():
         parse_point("budget")
     with pytest.raises(ConfigError, match="'budgit'"):
         parse_point("budgit=0.5")
+    with pytest.raises(ConfigError, match="block_size is the engine's"):
+        parse_point("block_size=64")
 
 
 def test_the_teacher_processor_refuses_a_malformed_teacher():

@@ -34,6 +34,8 @@ def parse_point(text: str):
             raw[key.strip()] = json.loads(value)
         except json.JSONDecodeError:
             raw[key.strip()] = value.strip()
+    if "block_size" in raw:
+        raise ConfigError(f"point {text!r}: block_size is the engine's (one per run), not a point's")
     return text, VTokenConfig.from_dict(raw, where="point")
 
 
