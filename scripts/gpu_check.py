@@ -23,8 +23,8 @@ repository root goes on ``sys.path``). Writes one JSON report (``--out``, also p
                      the overhead ratios
 
 The random inputs are drawn with seeded ``torch.Generator``s on the device the check runs on: every cache's
-contents (``fill_random`` below, installed into ``vtoken.kernels.check`` by ``main`` so that its ``setup``
-draws there too), the decode sections' queries and block tables. The full check fills ~28e9 cache elements,
+contents (``vtoken.kernels.check.fill_random`` draws on the caches' device), the decode sections' queries and
+block tables. The full check fills ~28e9 cache elements,
 which the host's generator took 110–240 s of the 270 s budget to draw. Left on the host: the repack plans
 (numpy, a few thousand draws) and ``check_scores``' query (a few hundred thousand). Kernels and references
 run on the same caches, so which values are drawn does not change what is checked.
@@ -50,11 +50,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from vtoken.kernels import check  # noqa: E402
 from vtoken.kernels.check import (  # noqa: E402
     Shape,
     check_moves,
     check_scores,
+    fill_random,
     large_offsets_check,
     run_scores,
     scheduler_plan,
@@ -80,14 +80,6 @@ FULL = dict(shape=Shape(32, 8, 32, 128, 16, 1024, torch.bfloat16), requests=32,
             large=Shape(2, 8, 32, 64, 16, 196608, torch.bfloat16))
 DRY = dict(shape=Shape(2, 2, 4, 64, 16, 12, torch.float32), requests=3, layouts=("cpu", "LHBNC", "BLHNC"),
            bw_blocks=12, bw_moves=8, decode_requests=2, decode_blocks=2, step_moves=4, repeats=1, large=None)
-
-
-def fill_random(caches: list[torch.Tensor], seed: int) -> None:
-    """Random values in every layer view (mutates them), drawn by a generator seeded with ``seed`` on the
-    caches' own device: on CUDA no value crosses from the host."""
-    gen = torch.Generator(device=caches[0].device).manual_seed(seed)
-    for kv in caches:
-        kv.copy_(torch.randn(kv.shape, generator=gen, device=kv.device, dtype=kv.dtype))
 
 
 def device_generator(device: str, seed: int) -> torch.Generator:
@@ -297,7 +289,6 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no CUDA device (run with --dry-run on a CPU machine)", file=sys.stderr)
         return 2
     device, cfg = ("cpu", DRY) if args.dry_run else ("cuda", FULL)
-    check.fill_random = fill_random  # the shared checks' setup() fills its caches on their device too
     start = time.perf_counter()
     report: dict = {
         "check": "vtoken gpu_check",

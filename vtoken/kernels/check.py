@@ -104,10 +104,12 @@ def scheduler_plan(rng: np.random.Generator, requests: int, blocks: int, block_s
 
 
 def fill_random(caches: list[torch.Tensor], seed: int) -> None:
-    """Random values in every layer view (mutates them; drawn on the CPU so every device agrees)."""
-    gen = torch.Generator().manual_seed(seed)
+    """Random values in every layer view (mutates them), drawn in fp32 by a generator seeded with ``seed`` on
+    the caches' own device: on the CPU the values are the same as ever, on CUDA no value crosses from the host
+    (``scripts/gpu_check.py`` fills ~28e9 elements; the host's generator took most of its time budget)."""
+    gen = torch.Generator(device=caches[0].device).manual_seed(seed)
     for kv in caches:
-        kv.copy_(torch.randn(kv.shape, generator=gen).to(kv.dtype))
+        kv.copy_(torch.randn(kv.shape, generator=gen, device=kv.device).to(kv.dtype))
 
 
 def copy_caches(name: str, caches: list[torch.Tensor], shape: Shape) -> list[torch.Tensor]:
