@@ -19,8 +19,6 @@ import numpy as np
 from vtoken.bench.longgen.texts import Window
 from vtoken.core.config import VTokenConfig
 
-PER_REQUEST_EXCLUDED = ("block_size",)  # an engine setting; every other VTokenConfig field is per request
-
 
 @dataclass(frozen=True)
 class LonggenSetup:
@@ -43,8 +41,11 @@ class LonggenSetup:
 
 
 def request_settings(cfg: VTokenConfig, trace_id: str, salt: int) -> dict:
-    """The per-request ``extra_args["vtoken"]`` that runs ``cfg`` exactly, whatever the engine's defaults."""
-    vt = {k: v for k, v in cfg.to_dict().items() if k not in PER_REQUEST_EXCLUDED}
+    """The per-request ``extra_args["vtoken"]`` that runs ``cfg`` exactly, whatever the engine's defaults:
+    every field a request may override (``RequestSettings.keys``: all but the engine's ``block_size``)."""
+    from vtoken.vllm.config import RequestSettings
+
+    vt = {k: v for k, v in cfg.to_dict().items() if k in RequestSettings.keys()}
     return {**vt, "trace_id": trace_id, "salt": salt}
 
 
