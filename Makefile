@@ -10,7 +10,7 @@ export VLLM_NO_USAGE_STATS := 1
 export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-gpu serve clean
+.PHONY: install test test-gpu serve docs clean
 
 install: $(STAMP)
 
@@ -40,6 +40,10 @@ test-gpu:
 
 serve: $(STAMP)
 	$(BIN)/vtoken serve
+
+# the settings tables in docs/ are generated from the config dataclasses' fields (vtoken/core/settings_doc.py)
+docs: $(STAMP)
+	$(BIN)/vtoken settings --write
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

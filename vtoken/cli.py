@@ -41,6 +41,40 @@ def policies() -> None:
         typer.echo(f"{name:14s} {lines:5d}  {'vtoken/policies/' + path.rsplit('/', 1)[-1]:28s} {doc}")
 
 
+@app.command("settings")
+def settings(
+    table: str = typer.Option("engine", help="engine (additional_config[\"vtoken\"]) | serve (the vtoken.* keys)"),
+    write: bool = typer.Option(False, "--write", help="regenerate the tables in the docs that include them"),
+    check: bool = typer.Option(False, "--check", help="exit 1 when a doc's table is not the generated one"),
+) -> None:
+    """Print the settings table (key, default, meaning), generated from the config dataclasses' fields."""
+    from pathlib import Path
+
+    from vtoken.core.settings_doc import sync
+    from vtoken.vllm.config import SETTINGS_DOCS, settings_tables
+
+    tables = settings_tables()
+    if not (write or check):
+        if table not in tables:
+            raise typer.BadParameter(f"{table!r}: one of {', '.join(tables)}", param_hint="--table")
+        typer.echo(tables[table], nl=False)
+        return
+    root = Path(__file__).resolve().parents[1]
+    stale = []
+    for name in SETTINGS_DOCS:
+        path = root / name
+        text = path.read_text()
+        if sync(text, tables) != text:
+            stale.append(name)
+            if write:
+                path.write_text(sync(text, tables))
+    for name in stale:
+        typer.echo(f"{name}: {'regenerated' if write else 'settings table differs from `vtoken settings`'}",
+                   err=True)
+    if check and stale and not write:
+        raise typer.Exit(1)
+
+
 app.command("simulate")(simulate)
 app.command("verify")(verify)  # vtoken/vllm/verify_cli.py (vLLM/transformers imported only when it runs)
 app.add_typer(bench_app, name="bench")

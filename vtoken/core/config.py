@@ -233,59 +233,75 @@ class VTokenConfig:
 
     This is the one declaration of the settings: vLLM's ``additional_config["vtoken"]`` keys and
     per-request overrides (``vtoken.vllm.config``), the serving config's ``vtoken:`` section (pydantic
-    validates this dataclass directly) and the simulator's settings are its fields.
+    validates this dataclass directly) and the simulator's settings are its fields. Each field's default is
+    declared here and its documentation is the string right under it; ``vtoken settings`` renders both as
+    the settings table of docs/vllm-integration.md and docs/serving.md (``vtoken.core.settings_doc``).
 
-    ``policy``: a registered policy name. ``budget``: ``Budget.parse`` input (fraction or token count).
-    ``mode``: reclamation mode. ``block_size``: tokens per KV block (a power of two).
-    ``sinks``: the first ``sinks`` logical tokens are never evicted (attention sinks).
-    ``recent``: the last ``recent`` logical tokens are never evicted (recent window).
-    ``prompt_tail``: the prompt's last ``prompt_tail`` tokens are never evicted (where a task puts its
-    question or instruction; counted in the budget like any live token).
-    ``scope``: which tokens may be evicted (``Scope``: every token, or only generated ones).
-    ``prompt_scores``: which prompt queries score the prompt in H2O's statistic (``PromptScores``).
-    ``trigger``: when eviction runs. ``granularity``: evict single tokens or whole original blocks.
-    ``seed``: seed of the ``random`` policy.
-    ``score_layers``: how many attention layers contribute to the attention statistics (H2O, TOVA,
-    Scissorhands, SnapKV): ``None`` = every layer; ``n`` = ``n`` layers spread evenly over the depth, counted
-    back from the last (``score_layer_indices``); ``n`` ≥ depth is every layer. Unscored layers cost nothing;
-    the statistics are the mean over the scored layers. Key norms (KNorm) always use every layer. Default
-    ``DEFAULT_SCORE_LAYERS`` (1, the last layer): measured on SmolLM2 at 1.05–1.06× a repack decode step
-    (every layer: 1.59–1.78×) with perplexity −4.2…+1.6 % of every layer's and no pass key lost
-    (docs/quality.md "Scoring a subset of layers").
-    ``keep_mass``: the adaptive budget (``None``: off): each step also evicts the lowest-scored evictable
-    tokens while the kept evictable ones hold ≥ ``keep_mass`` of their attention mass
-    (``ScorerPolicy.mass_evictions``; attention-mass policies, token granularity); ``budget`` stays an
-    upper bound on what is kept (``1.0``: only the mass decides), so each request keeps what it needs.
-    ``score_pool``: span pooling (0: off): a token ranks by the highest score among the live tokens within
-    this logical distance (``ScorerPolicy.pool``, SnapKV's pooling for every attention-mass policy), so a
-    value spread over several tokens is kept or evicted whole; not with ``keep_mass`` (pooled scores do not
-    add up).
-
-    The default ``budget`` is 1.0: **nothing is evicted unless a request or the engine asks for it**, and a
-    request that cannot evict (``can_evict``) collects no statistics, so its steps are vLLM's own. Under
-    docs/quality.md's rule (perplexity ratio 95 % upper bound ≤ 1.02 on human-written long generations,
-    ``vtoken bench longgen``) only a setting that saves ≈ 3 % of the blocks (decode-only 95 %) is at
-    parity, and vToken never trades a user's quality silently. ``scope`` generated (decode-only: the prompt kept whole) is what a
-    smaller budget then applies to; benchmarks of the mechanism name their scope and budget themselves.
+    Nothing is evicted unless a request or the engine asks for it (``budget`` 1.0), and a request that
+    cannot evict (``can_evict``) collects no statistics, so its steps are vLLM's own.
     """
 
     __pydantic_config__ = {"extra": "forbid"}  # read by pydantic only (the serving config's edge)
 
     policy: str = "h2o"
+    """Eviction policy: a registered policy name (`vtoken policies` lists them)."""
     budget: Budget = Budget(fraction=1.0)
+    """Tokens a request may keep: a fraction of the context in (0, 1] (`0.2`) or a token count (`512`); with
+    `scope: generated`, of the generated tokens. The default, `1.0`, evicts nothing: under the rule of
+    docs/quality.md ("The parity rule") only a setting that saves ≈ 3 % of the blocks (decode-only 95 %) is at
+    parity, so eviction is opt-in and vToken never trades a user's quality silently."""
     mode: Mode = Mode.REPACK
+    """Reclamation mode (`Mode`, docs/architecture.md §3): `none` (no eviction: vanilla vLLM), `naive` (the
+    paired baseline: a block returns to the pool only when every token placed in it is dead), `repack`
+    (holes are filled from the tail: a request holds ⌈live/B⌉ blocks) or `reuse+repack` (new tokens are
+    written into holes first)."""
     block_size: int = 32
+    """Tokens per KV block: a power of two (a multiple of 32 on vLLM's CPU backend). In vLLM's
+    `additional_config` it must equal vLLM's `--block-size` if given."""
     sinks: int = 4
+    """The first `sinks` logical tokens are never evicted (attention sinks)."""
     recent: int = 16
+    """The last `recent` logical tokens are never evicted (recent window)."""
     prompt_tail: int = 0
+    """The prompt's last `prompt_tail` tokens are never evicted (where a task puts its question or
+    instruction); they count in the budget like any live token."""
     scope: Scope = Scope.GENERATED
+    """Which tokens eviction may remove (`Scope`): `all` (prompt and generated tokens are candidates; the
+    budget counts every token seen) or `generated` (decode-only eviction: the prompt is kept whole, so its
+    blocks stay prefix-cacheable and the question is never lost, and the budget counts generated tokens
+    only: a request keeps its prompt plus `budget` of its output)."""
     prompt_scores: PromptScores = PromptScores.ALL
+    """Which prompt queries score the prompt in H2O's accumulated attention (`PromptScores`): `all` (every
+    query, H2O's definition) or `window` (question-aware: once the prompt's last token is computed, a prompt
+    token's score is the attention of the prompt's last 32 queries, SnapKV's observation window, where tasks
+    put the question; generated tokens' queries add as usual). TOVA (last query), Scissorhands (last 64) and
+    SnapKV (the window) read only late queries already."""
     trigger: Trigger = Trigger.STEP
+    """When eviction runs (`Trigger`): `step` (every step over budget) or `block` (only when at least one
+    block over budget, then down to the budget: every plan frees whole blocks, moves are batched)."""
     granularity: Granularity = Granularity.TOKEN
+    """What one eviction removes (`Granularity`): `token` (single tokens, the policy's lowest scores) or
+    `block` (whole original blocks whose tokens are all live and evictable, lowest mean score first,
+    ⌈over/B⌉ of them: the block-level baseline; docs/core.md)."""
     seed: int = 0
+    """Seed of the `random` policy."""
     score_layers: int | None = DEFAULT_SCORE_LAYERS
+    """Attention layers whose q·K feeds the attention statistics (H2O, TOVA, Scissorhands, SnapKV): `null` =
+    every layer, `n` = `n` layers spread evenly back from the last (`score_layer_indices`: depth − 1 −
+    ⌊j·depth/n⌋); `n` ≥ depth = every layer. Unscored layers cost nothing; the statistics are the mean over
+    the scored layers; key norms (KNorm) always use every layer. The default, 1 (the last layer), costs
+    1.01–1.06× a repack decode step instead of 1.59–1.78× for every layer at the same measured quality
+    (docs/quality.md, "Scoring a subset of layers")."""
     keep_mass: float | None = None
+    """The adaptive budget τ (`null`: off): each step also evicts the lowest-scored evictable tokens while the
+    kept evictable ones hold ≥ τ of their attention mass (`ScorerPolicy.mass_evictions`; policies whose
+    scores are attention mass, token granularity), so a request whose attention is concentrated keeps few
+    tokens and a diffuse one many; `budget` stays an upper bound (`1.0`: the mass alone decides)."""
     score_pool: int = 0
+    """Span pooling (`0`: off): selection ranks a token by the highest score among the live tokens within
+    this logical distance (`ScorerPolicy.pool`, SnapKV's max pooling for every attention-mass policy), so a
+    value spread over several tokens (a number's digits) is kept or evicted whole; not with `keep_mass`
+    (pooled scores do not add up)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", Budget.parse(self.budget))

@@ -1,39 +1,16 @@
 """vToken settings as vLLM carries them: ``additional_config["vtoken"]`` (engine) and
 ``SamplingParams.extra_args["vtoken"]`` (per-request overrides).
 
-Engine level (``--additional-config '{"vtoken": {...}}'`` or ``LLM(additional_config=...)``)::
-
-    key        type / values                                   default
-    policy     h2o | knorm | random | scissorhands | snapkv | streamingllm | tova   h2o
-    budget     fraction in (0, 1] (e.g. 0.2) or token count (e.g. 512); 1.0 evicts nothing   1.0
-    mode       none | naive | repack | reuse+repack            repack
-    sinks      int >= 0  (first tokens never evicted)          4
-    recent     int >= 0  (last tokens never evicted)           16
-    prompt_tail  int >= 0  (the prompt's last tokens never evicted)  0
-    scope      all | generated  (generated: decode-only eviction, the prompt kept whole; the budget counts
-               generated tokens)                               generated
-    prompt_scores  all | window  (window: question-aware, H2O ranks the prompt by its last 32 queries)   all
-    trigger    step | block                                    step
-    granularity  token | block  (evict tokens / whole blocks)  token
-    seed       int >= 0  (random policy)                       0
-    score_layers  int >= 1: attention layers that score, evenly spread, last included; null: every layer   1
-    keep_mass  fraction in (0, 1): adaptive budget, also evict while the kept hold this attention share   unset
-    score_pool int >= 0: span pooling, rank a token by the max score within this logical distance   0
-    block_size must equal vLLM's --block-size if given         vLLM's block size
-    scores     auto | always | never  (collect q·K scores)     auto (only for attention policies)
-    trace_dir  directory: write one JSON trace per finished request (used by `vtoken verify`)  unset
-    check      bool: run the token-table integrity checks every step (slow; tests)            false
-    admission_tpot_ms  number > 0: SLO-aware admission, hold the running batch to what meets this TPOT
-               target given measured step times (vtoken/core/admission.py; any mode)               unset (off)
-    invariants off | log | fatal: check the KV pool and token tables when the engine goes idle and every
-               invariant_period steps (vtoken/vllm/invariants.py); log and count a violation, or raise   log
-    invariant_period  int >= 0: steps between checks under load (0: only when idle)   1024
+Engine level (``--additional-config '{"vtoken": {...}}'`` or ``LLM(additional_config=...)``): every
+``VTokenConfig`` field plus ``EngineSettings``' own keys. Their defaults and meanings are declared once, on the
+dataclass fields (a docstring under each); ``vtoken settings`` prints the table (``settings_tables``), which
+docs/vllm-integration.md ("Settings") and docs/serving.md include.
 
 Per request (``SamplingParams(extra_args={"vtoken": {...}})``; in the OpenAI API, whose ``vllm_xargs`` holds
 flat values only, ``"vllm_xargs": {"vtoken.policy": "tova", "vtoken.budget": 0.3}``):
-``policy``, ``budget``, ``mode``, ``sinks``, ``recent``, ``prompt_tail``, ``scope``, ``prompt_scores``, ``trigger``,
-``granularity``, ``seed``, ``score_layers``, ``keep_mass``, ``score_pool`` override the engine's values for that request, ``trace_id`` names its trace file and ``salt`` (int) seeds its randomness (requests
-with equal salts and settings take identical decisions: that is how paired naive/repack runs are made). Unknown keys and invalid values raise
+every ``VTokenConfig`` field but ``block_size`` overrides the engine's value for that request, ``trace_id`` names its
+trace file and ``salt`` (int) seeds its randomness (requests with equal salts and settings take identical
+decisions: that is how paired naive/repack runs are made; ``RequestSettings.keys()``). Unknown keys and invalid values raise
 ``ConfigError`` naming the value and the valid ones: at engine start-up for the engine settings; for a
 request, the request finishes at once with finish reason ``error`` and the error is logged (the engine keeps
 serving).
@@ -92,11 +69,19 @@ class EngineSettings:
 
     cfg: VTokenConfig
     scores: str = "auto"
+    """When the worker collects q·K scores: `auto` (only for policies that read attention), `always`, `never`."""
     trace_dir: str | None = None
+    """Directory: write one JSON trace per finished request (used by `vtoken verify`); `null`: none."""
     check: bool = False
+    """Run the token-table integrity checks every step (slow; tests)."""
     admission_tpot_ms: float | None = None
+    """SLO-aware admission (`null`: off): a TPOT target in ms; the running batch is held to what meets it given
+    the measured step times (`vtoken/core/admission.py`; any mode, also `none`)."""
     invariants: str = "log"
+    """What a KV invariant check does when the engine goes idle and every `invariant_period` steps
+    (`vtoken/vllm/invariants.py`): `off`, `log` (log and count a violation) or `fatal` (raise)."""
     invariant_period: int = 1024
+    """Steps between invariant checks under load (`0`: only when idle)."""
 
     def __post_init__(self) -> None:
         if self.invariants not in INVARIANT_MODES:
@@ -213,3 +198,19 @@ def request_settings(engine: EngineSettings, extra_args: Mapping[str, Any] | Non
     if engine.scores == "never" and cfg.mode.evicts and cfg.policy_class.needs_attention():
         raise ConfigError(f"policy {cfg.policy!r} needs attention scores; this engine runs with scores='never'")
     return RequestSettings(cfg, **own)
+
+
+# Where the settings tables are included (between ``<!-- settings:begin NAME -->`` and ``<!-- settings:end -->``),
+# relative to the repository root; ``vtoken settings --write`` (``make docs``) regenerates them.
+SETTINGS_DOCS = ("docs/vllm-integration.md", "docs/serving.md")
+
+
+def settings_tables() -> dict[str, str]:
+    """The generated settings tables by name: ``engine`` (``additional_config["vtoken"]``: ``VTokenConfig``'s
+    fields, ``block_size`` being vLLM's, then ``EngineSettings``' own) and ``serve`` (the serving config's
+    ``vtoken.*`` keys). Rendered from the fields' defaults and docstrings (``vtoken.core.settings_doc``)."""
+    from vtoken.core.settings_doc import settings_rows, settings_table
+
+    engine = settings_rows(VTokenConfig, shown={"block_size": "vLLM's `--block-size`"})
+    engine += settings_rows(EngineSettings, skip=("cfg",))
+    return {"engine": settings_table(engine), "serve": settings_table(settings_rows(VTokenConfig, prefix="vtoken."))}
