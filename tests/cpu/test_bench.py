@@ -97,7 +97,7 @@ def test_sla_attainment_counts_requests_meeting_both_slos():
         (["--repeats", "0"], "--repeats 0"),
         (["--ttft-slo", "-1"], "--ttft-slo -1"),
         (["--policy", "nope"], "nope"),
-        (["--budget", "0"], "budget fraction must be in (0, 1], got 0.0"),
+        (["--budget", "0"], "invalid budget '0'"),  # a token count (Budget.parse), as every command reads it
         (["--block-size", "33"], "power of two, got 33"),
         (["--block-size", "16"], "multiple of 32 on vLLM's CPU backend, got 16"),
         (["--model", "/no/such/model"], "/no/such/model"),

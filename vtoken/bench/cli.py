@@ -14,6 +14,17 @@ from vtoken.bench.report import refuse
 from vtoken.core.config import DEFAULT_SCORE_LAYERS
 from vtoken.models.default import MODEL_HELP
 
+BUDGET_HELP = "fraction of the context in (0, 1] or a token count (Budget.parse)"
+
+
+def _budget(text: str) -> int | float:
+    """``--budget``, parsed one way for every command (``Budget.parse``): a token count (``512``) or a fraction
+    (``0.2``), as the number a ``VTokenConfig`` and a report take; ``ConfigError`` names a bad one."""
+    from vtoken.core.config import Budget
+
+    return Budget.parse(text).to_json()
+
+
 bench_app = typer.Typer(help="Benchmarks (JSON out, with the command that produced it).", no_args_is_help=True)
 bench_app.command("longgen")(longgen_cmd)
 bench_app.command("longgen-figure")(longgen_figure_cmd)
@@ -64,7 +75,7 @@ def overhead_cmd(
     batch: int = typer.Option(8, help="concurrent requests"),
     prompt_len: int = typer.Option(256, "--prompt-len"),
     gen_len: int = typer.Option(64, "--gen-len"),
-    budget: float = typer.Option(0.5, help="budget fraction for the evicting variants"),
+    budget: str = typer.Option("0.5", help=BUDGET_HELP + " for the evicting variants"),
     repeats: int = typer.Option(3, help="runs per variant (median reported)"),
     out: str = typer.Option(None, help="also write the JSON here"),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
@@ -87,6 +98,7 @@ def overhead_cmd(
 
     policies = tuple(dict.fromkeys(policy or ["random"]))
     try:
+        budget = _budget(budget)
         cfgs = [VTokenConfig(policy=p, budget=budget, mode="repack", block_size=block_size) for p in policies]
         engine_kwargs(cfgs[0])
         for n in score_layers or ():
@@ -107,7 +119,7 @@ def overhead_cmd(
 def capacity_cmd(
     model: str = typer.Option("tiny-llama", help=MODEL_HELP),
     policy: str = typer.Option("h2o"),
-    budget: float = typer.Option(0.2, help="budget (fraction of the context, or a token count)"),
+    budget: str = typer.Option("0.2", help=BUDGET_HELP),
     block_size: int = typer.Option(32, "--block-size"),
     kv_blocks: int = typer.Option(64, "--kv-blocks", help="exact KV pool size in blocks (the memory limit)"),
     prompt_len: int = typer.Option(256, "--prompt-len"),
@@ -143,6 +155,7 @@ def capacity_cmd(
         from vtoken.models.default import resolve_model
         from vtoken.vllm import engine_kwargs
 
+        budget = _budget(budget)
         engine_kwargs(VTokenConfig(policy=policy, budget=budget, mode="repack", block_size=block_size))
         path = str(resolve_model(model))
     except (ConfigError, ValueError, OSError) as err:
@@ -166,7 +179,7 @@ def prefix_cmd(
     block_size: int = typer.Option(32, "--block-size"),
     modes: str = typer.Option("none,repack,reuse+repack", help="comma-separated modes, set per request"),
     policy: str = typer.Option("h2o"),
-    budget: float = typer.Option(0.3, help="budget fraction"),
+    budget: str = typer.Option("0.3", help=BUDGET_HELP),
     requests: int = typer.Option(6, help="sequential requests sharing the system prompt"),
     system_len: int = typer.Option(256, "--system-len", help="shared system-prompt tokens"),
     user_len: int = typer.Option(64, "--user-len", help="each request's own prompt tokens"),
@@ -186,6 +199,7 @@ def prefix_cmd(
 
     chosen = [m.strip() for m in modes.split(",") if m.strip()]
     try:
+        budget = _budget(budget)
         for m in chosen:
             VTokenConfig(policy=policy, budget=budget, mode=m, block_size=block_size)
         engine_kwargs(VTokenConfig(policy=policy, budget=budget, mode="repack", block_size=block_size))
@@ -450,7 +464,7 @@ def fleet_cmd(
     pool_blocks: int = typer.Option(128, "--pool-blocks", help="KV pool of each replica (blocks)"),
     max_seqs: int = typer.Option(16, "--max-seqs", help="engine batch limit of each replica"),
     policy: str = typer.Option("h2o"),
-    budget: float = typer.Option(0.2),
+    budget: str = typer.Option("0.2", help=BUDGET_HELP),
     block_size: int = typer.Option(32, "--block-size"),
     steps: str = typer.Option("docs/results/fleet-steps.json", help="measured engine steps (JSON)"),
     measure_steps: bool = typer.Option(False, "--measure-steps", help="measure engine steps into --steps"),
@@ -473,8 +487,13 @@ def fleet_cmd(
     from vtoken.bench.fleet import run_fleet, summary
     from vtoken.bench.fleet_model import MODES, ROUTERS
     from vtoken.bench.report import emit
+    from vtoken.errors import ConfigError
     from vtoken.serve.telemetry.sla import SloTargets
 
+    try:
+        budget = _budget(budget)
+    except ConfigError as err:
+        refuse(err)
     try:
         load_list = [float(x) for x in loads.split(",") if x.strip()]
         sizes = [int(x) for x in decision_sizes.split(",") if x.strip()]

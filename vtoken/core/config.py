@@ -6,9 +6,11 @@ CLI flag or in vLLM's ``--additional-config`` fails at start-up, not mid-request
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 from typing import Any
 
@@ -17,7 +19,7 @@ from vtoken.policies import get_policy_class, make_policy
 from vtoken.policies.context import Stat
 
 __all__ = ["Budget", "Granularity", "Mode", "PromptScores", "Scope", "Trigger", "VTokenConfig", "check_block_size",
-           "reject_unknown", "score_layer_indices"]
+           "parse_sets", "reject_unknown", "score_layer_indices", "with_sets"]
 
 
 def _edge_schema(parse: Callable[[Any], Any], dump: Callable[[Any], Any], values: tuple[str, ...] = ()) -> Any:
@@ -411,6 +413,71 @@ class VTokenConfig:
     def keys(cls) -> tuple[str, ...]:
         """The setting names, in declaration order."""
         return tuple(f.name for f in fields(cls))
+
+
+SET_PREFIX = "vtoken."  # ``--set vtoken.KEY=VALUE``: the serving config's spelling of a VTokenConfig key
+SET_HELP = "vtoken.KEY=VALUE: any setting of `vtoken settings`, over the command's flags (repeatable)"
+
+
+def _typed(name: str, text: str) -> Any:
+    """``text`` as the type of ``VTokenConfig.name``: ``null``/``none`` for an optional field, an integer for an
+    ``int`` field, a number for a ``float`` one, else the text (budgets and choices parse their own text)."""
+    hint = _hints()[name]
+    args = set(typing.get_args(hint)) or {hint}
+    if type(None) in args and text.lower() in ("null", "none"):
+        return None
+    if int in args:
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"{name} must be an integer{' or null' if type(None) in args else ''}, "
+                              f"got {text!r}") from None
+    if float in args:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"{name} must be a number{' or null' if type(None) in args else ''}, "
+                              f"got {text!r}") from None
+    return text
+
+
+@functools.cache
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(VTokenConfig)
+
+
+def parse_sets(items: Iterable[str]) -> dict[str, Any]:
+    """``{key: value}`` from ``--set vtoken.KEY=VALUE`` items (repeatable; a later item wins), each value typed
+    as its field (``_typed``). ``ConfigError`` names a malformed item or an unknown key (listing the valid
+    ones); the values themselves are checked when a config is built (``with_sets``)."""
+    out: dict[str, Any] = {}
+    valid = ", ".join(SET_PREFIX + k for k in VTokenConfig.keys())
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key.startswith(SET_PREFIX):
+            raise ConfigError(f"--set {item!r}: expected vtoken.KEY=VALUE; valid keys: {valid}")
+        name = key.removeprefix(SET_PREFIX)
+        if name not in VTokenConfig.keys():
+            raise ConfigError(f"--set {item!r}: unknown key {key!r}; valid keys: {valid}")
+        try:
+            out[name] = _typed(name, value.strip())
+        except ConfigError as err:
+            raise ConfigError(f"--set {item!r}: {err}") from None
+    return out
+
+
+def with_sets(base: VTokenConfig, items: Iterable[str]) -> VTokenConfig:
+    """``base`` with the ``--set vtoken.KEY=VALUE`` overrides applied (``dataclasses.replace``, so every value is
+    validated as on construction); ``ConfigError`` names the bad item, key or value."""
+    over = parse_sets(items)
+    if not over:
+        return base
+    try:
+        return replace(base, **over)
+    except ConfigError as err:
+        shown = " ".join(f"{SET_PREFIX}{k}={v}" for k, v in over.items())
+        raise ConfigError(f"--set {shown}: {err}") from None
 
 
 def reject_unknown(given: Mapping[str, Any], valid: tuple[str, ...], where: str) -> None:

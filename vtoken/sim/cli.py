@@ -17,6 +17,7 @@ from pathlib import Path
 
 import typer
 
+from vtoken.core.config import SET_HELP, Budget, Granularity, parse_sets
 from vtoken.errors import ConfigError
 from vtoken.sim.result import MODES
 
@@ -49,6 +50,7 @@ def simulate(
                                       help="its sliding-window KV cache groups (Gemma 3 270M: 5, window 512)"),
     as_json: bool = typer.Option(False, "--json", help="print the JSON contract only"),
     plot: Path = typer.Option(None, help="write a PNG of mean retained blocks per decode step and mode"),
+    sets: list[str] = typer.Option([], "--set", help=SET_HELP + " (not mode: every mode runs)"),
 ) -> None:
     """Replay attention through policy + token table + every reclamation mode; report retained blocks."""
     from vtoken.sim.run import SimConfig, run_simulation
@@ -56,11 +58,15 @@ def simulate(
     if traces is not None and not traces.is_file():
         _fail(f"--traces {str(traces)!r}: no such file")
     try:
-        cfg = SimConfig.of(policy=policy, budget=budget, block_size=block_size, prompt_len=prompt_len,
-                           gen_len=gen_len, requests=requests, seed=seed, sinks=sinks, recent=recent,
-                           trigger=trigger, granularity=granularity, workers=workers, traces=traces,
-                           window=window, window_groups=window_groups, keep_mass=keep_mass,
-                           engine=engine or ("exact" if granularity == "block" else "fast"))
+        settings = {"policy": policy, "budget": Budget.parse(budget), "block_size": block_size, "seed": seed,
+                    "sinks": sinks, "recent": recent, "trigger": trigger, "granularity": granularity,
+                    "keep_mass": keep_mass, **parse_sets(sets)}
+        if "mode" in settings:
+            raise ConfigError("--set vtoken.mode: the simulator runs every reclamation mode")
+        block = Granularity.parse(settings["granularity"]) is Granularity.BLOCK
+        cfg = SimConfig.of(prompt_len=prompt_len, gen_len=gen_len, requests=requests, workers=workers,
+                           traces=traces, window=window, window_groups=window_groups,
+                           engine=engine or ("exact" if block else "fast"), **settings)
         out, tally = _run_with_progress(cfg, run_simulation, quiet=as_json)
     except ConfigError as err:
         _fail(str(err))

@@ -22,10 +22,14 @@ from typing import Annotated
 
 import typer
 
-from vtoken.core.config import Budget, Mode, VTokenConfig
+from vtoken.core.config import SET_HELP, Budget, Mode, VTokenConfig, parse_sets, with_sets
 from vtoken.errors import ConfigError
 from vtoken.models.default import MODEL_HELP
 from vtoken.vllm.verify import VerifyCase, run_cases
+
+
+# the settings a verification run carries to vLLM and the reference (``VerifyCase`` and ``run_cases``)
+VERIFY_KEYS = ("policy", "budget", "mode", "block_size", "sinks", "recent", "seed", "granularity", "score_layers")
 
 
 def verify(
@@ -50,6 +54,8 @@ def verify(
         int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="TP ranks (CPU: one core and process each)")
     ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    sets: Annotated[list[str] | None, typer.Option("--set", help=SET_HELP + "; verify carries "
+                                                   + ", ".join(VERIFY_KEYS))] = None,
 ) -> None:
     """Run vToken in vLLM, replay through HF with the same keys masked, and compare (exit 1 on mismatch)."""
     from vtoken.models.default import resolve_model
@@ -58,12 +64,16 @@ def verify(
 
     vllm_logs_to_stderr()
     try:
-        b = Budget.parse(budget)
-        m = Mode.parse(mode)
+        cfg = with_sets(VTokenConfig(policy=policy, budget=Budget.parse(budget), mode=Mode.parse(mode),
+                                     block_size=block_size, sinks=sinks, recent=recent, seed=seed,
+                                     granularity=granularity, score_layers=score_layers), sets or ())
+        carried = set(parse_sets(sets or ())) - set(VERIFY_KEYS)
+        if carried:
+            raise ConfigError(f"--set {', '.join(sorted(carried))}: verify carries only {', '.join(VERIFY_KEYS)}")
+        b, m, policy, block_size, sinks, recent, seed, score_layers = (
+            cfg.budget, cfg.mode, cfg.policy, cfg.block_size, cfg.sinks, cfg.recent, cfg.seed, cfg.score_layers)
         if not m.evicts:
             raise ConfigError("mode 'none' evicts nothing; verify one of: naive, repack, reuse+repack")
-        cfg = VTokenConfig(policy=policy, budget=b, mode=m, block_size=block_size, sinks=sinks, recent=recent,
-                           seed=seed, granularity=granularity, score_layers=score_layers)
         engine_kwargs(cfg)  # also checks the block size against the installed vLLM
         path = resolve_model(model)
     except (ConfigError, ValueError) as e:
