@@ -9,7 +9,7 @@ import pytest
 from vtoken.core.config import Mode, VTokenConfig
 from vtoken.core.integrity import check_integrity
 from vtoken.core.manager import CacheManager
-from vtoken.core.stats import StepScores
+from vtoken.core.stats import StepScores, mean_cosine
 from vtoken.policies import get_policy_class, make_policy, policy_names
 from vtoken.policies.context import Stat
 from vtoken.sim.source import SyntheticConfig, SyntheticSource
@@ -22,6 +22,14 @@ def source():
     return SyntheticSource(SyntheticConfig(), num_requests=2, num_tokens=P + M, seed=7)
 
 
+def keys_with_repeats(r: int) -> np.ndarray:
+    """Request ``r``'s keys ``[P + M, 2 heads, 8]``: a quarter of them distinct, the rest noisy copies (the
+    synthetic source has no keys; R-KV's redundancy is measured from these, as the worker would)."""
+    rng = np.random.default_rng(100 + r)
+    base = rng.normal(size=((P + M) // 4, 2, 8))
+    return base[rng.integers(0, base.shape[0], P + M)] + 0.1 * rng.normal(size=(P + M, 2, 8))
+
+
 def run(policy: str, mode: Mode, source, r: int = 0, granularity: str = "token"):
     cfg = VTokenConfig(policy=policy, budget=BUDGET, mode=mode, block_size=B, sinks=SINKS, recent=RECENT,
                        granularity=granularity)
@@ -30,7 +38,9 @@ def run(policy: str, mode: Mode, source, r: int = 0, granularity: str = "token")
     m.add_request(rid)
     m.place(rid, P, source.key_norm[r, :P])
     total, last, bits, window = source.prefill(P, need_bits=True, need_window=True)
-    m.observe(rid, StepScores(np.arange(P), P, total[r], last[r], bits[r], window=window[r]))
+    keys = keys_with_repeats(r)
+    m.observe(rid, StepScores(np.arange(P), P, total[r], last[r], bits[r], window=window[r],
+                              redundancy=mean_cosine(keys[:P])))
     history = []
     for d in range(M):
         n = P + d
@@ -38,7 +48,8 @@ def run(policy: str, mode: Mode, source, r: int = 0, granularity: str = "token")
         t = m.tables[rid]
         live = t.live_logicals()
         a = source.attention_row(r, n, live)
-        m.observe(rid, StepScores(live, 1, a, a, (a < 1 / (n + 1)).astype(np.uint64)))
+        m.observe(rid, StepScores(live, 1, a, a, (a < 1 / (n + 1)).astype(np.uint64),
+                                  redundancy=mean_cosine(keys[live])))
         check_integrity(m, dense=True)
         assert plan.num_moves == plan.slot_plan.lower_bound
         history.append((live.copy(), len(m.rows[rid])))

@@ -12,13 +12,17 @@ from vtoken.cli import app
 from vtoken.core.config import Mode
 from vtoken.core.manager import CacheManager
 from vtoken.core.stats import StepScores
-from vtoken.policies import policy_names
+from vtoken.errors import ConfigError
+from vtoken.policies import get_policy_class, policy_names
 from vtoken.sim.exact import request_name, simulate_exact
 from vtoken.sim.fast import simulate_fast
 from vtoken.sim.run import SimConfig, run_simulation
-from vtoken.sim.source import SyntheticConfig, SyntheticSource, TraceSource
+from vtoken.sim.source import UNSIMULATED, SyntheticConfig, SyntheticSource, TraceSource
 
 runner = CliRunner()
+# every registered policy the simulator runs; the others read a statistic no source has and are refused
+# (test_policies_reading_the_keys_are_refused_by_name)
+SIMULATED = [p for p in policy_names() if not get_policy_class(p).needs & UNSIMULATED]
 
 
 def tallies_equal(a, b):
@@ -31,7 +35,7 @@ def tallies_equal(a, b):
 
 
 @pytest.mark.parametrize("trigger", ["step", "block"])
-@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("policy", SIMULATED)
 def test_fast_engine_equals_exact_engine(policy, trigger):
     cfg = SimConfig.of(policy=policy, budget="0.3", block_size=8, prompt_len=150, gen_len=40, requests=3,
                        sinks=2, recent=8, trigger=trigger).vtoken
@@ -55,6 +59,23 @@ def test_fast_engine_equals_exact_engine_with_a_protected_prompt(policy, protect
     if "prompt_scores" not in protection:
         plain = simulate_fast(replace(cfg, prompt_tail=0, scope="all"), source, 150, 60, first_request=5)
         assert fast.modes["repack"].per_step_sum.sum() > plain.modes["repack"].per_step_sum.sum()  # keeps more
+
+
+def test_policies_reading_the_keys_are_refused_by_name():
+    """R-KV's redundancy is measured from the keys, which no source holds: every entry point refuses it with a
+    ConfigError naming the policy and the statistic, never a run on zeros."""
+    refused = sorted(set(policy_names()) - set(SIMULATED))
+    assert refused == ["rkv"]
+    source = SyntheticSource(SyntheticConfig(), 1, 40, seed=1)
+    for policy in refused:
+        cfg = SimConfig.of(policy="h2o", budget="0.3", block_size=8, prompt_len=30, gen_len=10, requests=1).vtoken
+        cfg = replace(cfg, policy=policy)
+        for call in (lambda: SimConfig.of(policy=policy, budget="0.3"),
+                     lambda: simulate_exact(cfg, source, 30, 10), lambda: simulate_fast(cfg, source, 30, 10)):
+            with pytest.raises(ConfigError, match=rf"policy '{policy}' cannot be simulated: it reads redundancy"):
+                call()
+    res = runner.invoke(app, ["simulate", "--policy", "rkv", "--requests", "1", "--json"])
+    assert res.exit_code != 0 and "cannot be simulated" in res.output
 
 
 def test_requests_do_not_depend_on_their_batch():
@@ -93,7 +114,7 @@ def held_by_the_rule(mode: str, live: np.ndarray, seen: int, B: int) -> int:
 
 
 @pytest.mark.parametrize("trigger", ["step", "block"])
-@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("policy", SIMULATED)
 def test_blocks_taken_from_the_pool_follow_the_live_set(policy, trigger):
     """The retained-block figures, measured: one ``CacheManager`` per mode drives 2 requests through its
     real ``BlockPool``; after every decode step the blocks taken from the pool must equal what the live

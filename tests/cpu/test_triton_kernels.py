@@ -114,7 +114,8 @@ def _scores(cls, views, layout, q, specs, windows=None, key_norm=False, **kwargs
     acc = cls(layout, **kwargs)
     for name, q0, q1, n, row in specs:
         acc.requests[name] = RequestScores(q0, q1, n, torch.tensor(row), want_attention=True,
-                                           want_key_norm=key_norm, window=(windows or {}).get(name, 0))
+                                           want_key_norm=key_norm, window=(windows or {}).get(name, 0),
+                                           want_redundancy=key_norm)  # R-KV's, torch on both paths
     for layer, view in enumerate(views):
         acc.add_layer(q * (1 + 0.25 * layer), q[:, : layout.num_kv_heads] if key_norm else None, view,
                       q.shape[-1] ** -0.5)
@@ -145,7 +146,7 @@ def test_scores_equal_the_reference(name, hd, q_heads, kv_heads, dtype):
     q = torch.randn(6, q_heads, hd, generator=torch.Generator().manual_seed(8)).to(dtype)
     ref = _scores(PagedScoreAccumulator, views, layout, q, SPECS, key_norm=True)
     got = _scores(TritonScoreAccumulator, views, layout, q, SPECS, key_norm=True)
-    _assert_same(got, ref, ("accumulated", "last", "key_norm"))
+    _assert_same(got, ref, ("accumulated", "last", "key_norm", "redundancy"))
 
 
 def test_long_chunk_keeps_the_last_64_queries_and_the_window():

@@ -20,7 +20,7 @@ from vtoken.vllm.verify import VerifyCase, reference_scores, run_cases
 
 pytestmark = pytest.mark.slow
 
-POLICIES = ["h2o", "tova", "scissorhands", "knorm", "random", "streamingllm"]
+POLICIES = ["h2o", "tova", "scissorhands", "knorm", "random", "streamingllm", "rkv"]
 MODES = ["naive", "repack", "reuse+repack"]
 TOL = 1e-4
 

@@ -13,6 +13,8 @@ table, and ``observe()`` folds that into the table:
   * ``key_norm``      = the new keys' norms, set once when written
   * ``window``        = Σ over the prompt's last ≤ ``OBSERVATION_WINDOW`` queries, *set* (not accumulated)
                         by the one step that computes the prompt's last token (others carry ``None``)
+  * ``redundancy``    = each live key's mean cosine similarity to the step's other live keys (every other
+                        token: 0); *set*, like ``last``, by every step that measured it (``mean_cosine``)
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class StepScores:
     key_norm_logicals: np.ndarray | None = None  # tokens written this step …
     key_norm: np.ndarray | None = None  # … and their key norms
     window: np.ndarray | None = None  # float [k]: Σ over the observation window (the prompt's end step only)
+    redundancy: np.ndarray | None = None  # float [k]: mean cosine similarity to the other live keys (R-KV)
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,9 @@ class SlotScores:
     Attention statistics cover the request's row slots ``0..seq_len-1`` (its dense live keys, in slot
     order) and are ``None`` when they were not asked for; ``key_norm`` holds the step's ``n_queries`` new
     keys' norms in order (preceded by those of prefix-cache hits the step was asked for), or ``None``;
-    ``window`` covers the row slots too, only on the step that computed the prompt's last token. Plain
-    numpy: it is pickled across the engine's process boundary.
+    ``window`` covers the row slots too, only on the step that computed the prompt's last token;
+    ``redundancy`` covers them when asked for (R-KV). Plain numpy: it is pickled across the engine's process
+    boundary.
     """
 
     n_queries: int
@@ -57,6 +61,7 @@ class SlotScores:
     unimportant: np.ndarray | None = None
     key_norm: np.ndarray | None = None
     window: np.ndarray | None = None
+    redundancy: np.ndarray | None = None
 
     def by_logical(self, token_at: np.ndarray, first_new: int) -> StepScores:
         """Map slots to logical positions through the table's ``token_at`` (holes are dropped); the key norms
@@ -76,6 +81,7 @@ class SlotScores:
             key_norm_logicals=new,
             key_norm=self.key_norm,
             window=None if self.window is None else np.asarray(self.window)[ok],
+            redundancy=None if self.redundancy is None else np.asarray(self.redundancy)[ok],
         )
 
 
@@ -86,6 +92,23 @@ def window_queries(num_prompt_tokens: int, computed_before: int, n: int) -> int:
     of them (pure)."""
     end = num_prompt_tokens - computed_before
     return end if 0 < end <= n else 0
+
+
+def mean_cosine(keys: np.ndarray) -> np.ndarray:
+    """``redundancy`` of ``keys`` ``[n, heads, d]`` (numpy twin of ``vtoken.kernels.scores.key_redundancy``):
+    per head, each key's mean cosine similarity to the other ``n − 1``, from the unit keys' sum in O(n·d)::
+
+        mean_{j≠i} cos(k_i, k_j) = (k̂_i · Σ_j k̂_j − k̂_i · k̂_i) / (n − 1)    (k̂_i · k̂_i = 1; 0 if k_i = 0)
+
+    then the mean over heads: float64 ``[n]``, zeros when ``n < 2`` (pure)."""
+    k = np.asarray(keys, dtype=np.float64)
+    n = k.shape[0]
+    if n < 2:
+        return np.zeros(n)
+    norm = np.linalg.norm(k, axis=-1, keepdims=True)
+    unit = np.divide(k, norm, out=np.zeros_like(k), where=norm > 0)
+    total = unit.sum(axis=0)
+    return (((unit * total).sum(-1) - (unit * unit).sum(-1)) / (n - 1)).mean(axis=-1)
 
 
 def shift_history(bits: np.ndarray, n_queries: int, new_bits: np.ndarray) -> np.ndarray:
@@ -132,5 +155,8 @@ def observe(table, scores: StepScores, question_aware: bool = False) -> None:
             table.window[idx] = np.asarray(scores.window)[keep]
             if question_aware:
                 table.accumulated[idx] = table.window[idx]
+        if scores.redundancy is not None:
+            table.redundancy[: table.seen] = 0.0
+            table.redundancy[idx] = np.asarray(scores.redundancy)[keep]
     if scores.key_norm_logicals is not None and scores.key_norm is not None:
         table.key_norm[np.asarray(scores.key_norm_logicals, dtype=np.int64)] = scores.key_norm

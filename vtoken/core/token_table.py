@@ -88,6 +88,7 @@ class TokenTable:
     unimportant: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     key_norm: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
     window: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    redundancy: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
 
     # ---------------------------------------------------------------- queries (no side effects)
     def stat(self, stat: Stat) -> np.ndarray:

@@ -9,7 +9,9 @@ a single decode query written into a hole sees all ``seq_len`` slots, which the 
 ``ScoreAccumulator`` averages the probabilities over heads and layers (docs/architecture.md §5: one
 decision per token, shared by every layer and head) and, separately, the L2 norm of each new key (KNorm).
 On the step that computes the prompt's last token it also sums the prompt's last ``OBSERVATION_WINDOW``
-queries (SnapKV's observation window; fewer when the step has fewer prompt queries).
+queries (SnapKV's observation window; fewer when the step has fewer prompt queries). For a request that
+asks for it (R-KV) it also takes each live key's mean cosine similarity to the other live keys from the same
+gathered keys (``key_redundancy``), mean over KV heads, summed over the scored layers.
 """
 
 from __future__ import annotations
@@ -49,6 +51,21 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Ten
     return torch.softmax(logits, dim=-1).mean(dim=(0, 1))
 
 
+def key_redundancy(k: torch.Tensor) -> torch.Tensor:
+    """``[n]`` float32: per KV head, each key's mean cosine similarity to the other ``n − 1`` keys of ``k``
+    (``[n, H_kv, D]``), mean over the heads; zeros when ``n < 2``. O(n·D) per head from the unit keys' sum:
+    mean_{j≠i} cos = (k̂_i·Σ_j k̂_j − k̂_i·k̂_i)/(n − 1), k̂_i·k̂_i = 1 (0 for a zero key). Pure; numpy
+    reference: ``vtoken.core.stats.mean_cosine``."""
+    n = k.shape[0]
+    if n < 2:
+        return torch.zeros(n, dtype=torch.float32, device=k.device)
+    kf = k.float()
+    norm = kf.norm(dim=-1, keepdim=True)
+    unit = torch.where(norm > 0, kf / norm.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(kf))
+    total = unit.sum(dim=0)
+    return (((unit * total).sum(-1) - (unit * unit).sum(-1)) / (n - 1)).mean(dim=-1)
+
+
 @dataclass
 class RequestScores:
     """One request's accumulators for one step (mutated layer by layer)."""
@@ -60,7 +77,10 @@ class RequestScores:
     want_attention: bool
     want_key_norm: bool
     window: int = 0  # > 0: queries 0..window-1 end the prompt; sum the last ≤ OBSERVATION_WINDOW of them
+    want_redundancy: bool = False  # R-KV: the live keys' mean cosine similarity (``key_redundancy``)
     probs: torch.Tensor | None = None  # [n_q, seq_len] summed over layers
+    redundancy: torch.Tensor | None = None  # [seq_len] summed over layers
+    live_slots: torch.Tensor | None = None  # the live keys' physical slots (Triton path)
     key_norm: torch.Tensor | None = None  # [n_q] summed over layers
     layers: int = 0
     norm_layers: int = 0
@@ -103,11 +123,12 @@ class ScoreAccumulator:
                 self._add_decode_batch(query, keys, scale)
             start = 0
             for rs in scored:
-                if rs.n_q == 1 and self._dec:
-                    start += rs.seq_len
-                    continue
                 k = keys[start : start + rs.seq_len]
                 start += rs.seq_len
+                if rs.want_redundancy:
+                    add_redundancy(rs, k)
+                if rs.n_q == 1 and self._dec:
+                    continue
                 p = attention_probs(query[rs.q_start : rs.q_end], k, scale)
                 rs.probs = p if rs.probs is None else rs.probs + p
                 rs.layers += 1
@@ -165,7 +186,7 @@ class ScoreAccumulator:
         attention = [rs.probs for rs in self.requests.values() if rs.probs is not None]
         if self._dec and self._dec_probs is not None:
             attention.append(self._dec_probs)
-        return attention, [rs.key_norm for rs in self.requests.values() if rs.key_norm is not None]
+        return attention, kv_head_means(self.requests.values())
 
     def to_host(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Replace every buffer ``finish`` reads (``linear_buffers``) with ``copy(buffer)``: the runner passes
@@ -174,6 +195,7 @@ class ScoreAccumulator:
         for rs in self.requests.values():
             rs.probs = copy(rs.probs) if rs.probs is not None else None
             rs.key_norm = copy(rs.key_norm) if rs.key_norm is not None else None
+            rs.redundancy = copy(rs.redundancy) if rs.redundancy is not None else None
         if self._dec_probs is not None:
             self._dec_probs = copy(self._dec_probs)
 
@@ -197,8 +219,32 @@ class ScoreAccumulator:
                     stats["window"] = probs[max(rs.window - OBSERVATION_WINDOW, 0) : rs.window].sum(axis=0)
             if rs.key_norm is not None and rs.norm_layers:
                 stats["key_norm"] = (rs.key_norm / rs.norm_layers).cpu().numpy().astype(np.float64)
+            stats.update(redundancy_stat(rs))
             out[rid] = SlotScores(n_queries=rs.n_q, seq_len=rs.seq_len, **stats)
         return out
+
+
+def add_redundancy(rs: RequestScores, keys: torch.Tensor) -> None:
+    """Fold one layer's ``key_redundancy`` of the request's live keys ``[seq_len, H_kv, D]`` into ``rs``."""
+    r = key_redundancy(keys)
+    rs.redundancy = r if rs.redundancy is None else rs.redundancy + r
+
+
+def redundancy_stat(rs: RequestScores) -> dict[str, np.ndarray]:
+    """``{"redundancy": mean over the scored layers}`` when collected, else ``{}`` (reads the accumulator;
+    one ``add_redundancy`` per scored layer, so ``rs.layers`` counts them)."""
+    if rs.redundancy is None or not rs.layers:
+        return {}
+    return {"redundancy": (rs.redundancy / rs.layers).cpu().numpy().astype(np.float64)}
+
+
+def kv_head_means(requests) -> list[torch.Tensor]:
+    """The step's accumulators that are means over KV heads (key norms, redundancy), in request order:
+    tensor parallelism weights them by KV heads (vtoken/vllm/tp.py)."""
+    out = []
+    for rs in requests:
+        out.extend(t for t in (rs.key_norm, rs.redundancy) if t is not None)
+    return out
 
 
 @dataclass

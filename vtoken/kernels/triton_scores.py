@@ -3,7 +3,8 @@
 Same contract and results as ``ScoreAccumulator`` (the torch reference, ``scores.py``): for a step's
 queries, ``softmax(q·Kᵀ·scale)`` over each request's live row slots ``0..seq_len-1`` (read through its block
 table and the cache's ``PagedLayout``), causal within the step, mean over heads, summed over layers, reduced
-to ``SlotScores`` (``accumulated``, ``last``, ``unimportant`` bits, ``window``; ``key_norm`` stays torch). The
+to ``SlotScores`` (``accumulated``, ``last``, ``unimportant`` bits, ``window``; ``key_norm`` and R-KV's
+``redundancy``, a gather of the live keys and ``key_redundancy``, stay torch). The
 attention kernel returns no weights, so they are recomputed after it ran; never the full ``[n_q, seq_len]``
 matrix, only what the statistics need:
 
@@ -42,8 +43,9 @@ import torch
 import triton.language as tl
 
 from vtoken.core.stats import SlotScores, unimportance_bits
-from vtoken.kernels.gpu_layout import PagedLayout
-from vtoken.kernels.scores import RequestScores, ScoreAccumulator
+from vtoken.kernels.gpu_layout import PagedLayout, read_k
+from vtoken.kernels.scores import (RequestScores, ScoreAccumulator, add_redundancy, kv_head_means,
+                                   redundancy_stat, row_slots)
 from vtoken.kernels.triton_runtime import TritonKernel, next_pow2
 from vtoken.policies.context import HISTORY_BITS, OBSERVATION_WINDOW
 
@@ -247,6 +249,11 @@ class TritonScoreAccumulator(ScoreAccumulator):
                 self._meta = self._plan(scored, kv_cache.device)
             self._launch(query, kv_cache, scale, self._meta)
             for rs in scored:
+                if rs.want_redundancy:  # torch: the live keys through the paged layout (docs/gpu.md)
+                    if rs.live_slots is None or rs.live_slots.device != kv_cache.device:
+                        row = rs.block_row.to(kv_cache.device)
+                        rs.live_slots = row_slots(row, rs.seq_len, self.layout.block_size)
+                    add_redundancy(rs, read_k(kv_cache, self.layout, rs.live_slots))
                 rs.layers += 1
         for rs in self.requests.values():
             if rs.want_key_norm and key is not None:
@@ -282,7 +289,7 @@ class TritonScoreAccumulator(ScoreAccumulator):
     def linear_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``(attention, key norms)`` (see ``ScoreAccumulator.linear_buffers``): the step's sums and kept
         query rows, then the key norms. Pure."""
-        norms = [rs.key_norm for rs in self.requests.values() if rs.key_norm is not None]
+        norms = kv_head_means(self.requests.values())
         return ([self._meta["sums"], self._meta["rows"]] if self._meta is not None else []), norms
 
     def to_host(self, copy) -> None:
@@ -292,6 +299,7 @@ class TritonScoreAccumulator(ScoreAccumulator):
             self._meta["sums"], self._meta["rows"] = copy(self._meta["sums"]), copy(self._meta["rows"])
         for rs in self.requests.values():
             rs.key_norm = copy(rs.key_norm) if rs.key_norm is not None else None
+            rs.redundancy = copy(rs.redundancy) if rs.redundancy is not None else None
 
     def finish(self) -> dict[str, SlotScores]:
         """Per request: the same ``SlotScores`` as ``ScoreAccumulator.finish`` (pure apart from reading)."""
@@ -318,5 +326,6 @@ class TritonScoreAccumulator(ScoreAccumulator):
             stats = dict(attention.get(id(rs), {}))
             if rs.key_norm is not None and rs.norm_layers:
                 stats["key_norm"] = (rs.key_norm / rs.norm_layers).cpu().numpy().astype(np.float64)
+            stats.update(redundancy_stat(rs))
             out[rid] = SlotScores(n_queries=rs.n_q, seq_len=rs.seq_len, **stats)
         return out

@@ -1,7 +1,7 @@
 """Eviction policies. Importing this package registers every policy in ``REGISTRY``."""
 
 # importing a policy's module registers it
-from vtoken.policies import h2o, knorm, random, scissorhands, snapkv, streamingllm, tova  # noqa: F401
+from vtoken.policies import h2o, knorm, random, rkv, scissorhands, snapkv, streamingllm, tova  # noqa: F401
 from vtoken.policies.base import ScorerPolicy
 from vtoken.policies.context import (
     ATTENTION_STATS,

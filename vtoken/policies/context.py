@@ -14,6 +14,10 @@ worker's ``SlotScores``), the policy's view (``EvictionContext``) and ``ScorerPo
                    chunked prefill that is the last chunk, and when it holds fewer queries than the window
                    (a short last chunk, a prefix-cache hit) the window is those queries. A key the window
                    never saw (generated later) keeps 0                                        (SnapKV)
+  ``redundancy``   mean over KV heads and scored layers of the key's mean cosine similarity to the request's
+                   other live keys, recomputed by every scored step over the live set *of that step*
+                   (eviction changes it): with unit keys k̂, mean_{j≠i} cos = (k̂_i·Σ_j k̂_j − 1)/(n − 1), O(n·d)
+                   per head, from the keys alone (no queries); every other token: 0                  (R-KV)
 
 Attention is the mean over heads and layers of each key's probability: one decision per token per
 request, shared by all layers and heads (one block table per request; docs/architecture.md §5).
@@ -38,10 +42,12 @@ class Stat(StrEnum):
     UNIMPORTANT = "unimportant"
     KEY_NORM = "key_norm"
     WINDOW = "window"
+    REDUNDANCY = "redundancy"
 
     @property
     def needs_attention(self) -> bool:
-        """Whether measuring it needs the step's attention probabilities (q·K), not only the keys."""
+        """Whether measuring it needs the step's score pass over the live keys (q·K; ``redundancy`` reads the
+        same gathered keys, without queries), not only the step's new keys."""
         return self is not Stat.KEY_NORM
 
     @property
@@ -70,3 +76,4 @@ class EvictionContext:
     unimportant: np.ndarray | None = None
     key_norm: np.ndarray | None = None
     window: np.ndarray | None = None
+    redundancy: np.ndarray | None = None

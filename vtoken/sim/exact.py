@@ -18,6 +18,7 @@ from vtoken.core.manager import CacheManager
 from vtoken.core.stats import StepScores
 from vtoken.policies.context import Stat
 from vtoken.sim.result import MODES, SimTally
+from vtoken.sim.source import check_simulable
 
 
 def request_name(index: int) -> str:
@@ -36,6 +37,7 @@ def simulate_exact(
 ) -> SimTally:
     """Replay ``source`` (R requests) through the core for every mode. ``check``: integrity + pairing
     assertions at every step (for tests)."""
+    check_simulable(cfg)
     R = source.num_requests
     T = prompt_len + gen_len
     B = cfg.block_size

@@ -29,6 +29,7 @@ from vtoken.errors import ConfigError
 from vtoken.policies.context import STEP_ATTENTION_STATS, EvictionContext, Stat
 from vtoken.sim.exact import request_name
 from vtoken.sim.result import SimTally
+from vtoken.sim.source import check_simulable
 
 HOLE = -1  # token_at value of a free slot / slot_of value of a dead token
 
@@ -129,6 +130,7 @@ class _Columns:
         self.alive = np.ones((R, P), bool)
         self.accumulated, self.last, self.unimportant, self.window = prefill
         self.key_norm = source.key_norm[:, :P].copy() if self.has_knorm else np.zeros((R, P))
+        self.redundancy = np.zeros((R, P))  # never read: no source has keys (check_simulable)
         self.w = source.w[:, :P].copy() if hasattr(source, "w") else np.zeros((R, P))
 
     def view(self, name: str, lo: int = 0, hi: int | None = None) -> np.ndarray:
@@ -180,6 +182,7 @@ def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, firs
         raise ConfigError("granularity 'block' runs on the exact engine only: pass --engine exact")
     if cfg.keep_mass is not None:  # one live count for every request is what makes this engine fast
         raise ConfigError("keep_mass runs on the exact engine only: pass --engine exact")
+    check_simulable(cfg)
     R = source.num_requests
     P, M, B = prompt_len, gen_len, cfg.block_size
     T = P + M

@@ -15,7 +15,7 @@ from vtoken.errors import ConfigError
 from vtoken.sim.exact import simulate_exact
 from vtoken.sim.fast import simulate_fast
 from vtoken.sim.result import SimTally, whole_pool
-from vtoken.sim.source import SyntheticConfig, SyntheticSource, TraceSource
+from vtoken.sim.source import SyntheticConfig, SyntheticSource, TraceSource, check_simulable
 
 ENGINES = ("fast", "exact")
 # the keys of the dict ``run_simulation`` returns (``vtoken simulate``'s JSON, ``vtoken bench sim-scale``'s
@@ -62,6 +62,7 @@ class SimConfig:
             raise ConfigError("granularity 'block' runs on the exact engine only: pass --engine exact")
         if self.engine == "fast" and self.vtoken.keep_mass is not None:  # requests keep different counts
             raise ConfigError("keep_mass runs on the exact engine only: pass --engine exact")
+        check_simulable(self.vtoken)
 
     @classmethod
     def of(cls, **kwargs) -> SimConfig:

@@ -9,6 +9,9 @@ Both give, for a *batch* of requests (arrays ``[R, ...]``), what the policies co
   * ``attention(s, keys)`` attention of the query at logical position ``s`` over logical ``keys``
   * ``key_norm``          per-token key norm ``[R, T]``
 
+No source has keys, so no statistic measured from them (``Stat.REDUNDANCY``, R-KV's): ``check_simulable``
+refuses a policy that reads one, by name, instead of replaying zeros.
+
 Attention is what a *full-cache* forward would give (as recorded traces are): the simulator studies
 the allocator, so every mode replays the same scores. All math is elementwise or row-sequential, so a
 request's numbers do not depend on how many requests share the batch (both engines agree bit for bit).
@@ -29,9 +32,20 @@ from typing import NamedTuple
 
 import numpy as np
 
-from vtoken.policies.context import HISTORY_BITS, OBSERVATION_WINDOW
+from vtoken.errors import ConfigError
+from vtoken.policies.context import HISTORY_BITS, OBSERVATION_WINDOW, Stat
 
+UNSIMULATED = frozenset({Stat.REDUNDANCY})  # statistics of the keys themselves: no source carries keys
 RECENCY_CUTOFF = 40  # r(d) drops its decaying term beyond 40·τ tokens (exp(-40) < 5e-18)
+
+
+def check_simulable(cfg) -> None:
+    """Raise ``ConfigError`` when ``cfg``'s policy reads a statistic no source gives (``UNSIMULATED``)."""
+    missing = sorted(s.value for s in cfg.measured_stats() & UNSIMULATED)
+    if missing:
+        raise ConfigError(f"policy {cfg.policy!r} cannot be simulated: it reads {', '.join(missing)} (each key's "
+                          "cosine similarity to the request's other keys), and the simulator's sources hold "
+                          "attention and key norms but no keys; run it in vLLM (vtoken verify, vtoken bench)")
 
 
 class Prefill(NamedTuple):

@@ -94,6 +94,7 @@ class RequestState:
     want_attention: bool = False  # collect q·K statistics every step for its policy
     want_key_norm: bool = False
     want_window: bool = False  # collect the observation window on the step computing the prompt's last token
+    want_redundancy: bool = False  # collect the live keys' redundancy with the attention statistics (R-KV)
     table: TokenTable | None = None  # None before its first step and after a preemption
     preplaced: np.ndarray | None = None  # reuse+repack: slot given to the next token before vLLM scheduled it
     inflight: InFlight = field(default_factory=InFlight)
@@ -127,4 +128,5 @@ def new_request_state(rs: RequestSettings, salt: int, observer: RequestObserver,
         want_attention=scores == "always" or (auto and bool(policy.needs & STEP_ATTENTION_STATS)),
         want_key_norm=scores == "always" or (evicts and Stat.KEY_NORM in policy.needs),
         want_window=scores == "always" or (auto and Stat.WINDOW in rs.cfg.measured_stats()),
+        want_redundancy=evicts and scores != "never" and Stat.REDUNDANCY in policy.needs,
     )

@@ -322,7 +322,7 @@ class VTokenRunnerMixin:
                 accs[subset].requests[rid] = RequestScores(
                     q_start=q0, q_end=q1, seq_len=int(seq_lens[i]),
                     block_row=torch.from_numpy(rows.block_table.np[i, :n_blocks].astype(np.int64)),
-                    want_attention=True, want_key_norm=False, window=rs.window,
+                    want_attention=True, want_key_norm=False, window=rs.window, want_redundancy=rs.redundancy,
                 )
             if rs.key_norm:
                 n = q1 - q0 + rs.norm_back  # norm_back: cache-hit keys before the new ones (row slots)

@@ -273,7 +273,7 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
             if offset or not appended or st.want_attention or st.want_key_norm or window:
                 steps[rid] = RequestStep(
                     offset=offset, slots=None if appended else slots, scores=st.want_attention or window > 0,
-                    key_norm=st.want_key_norm, window=window, norm_back=back,
+                    key_norm=st.want_key_norm, window=window, norm_back=back, redundancy=st.want_redundancy,
                     score_layers=st.settings.cfg.score_layers,
                 )
             st.inflight.add(step, computed_before - back, t.live, scored=st.want_attention or window > 0)

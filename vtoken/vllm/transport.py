@@ -45,6 +45,7 @@ class RequestStep:
     # (row slots seq_len - n - norm_back ..): prefix-cache hits of a fresh table, computed by no step of it
     window: int = 0  # > 0: the step's first ``window`` queries end the prompt (it computes the prompt's last
     # token): collect the observation-window statistic, Σ over the last ≤ OBSERVATION_WINDOW of them
+    redundancy: bool = False  # with scores: also each live key's mean cosine similarity to the others (R-KV)
     score_layers: int | None = None  # with scores: how many attention layers score (None: every layer;
     # the worker picks which: vtoken.core.config.score_layer_indices)
 
