@@ -10,7 +10,8 @@ reaches the scheduler, so before the step's statistics leave the worker they are
                are derived from these reduced probabilities afterwards (``finish``), never per rank.
     key norms  each rank's mean over its KV heads of ‖k_h‖; a replicated head sits on ``replicas = t·K_local/K``
                ranks, so Σ_ranks (local mean · K_local / (K · replicas)) is the mean over the K distinct
-               heads — no KV head counted twice.
+               heads — no KV head counted twice. R-KV's ``redundancy`` (per KV head, each live key's mean
+               cosine similarity to the others) is a mean over KV heads too and is reduced with the norms.
 
 Every buffer is a linear accumulator, so one all-reduce per step covers all of them: the buffers are
 flattened in an order fixed by the step's plan (identical on every rank), summed with vLLM's TP group
