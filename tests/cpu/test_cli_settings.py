@@ -99,3 +99,36 @@ def test_verify_takes_sets_it_carries_and_refuses_the_others(monkeypatch):
     assert [(c.mode, c.budget) for c in cases] == [("naive", 512), ("repack", 512)] and kwargs["sinks"] == 2
     result = invoke("verify", "--set", "vtoken.scope=all")
     assert result.exit_code == 2 and "verify carries only" in result.output
+
+
+def test_quality_points_are_overrides_of_one_base_config():
+    import dataclasses
+
+    from vtoken.bench.quality import BASE, FULL, SETTING_DEFAULTS, Point, QualitySetup
+    from vtoken.core.config import Mode
+
+    pt = Point("tova", "block", 512, prompt_tail=8, scope="generated")
+    assert pt.config() == dataclasses.replace(BASE, policy="tova", granularity="block", budget=512, prompt_tail=8,
+                                              scope="generated", mode="naive")
+    assert Point("h2o", "token", 0.2).config().mode is Mode.REPACK
+    assert FULL.config().mode is Mode.NONE and FULL.config().budget == BASE.budget
+    settings = {k: v for k, v in SETTING_DEFAULTS.items() if k not in ("policy", "granularity")}
+    assert settings == {k: BASE.to_dict()[k] for k in settings}  # older reports' defaults are BASE's
+    assert (QualitySetup.sinks, QualitySetup.recent, QualitySetup.block_size) == (BASE.sinks, BASE.recent,
+                                                                                   BASE.block_size)
+
+
+def test_quality_refuses_a_bad_point_before_any_engine(monkeypatch):
+    import vtoken.bench.quality as quality
+    from vtoken.bench.cli import QUALITY_PRESETS
+
+    assert QUALITY_PRESETS["quick"].ruler_tasks == "niah_single_1" and QUALITY_PRESETS["full"].policies == "all"
+    calls: list = []
+    monkeypatch.setattr(quality, "run_quality", recorder(calls))
+    result = invoke("bench", "quality", "--quick", "--policies", "h2o", "--granularities", "block",
+                    "--keep-masses", "0.9")
+    assert result.exit_code == 2 and "keep_mass evicts single tokens" in result.output and not calls
+    result = invoke("bench", "quality", "--quick", "--policies", "h2o", "--budgets", "512", "--model", "tiny-llama")
+    assert isinstance(result.exception, Reached), result.output
+    (setup,), _ = calls[0]
+    assert setup.budgets == (512,) and setup.ruler_samples == QUALITY_PRESETS["quick"].ruler_samples

@@ -5,7 +5,8 @@ Speed and memory targets live here, compared side by side in one run, never as t
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
+from dataclasses import dataclass
 
 import typer
 
@@ -165,11 +166,30 @@ def capacity_cmd(
     main(setup, chosen, requests, ttft_slo, tpot_slo, repeats, out)
 
 
-QUALITY_PRESETS = {  # (policies, budgets, depths, per_depth, windows, window_tokens, ruler tasks, lengths, samples,
-    #                     fidelity prompts, fidelity tokens)
-    "quick": ("h2o,tova,snapkv,streamingllm", "0.2,0.5", "0.2,0.5,0.8", 1, 2, 256, "niah_single_1", "512", 8,
-              2, 64),
-    "full": ("all", "0.1,0.2,0.3,0.4,0.5", "0.1,0.3,0.5,0.7,0.9", 2, 4, 512, "all", "512,1024", 50, 20, 256),
+@dataclass(frozen=True)
+class QualityPreset:
+    """What ``vtoken bench quality`` measures unless its flags say otherwise (``--quick`` or the full sweep)."""
+
+    policies: str  # comma-separated policy names, or "all"
+    budgets: str  # comma-separated fractions or token counts
+    depths: str  # pass-key depths, comma-separated fractions
+    per_depth: int  # pass-key prompts per depth
+    windows: int  # language-modelling text windows
+    window_tokens: int  # tokens per window
+    ruler_tasks: str  # comma-separated RULER task names, "all" or "none"
+    ruler_lengths: str  # comma-separated RULER lengths (tokens)
+    ruler_samples: int  # RULER samples per task × length
+    fidelity_prompts: int  # long-generation fidelity prompts (0 skips it)
+    fidelity_tokens: int  # tokens each fidelity prompt generates
+
+
+QUALITY_PRESETS = {
+    "quick": QualityPreset("h2o,tova,snapkv,streamingllm", "0.2,0.5", "0.2,0.5,0.8", per_depth=1, windows=2,
+                           window_tokens=256, ruler_tasks="niah_single_1", ruler_lengths="512", ruler_samples=8,
+                           fidelity_prompts=2, fidelity_tokens=64),
+    "full": QualityPreset("all", "0.1,0.2,0.3,0.4,0.5", "0.1,0.3,0.5,0.7,0.9", per_depth=2, windows=4,
+                          window_tokens=512, ruler_tasks="all", ruler_lengths="512,1024", ruler_samples=50,
+                          fidelity_prompts=20, fidelity_tokens=256),
 }
 
 
@@ -312,7 +332,7 @@ def quality_cmd(
 
     from rich.console import Console
 
-    from vtoken.bench.quality import QualitySetup, run_quality
+    from vtoken.bench.quality import QualitySetup, points, run_quality
     from vtoken.bench.report import emit
     from vtoken.core.config import Budget, VTokenConfig
     from vtoken.errors import ConfigError
@@ -321,11 +341,11 @@ def quality_cmd(
 
     vllm_logs_to_stderr()
     preset = QUALITY_PRESETS["quick" if quick else "full"]
-    names = policies or preset[0]
+    names = policies or preset.policies
     chosen = tuple(policy_names()) if names == "all" else tuple(p.strip() for p in names.split(",") if p.strip())
     grans = tuple(g.strip() for g in granularities.split(",") if g.strip())
     try:
-        budget_values = tuple(Budget.parse(b.strip()).to_json() for b in (budgets or preset[1]).split(","))
+        budget_values = tuple(Budget.parse(b.strip()).to_json() for b in (budgets or preset.budgets).split(","))
         layer_values = tuple(_score_layers(v) for v in score_layers.split(",") if v.strip())
         tail_values = tuple(_count_setting(v, "--prompt-tails", "prompt_tail")
                             for v in prompt_tails.split(",") if v.strip()) or (0,)
@@ -336,31 +356,31 @@ def quality_cmd(
                             for v in keep_masses.split(",") if v.strip()) or (None,)
         pool_values = tuple(_count_setting(v, "--score-pools", "score_pool")
                             for v in score_pools.split(",") if v.strip()) or (0,)
-        for p, g, m, w in itertools.product(chosen, grans, mass_values, pool_values):
-            VTokenConfig(policy=p, keep_mass=m, score_pool=w, **({"granularity": g} if g != "token" else {}))
         if chunk < 16 or context_tokens < 32:
             raise ConfigError(f"--chunk {chunk} / --context-tokens {context_tokens}: need ≥ 16 / ≥ 32")
-        ruler_tasks = _ruler_tasks(tasks or preset[6])
-        ruler_lengths = _lengths(lengths or preset[7])
-        fid_prompts = preset[9] if fidelity_prompts is None else fidelity_prompts
+        ruler_tasks = _ruler_tasks(tasks or preset.ruler_tasks)
+        ruler_lengths = _lengths(lengths or preset.ruler_lengths)
+        fid_prompts = preset.fidelity_prompts if fidelity_prompts is None else fidelity_prompts
         if plot_ruler and not (ruler_tasks or fid_prompts):
             raise ConfigError("--plot-ruler: nothing to plot with --tasks none and --fidelity-prompts 0")
+        setup = QualitySetup(
+            model=model, policies=chosen, budgets=budget_values, granularities=grans,
+            depths=tuple(float(d) for d in preset.depths.split(",")), per_depth=preset.per_depth,
+            context_tokens=context_tokens, windows=preset.windows, window_tokens=preset.window_tokens, chunk=chunk,
+            seed=seed, tensor_parallel_size=tensor_parallel_size,
+            score_layers=layer_values or (DEFAULT_SCORE_LAYERS,), prompt_tails=tail_values,
+            scopes=scope_values or ("all",), prompt_scores=ps_values or ("all",), keep_masses=mass_values,
+            score_pools=pool_values, ruler_tasks=ruler_tasks, ruler_lengths=ruler_lengths,
+            ruler_samples=samples or preset.ruler_samples, fidelity_prompts=fid_prompts,
+            fidelity_tokens=fidelity_tokens or preset.fidelity_tokens,
+        )
+        for pt in points(setup):  # every point is one base config with its overrides: each checked here
+            pt.config()
         from vtoken.models.default import resolve_model
 
-        path = str(resolve_model(model))
+        setup = dataclasses.replace(setup, model=str(resolve_model(model)))
     except (ConfigError, ValueError, OSError) as err:
         refuse(err)
-    setup = QualitySetup(
-        model=path, policies=chosen, budgets=budget_values, granularities=grans,
-        depths=tuple(float(d) for d in preset[2].split(",")), per_depth=preset[3], context_tokens=context_tokens,
-        windows=preset[4], window_tokens=preset[5], chunk=chunk, seed=seed,
-        tensor_parallel_size=tensor_parallel_size, score_layers=layer_values or (DEFAULT_SCORE_LAYERS,),
-        prompt_tails=tail_values, scopes=scope_values or ("all",), prompt_scores=ps_values or ("all",),
-        keep_masses=mass_values, score_pools=pool_values, ruler_tasks=ruler_tasks, ruler_lengths=ruler_lengths,
-        ruler_samples=samples or preset[8],
-        fidelity_prompts=fid_prompts,
-        fidelity_tokens=fidelity_tokens or preset[10],
-    )
     console = Console(stderr=True)
     with console.status("quality benchmark", spinner="dots") as status:
         report = run_quality(setup, on_phase=lambda text: status.update(text))

@@ -24,14 +24,19 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from vtoken.bench.fidelity import run_fidelity
 from vtoken.bench.intervals import rate
 from vtoken.bench.quality_runs import blocks_summary, run_on_engine
 from vtoken.bench.quality_tasks import passkey_cases, perplexity, text_windows
 from vtoken.bench.ruler import run_ruler
-from vtoken.core.config import DEFAULT_SCORE_LAYERS
+from vtoken.core.config import DEFAULT_SCORE_LAYERS, Scope, VTokenConfig
+
+# The one base config every point overrides (``Point.config``): the engine's defaults, but every token may be
+# evicted (scope all) and every attention layer scores (score_layers null), the bench's settings since its first
+# report; a point's setting fields default to these values (older reports lack the keys they add).
+BASE = VTokenConfig(scope=Scope.ALL, score_layers=None)
 
 
 @dataclass(frozen=True)
@@ -49,9 +54,9 @@ class QualitySetup:
     window_tokens: int
     chunk: int
     seed: int = 0
-    block_size: int = 32
-    sinks: int = 4
-    recent: int = 16
+    block_size: int = BASE.block_size
+    sinks: int = BASE.sinks
+    recent: int = BASE.recent
     answer_tokens: int = 12
     tensor_parallel_size: int = 1  # > 1: vLLM's multiprocess executor (start_engine)
     score_layers: tuple[int | None, ...] = (DEFAULT_SCORE_LAYERS,)  # each point once per value (None: every layer)
@@ -70,17 +75,25 @@ class QualitySetup:
 
 @dataclass(frozen=True)
 class Point:
-    """One configuration: ``mode`` follows from the granularity (token → repack, block → naive)."""
+    """One configuration: overrides of ``BASE`` (``config``; the fields are ``VTokenConfig``'s, documented there,
+    their defaults ``BASE``'s). ``mode`` follows from the granularity (token → repack, block → naive)."""
 
     policy: str
     granularity: str
     budget: float | int | None  # None: the full cache
-    score_layers: int | None = None  # attention layers that score (None: every layer)
-    prompt_tail: int = 0  # the prompt's last tokens never evicted
-    scope: str = "all"  # "generated": decode-only eviction, the prompt kept whole
-    prompt_scores: str = "all"  # "window": question-aware (H2O ranks the prompt by its observation window)
-    keep_mass: float | None = None  # the adaptive budget: also evict while the rest holds this attention share
-    score_pool: int = 0  # span pooling: rank by the heaviest score within this logical distance
+    score_layers: int | None = BASE.score_layers
+    prompt_tail: int = BASE.prompt_tail
+    scope: str = BASE.scope.value
+    prompt_scores: str = BASE.prompt_scores.value
+    keep_mass: float | None = BASE.keep_mass
+    score_pool: int = BASE.score_pool
+
+    def config(self, base: VTokenConfig = BASE) -> VTokenConfig:
+        """``base`` with this point's settings (``dataclasses.replace``: validated as on construction); the full
+        cache's point is mode ``none``. Raises ``ConfigError`` naming a bad value."""
+        over = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "budget"}
+        budget = base.budget if self.budget is None else self.budget
+        return replace(base, **over, budget=budget, mode=self.mode)
 
     @property
     def mode(self) -> str:
