@@ -17,7 +17,7 @@ from vtoken.vllm.verify import VerifyCase, run_cases
 
 pytestmark = pytest.mark.slow
 
-POLICIES = ["h2o", "tova", "scissorhands", "knorm", "random", "streamingllm"]
+POLICIES = ["h2o", "tova", "scissorhands", "knorm", "random", "streamingllm", "rkv"]
 CASES = [VerifyCase(p, mode, 0.3) for p in POLICIES for mode in ("repack", "naive")]  # every case paired
 TOL = 1e-4
 
