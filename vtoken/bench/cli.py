@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import typer
 
-from vtoken.bench.longgen.cli import longgen_cmd, longgen_figure_cmd
+from vtoken.bench.longgen.cli import codegen_cmd, longgen_cmd, longgen_figure_cmd
 from vtoken.bench.report import refuse
 from vtoken.core.config import DEFAULT_SCORE_LAYERS
 from vtoken.models.default import MODEL_HELP
@@ -29,6 +29,7 @@ def _budget(text: str) -> int | float:
 bench_app = typer.Typer(help="Benchmarks (JSON out, with the command that produced it).", no_args_is_help=True)
 bench_app.command("longgen")(longgen_cmd)
 bench_app.command("longgen-figure")(longgen_figure_cmd)
+bench_app.command("codegen")(codegen_cmd)
 
 
 @bench_app.command("sim-scale")

@@ -100,3 +100,42 @@ def longgen_figure_cmd(
         plot_longgen(loaded, out)
     except (OSError, ValueError, KeyError) as err:
         refuse(err)
+
+
+def codegen_cmd(
+    point: list[str] = typer.Option(..., "--point", help="repeatable, as for longgen: 'default' or "
+                                    "'key=value,…' VTokenConfig settings over the defaults"),
+    model: str = typer.Option("default", help=MODEL_HELP),
+    problems: int = typer.Option(164, min=2, max=164, help="the first N HumanEval problems (paired units)"),
+    max_tokens: int = typer.Option(384, "--max-tokens", min=1, help="longest completion"),
+    seed: int = typer.Option(0),
+    max_num_seqs: int = typer.Option(64, "--max-num-seqs", min=1, help="requests decoded together"),
+    kv_space_gib: int = typer.Option(6, "--kv-space-gib", min=1, help="KV pool (no request may be preempted)"),
+    out: str = typer.Option(None, help="also write the JSON here"),
+) -> None:
+    """The parity rule's task half: HumanEval completions (greedy) per point, each problem's unit tests run on
+    the point's and on the full cache's completion; paired accuracy difference with its one-sided 95 % lower
+    bound and the verdict."""
+    from rich.console import Console
+
+    from vtoken.bench.longgen.code import problems as load
+    from vtoken.bench.longgen.codegen import FULL_LABEL, CodegenSetup, build_report, run_codegen
+    from vtoken.errors import ConfigError
+
+    try:
+        points = tuple(parse_point(p) for p in point)
+        labels = [label for label, _ in points]
+        if len(set(labels)) != len(labels) or FULL_LABEL in labels:
+            raise ConfigError(f"--point given twice or named {FULL_LABEL!r} (the reference): {point}")
+        from vtoken.models.default import resolve_model
+
+        path = str(resolve_model(model))
+        load()  # the data is installed: fail here, not after the engine ran
+    except (ConfigError, ValueError, OSError) as err:
+        refuse(err)
+    setup = CodegenSetup(model=path, points=points, problems=problems, max_tokens=max_tokens, seed=seed,
+                         max_num_seqs=max_num_seqs, kv_space_gib=kv_space_gib)
+    start = time.perf_counter()
+    with Console(stderr=True).status("codegen", spinner="dots") as status:
+        judged = run_codegen(setup, on_phase=lambda text: status.update(text))
+    emit(build_report(setup, judged, "vtoken " + shlex.join(sys.argv[1:]), time.perf_counter() - start), out)
