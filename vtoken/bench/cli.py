@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import typer
 
-from vtoken.bench.longgen.cli import codegen_cmd, longgen_cmd, longgen_figure_cmd
+from vtoken.bench.longgen.cli import codegen_cmd, longgen_cmd, longgen_figure_cmd, trade_figure_cmd
 from vtoken.bench.report import refuse
 from vtoken.core.config import DEFAULT_SCORE_LAYERS
 from vtoken.models.default import MODEL_HELP
@@ -30,6 +30,7 @@ bench_app = typer.Typer(help="Benchmarks (JSON out, with the command that produc
 bench_app.command("longgen")(longgen_cmd)
 bench_app.command("longgen-figure")(longgen_figure_cmd)
 bench_app.command("codegen")(codegen_cmd)
+bench_app.command("trade-figure")(trade_figure_cmd)
 
 
 @bench_app.command("sim-scale")

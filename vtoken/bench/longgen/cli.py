@@ -139,3 +139,22 @@ def codegen_cmd(
     with Console(stderr=True).status("codegen", spinner="dots") as status:
         judged = run_codegen(setup, on_phase=lambda text: status.update(text))
     emit(build_report(setup, judged, "vtoken " + shlex.join(sys.argv[1:]), time.perf_counter() - start), out)
+
+
+def trade_figure_cmd(
+    longgen: list[str] = typer.Option(..., "--longgen", help="longgen reports of one model and shape"),
+    codegen: list[str] = typer.Option([], "--codegen", help="codegen reports of the same model"),
+    served: list[str] = typer.Option([], "--served", help="`vtoken bench serve` reports (served gain)"),
+    out: str = typer.Option(..., help="the PNG to write"),
+) -> None:
+    """One model's trade: quality cost (perplexity ratio, HumanEval difference) against the gain over the full
+    cache — KV capacity for every point, the measured served gain over stock vLLM where one was run."""
+    from vtoken.bench.longgen.plot import plot_trade
+
+    try:
+        def load(paths):
+            return [json.loads(Path(p).read_text()) for p in paths]
+
+        plot_trade(load(longgen), load(codegen), load(served), out)
+    except (OSError, ValueError, KeyError) as err:
+        refuse(err)
