@@ -148,6 +148,9 @@ def test_quality_command_reports_full_cache_and_points(default_model, tmp_path):
         assert r["n"] == 8 and 0 <= r["solved"] <= 8 and r["evicted_tokens"] > 0
         assert r["retained_blocks_mean"] < full_niah["retained_blocks_mean"]
         assert p["ruler"]["at_parity"] == (full_niah["ci95"][0] <= r["rate"] <= full_niah["ci95"][1])
+        assert sum(r["per_sample"]) == r["solved"] and len(full_niah["per_sample"]) == 8
+        paired = p["ruler"]["rule"]["niah_single_1@512"]
+        assert paired["difference"] == round((r["solved"] - full_niah["solved"]) / 8, 4)
         f = p["fidelity"]
         assert 0 <= f["tokens_to_divergence_median"] <= 64 and 0.0 <= f["top1_agreement"] <= 1.0
         assert f["kl_lower_bound_mean"] >= 0.0 and f["evicted_tokens"] > 0

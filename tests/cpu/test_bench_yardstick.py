@@ -143,3 +143,19 @@ def test_the_parity_budget_is_the_smallest_with_every_larger_one_at_parity_too()
     # so is span pooling
     pools = parity_budgets([{**point("h2o", 0.9, True), "score_pool": 3}, point("h2o", 0.9, False)])
     assert {r["score_pool"]: r["parity_budget"] for r in pools} == {3: 0.9, 0: None}
+
+
+def test_the_ruler_task_half_pairs_samples_with_the_full_cache():
+    from vtoken.bench.ruler import task_rule
+
+    full = {"niah@1024": {"per_sample": [True] * 50}, "vt@1024": {"per_sample": [True] * 25 + [False] * 25}}
+    same = {"niah@1024": {"per_sample": [True] * 50}, "vt@1024": {"per_sample": [True] * 25 + [False] * 25},
+            "at_parity": True}
+    assert task_rule(same, full) == {"niah@1024": {"difference": 0.0, "lower95": 0.0, "task_ok": True},
+                                     "vt@1024": {"difference": 0.0, "lower95": 0.0, "task_ok": True}, "at_parity": True}
+    # the same solved count on other samples is not parity: 10 lost and 10 gained
+    swapped = {"niah@1024": {"per_sample": [True] * 50},
+               "vt@1024": {"per_sample": [True] * 15 + [False] * 10 + [True] * 10 + [False] * 15}}
+    verdict = task_rule(swapped, full)
+    assert verdict["vt@1024"]["difference"] == 0.0 and not verdict["vt@1024"]["task_ok"]
+    assert not verdict["at_parity"] and verdict["niah@1024"]["task_ok"]
