@@ -42,7 +42,14 @@ def test_prompt_logprobs_under_eviction_between_chunks_equal_the_masked_referenc
     ref = masked_logprobs(load_reference_model(str(tiny_llama)), prompt, visible)
     got = np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])])
     want = np.array([float(ref[q - 1, prompt[q]]) for q in range(1, n)])
-    assert np.max(np.abs(got - want)) < 1e-4
+    # fp32 on 2-core hosts differs between CPUs (2.4e-4 seen on an AMX host): the bound is 1e-3, and the
+    # evicted keys move the reference's log-probabilities far more than that, so a wrong mask fails it
+    full = masked_logprobs(load_reference_model(str(tiny_llama)), prompt, np.tri(n, dtype=bool))
+    unmasked = np.array([float(full[q - 1, prompt[q]]) for q in range(1, n)])
+    print(f"\n[lm] max |engine - masked ref| {np.max(np.abs(got - want)):.2e}, "
+          f"max |unmasked - masked ref| {np.max(np.abs(unmasked - want)):.2e}")
+    assert np.max(np.abs(unmasked - want)) > 0.05
+    assert np.max(np.abs(got - want)) < 1e-3
 
 
 def test_passkey_cases_and_text_windows_follow_the_seed(default_model):
