@@ -319,6 +319,7 @@ def bench_keys() -> dict[str, tuple[frozenset, bool]]:
         soak,
         yardstick_plot,
     )
+    from vtoken.bench.longgen import codegen
     from vtoken.bench.longgen import report as longgen_report
 
     return {"serve": (serve_bench.REPORT_KEYS, True), "quality": (quality.REPORT_KEYS, True),
@@ -327,7 +328,7 @@ def bench_keys() -> dict[str, tuple[frozenset, bool]]:
             "fleet": (fleet.REPORT_KEYS, False), "retained": (retained.REPORT_KEYS, False),
             "sim-scale": (sim_scale.REPORT_KEYS, False), "kernels": (kernels.REPORT_KEYS, False),
             "soak": (soak.REPORT_KEYS, True), "yardstick": (yardstick_plot.REPORT_KEYS, False),
-            "longgen": (longgen_report.REPORT_KEYS, True)}
+            "longgen": (longgen_report.REPORT_KEYS, True), "codegen": (codegen.REPORT_KEYS, True)}
 
 
 def bench_of(words: list[str], report: dict) -> str:

@@ -86,6 +86,22 @@ def test_committed_codegen_results_recompute_from_their_problems(path):
         assert p["accuracy"] == round(statistics.fmean(p["per_problem"]), 4)
 
 
+def test_the_task_half_rejects_decode_only_h2o_on_the_model_that_solves_problems():
+    """Qwen2.5-Coder solves 43 % of HumanEval with the full cache; recomputed from the committed
+    per-problem verdicts, the rule rejects decode-only H2O 10 % (the old engine default) and even 95 %
+    (lower bound −0.055). SmolLM2 solves none, so its task half cannot fail: only Qwen judges it."""
+    report = json.loads((RESULTS / "codegen-qwen2.5-coder-0.5b.json").read_text())
+    full = report["full_cache"]["per_problem"]
+    assert sum(full) >= 50
+    points = {p["label"]: p for p in report["points"]}
+    for label in ("budget=0.1", "budget=0.95"):
+        assert points[label]["settings"]["scope"] == "generated"
+        diff = rule.paired_difference(points[label]["per_problem"], full)
+        assert diff["lower95"] < rule.TASK_DIFF_BOUND, (label, diff)
+    smol = json.loads((RESULTS / "codegen-smollm2.json").read_text())
+    assert not any(smol["full_cache"]["per_problem"])
+
+
 # ---------------------------------------------------------------- the real engine
 @pytest.mark.slow
 def test_codegen_on_the_engine_judges_each_point_against_the_full_cache(default_model):
