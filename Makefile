@@ -44,6 +44,7 @@ serve: $(STAMP)
 # the settings tables in docs/ are generated from the config dataclasses' fields (vtoken/core/settings_doc.py)
 docs: $(STAMP)
 	$(BIN)/vtoken settings --write
+	$(BIN)/python scripts/results_doc.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

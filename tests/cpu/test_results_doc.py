@@ -121,7 +121,18 @@ def test_the_capacity_retained_and_fleet_headlines_follow_their_jsons():
     fleet = json.loads((RESULTS / "fleet-256.json").read_text())["replicas_needed"]
     assert f"naive **{fleet['naive']['min_fixed_replicas_meeting_slo']}**, repack " \
            f"**{fleet['repack']['min_fixed_replicas_meeting_slo']}**" in text
-    assert "Quality: see docs/quality.md" in text or "<!-- quality:begin -->" in text
+    # the quality halves: every longgen/codegen point's figures and verdict, read here from each JSON
+    for path in sorted(RESULTS.glob("longgen-*.json")):
+        for p in json.loads(path.read_text())["points"]:
+            lo, hi = p["perplexity_ratio_ci95"]
+            cell = f"| {p['perplexity_ratio']} [{lo}, {hi}] | {p['top1_agreement']} |"
+            assert cell in text, (path.name, p["label"])
+            verdict = "**yes** |" if hi <= 1.02 else "no |"
+            assert f"{cell} {p['kl_mean']} |" in text and text.split(cell, 1)[1].split("\n")[0].endswith(verdict)
+    for path in sorted(RESULTS.glob("codegen-*.json")):
+        for p in json.loads(path.read_text())["points"]:
+            ok = "**yes**" if p["lower95"] >= -0.05 else "no"
+            assert f"| {p['difference']} | {p['lower95']} | {ok} |" in text, (path.name, p["label"])
 
 
 def test_the_retained_reports_say_what_they_ran_on():

@@ -51,7 +51,7 @@ def plot_longgen(reports: list[dict], path: str | Path) -> None:
     setup = reports[0]["setup"]
     ax.set_title(f"{Path(reports[0]['model']).name}: human text, {setup['prompt_tokens']} + "
                  f"{setup['continuation_tokens']} tokens, eviction after every token (filled: at parity)", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -69,7 +69,9 @@ def plot_trade(longgen: list[dict], codegen: list[dict], served: list[dict], pat
     from vtoken.bench.longgen.rule import TASK_DIFF_BOUND
     from vtoken.bench.longgen.trade import matches, served_gains, task_points, text_points
 
-    text, tasks, gains = text_points(longgen), task_points(codegen), served_gains(served)
+    text, gains = text_points(longgen), served_gains(served)
+    judged = [r for r in codegen if any(r["full_cache"]["per_problem"])]  # a model that solves none cannot fail
+    tasks = task_points(judged)
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 7.5), sharex=True)
     colours = {label: plt.cm.tab20(i % 20) for i, label in enumerate(sorted(
         {p["label"] for p in text + tasks}, key=lambda label: [p["gain"] for p in text + tasks if p["label"] == label]))}
@@ -91,7 +93,11 @@ def plot_trade(longgen: list[dict], codegen: list[dict], served: list[dict], pat
                        color=colour, capsize=3, markerfacecolor=colour if p["task_ok"] else "white",
                        label=p["label"])
     right.axhline(TASK_DIFF_BOUND, color="black", linestyle="--", linewidth=1, label=f"bound {TASK_DIFF_BOUND}")
-    right.set_ylabel("HumanEval pass rate − full cache's (to the one-sided 95 % bound)")
+    right.set_ylabel("HumanEval pass rate − full cache's (bar: one-sided 95 % bound)")
+    if not tasks:
+        why = (f"the full cache solves 0 of {codegen[0]['setup']['problems']} problems:\nthe task half cannot judge "
+               "this model" if codegen else "no HumanEval report given")
+        right.text(0.5, 0.5, why, transform=right.transAxes, ha="center", va="center")
     from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
 
     for ax in (left, right):
@@ -104,6 +110,6 @@ def plot_trade(longgen: list[dict], codegen: list[dict], served: list[dict], pat
         ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     fig.suptitle(f"{Path(longgen[0]['model']).name}: quality paid against what it buys (filled: at parity)",
                  fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
