@@ -56,6 +56,9 @@ def verify(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     sets: Annotated[list[str] | None, typer.Option("--set", help=SET_HELP + "; verify carries "
                                                    + ", ".join(VERIFY_KEYS))] = None,
+    gpu: Annotated[bool, typer.Option("--gpu", help="the production CUDA path (bf16, default backend and "
+                                      "graphs) against stock vLLM instead of fp32 against HF "
+                                      "(vtoken/vllm/gpu_verify.py); refused off CUDA")] = False,
 ) -> None:
     """Run vToken in vLLM, replay through HF with the same keys masked, and compare (exit 1 on mismatch)."""
     from vtoken.models.default import resolve_model
@@ -79,6 +82,8 @@ def verify(
     except (ConfigError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+    if gpu:
+        _verify_gpu(path, cfg, prompt_len, max_tokens, as_json)
     bval = b.count if b.count is not None else b.fraction
     partner = Mode.REPACK if m is Mode.NAIVE else Mode.NAIVE  # the paired run: same decisions, other mode
     g = cfg.granularity.value
@@ -127,3 +132,21 @@ def verify(
             typer.echo(f"{k:36s} {v}")
     ok = report["match"] and report["paired_naive_match"] and report["naive_match"] and paired.match
     raise typer.Exit(0 if ok else 1)
+
+
+def _verify_gpu(path, cfg: VTokenConfig, prompt_len: int, max_tokens: int, as_json: bool) -> None:
+    """``--gpu``: refuse off CUDA (exit 2, nothing built), else run ``gpu_verify`` and exit 0/1 on its verdict."""
+    from vllm.platforms import current_platform
+
+    from vtoken.vllm.gpu_verify import require_cuda, run_gpu_verify
+    from vtoken.vllm.verify import make_prompt
+
+    try:
+        require_cuda(current_platform.device_type)
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    report = run_gpu_verify(str(path), cfg, make_prompt(path, prompt_len), max_tokens)
+    report["command"] = "vtoken " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    typer.echo(json.dumps(report) if as_json else "\n".join(f"{k:36s} {v}" for k, v in report.items()))
+    raise typer.Exit(0 if report["ok"] else 1)
