@@ -39,7 +39,8 @@ def test_variants_run_none_once_and_every_policy_for_the_evicting_modes():
 def test_none_is_stock_vllm_and_admission_on_it_is_its_own_variant():
     """The baseline never runs vToken's admission (it would load vToken's scheduler into vanilla vLLM)."""
     on = ServeBenchSetup(model="tiny-llama", modes=("none", "repack"), policies=("h2o",), admission=(True,))
-    assert on.variants() == [("none", None, False), ("repack", "h2o", True)]
+    # the control: stock vLLM with the same admission cap runs whenever the evicting variants use admission
+    assert on.variants() == [("none", None, False), ("none", None, True), ("repack", "h2o", True)]
     s = ServeBenchSetup(model="tiny-llama", modes=("none", "repack"), policies=("h2o",),
                         admission=(True, False))
     assert s.variants() == [("none", None, False), ("none", None, True), ("repack", "h2o", False),
@@ -370,3 +371,24 @@ def test_a_variant_that_met_the_grid_top_makes_its_ratios_lower_bounds():
            "grid's top)" in headline(got)
     every = summarize(repeats[:2])
     assert "repack/h2o +admission / none: ≥ 2.4× (min 2.4, max 2.4; 2 of 2 repeats)" in headline(every)
+
+
+def test_each_repeat_replays_another_workload_seed():
+    s = ServeBenchSetup(model="tiny-llama", seed=7, repeats=3)
+    seeds = [client_command(s, "http://x", "/m", 1.0, "/tmp/r", "x.json", i) for i in range(3)]
+    drawn = [cmd[cmd.index("--seed") + 1] for cmd in seeds]
+    assert drawn == ["7", "8", "9"]  # repeat 0 keeps --seed: a one-repeat run replays the older workload
+
+
+def test_an_admission_variant_is_also_compared_with_stock_under_the_same_cap():
+    from vtoken.bench.serve_summary import summarize
+
+    def v(mode, policy, admission, rate):
+        return {"mode": mode, "policy": policy, "admission": admission, "max_rate_at_target": rate,
+                "rate_at_target_interpolated": rate, "runs": [{"rate": 1.0}]}
+
+    rep = [v("none", None, False, 0.5), v("none", None, True, 0.8), v("repack", "h2o", True, 1.0)]
+    ratios = summarize([rep])["ratios"]
+    control = [r for k, r in ratios.items() if r["baseline"] == "stock+admission"]
+    assert len(control) == 1 and control[0]["max_rate_at_target"]["median"] == 1.25
+    assert [r["max_rate_at_target"]["median"] for r in ratios.values() if r["baseline"] == "stock"] == [1.6, 2.0]

@@ -72,7 +72,7 @@ class ServeBenchSetup:
     prefix_len: int = 128  # chat: shared system-prompt tokens
     ttft_ms: float = 15000.0
     tpot_ms: float = 300.0
-    seed: int = 0
+    seed: int = 0  # the workload of repeat i is drawn with seed + i (``repeat_seed``)
     admission: tuple[bool, ...] = (False,)  # SLO-aware admission per variant: off, on, or both (an A/B)
     stop_after_misses: int = 0  # a variant's sweep stops once this many rates in a row missed (0: every rate)
     repeats: int = 1  # every variant this many times, all in one command; ratios per repeat (serve_summary)
@@ -94,15 +94,21 @@ class ServeBenchSetup:
     def _widest(length: int) -> int:
         return math.ceil(length * (1 + CHAT_RANGE_RATIO))
 
+    def repeat_seed(self, repeat: int) -> int:
+        """The ``vllm bench serve --seed`` of repeat ``repeat`` (0-based; pure): every repeat replays another
+        workload, so the spread over repeats measures workloads, not only timing noise; repeat 0 is
+        ``seed`` itself, so a one-repeat run replays the workload earlier reports ran."""
+        return self.seed + repeat
+
     def variants(self) -> list[tuple[str, str | None, bool]]:
         """``(mode, policy, admission)`` triples (pure). ``none`` is stock vLLM, the baseline: no policy, no
-        admission (no vToken class in the engine), whatever ``admission`` says; when admission is compared
-        (``admission`` off and on) it also runs as its own variant ``none +admission``. Each evicting pair
-        once per ``admission`` setting, off before on."""
+        admission (no vToken class in the engine); whenever the evicting variants run with admission, stock
+        vLLM also runs with the same admission cap as its own variant ``none +admission`` (the control: what
+        admission alone buys). Each evicting pair once per ``admission`` setting, off before on."""
         switches = sorted(set(self.admission))
         out: list[tuple[str, str | None, bool]] = []
         if "none" in self.modes:
-            out += [("none", None, False)] + ([("none", None, True)] if switches == [False, True] else [])
+            out += [("none", None, False)] + ([("none", None, True)] if True in switches else [])
         pairs = [(m, p) for m in self.modes if m != "none" for p in self.policies]
         return out + [(m, p, a) for m, p in pairs for a in switches]
 
@@ -113,13 +119,14 @@ def server_command(config_path: str, port: int) -> list[str]:
 
 
 def client_command(s: ServeBenchSetup, url: str, model_path: str, rate: float, result_dir: str,
-                   name: str) -> list[str]:
-    """argv of one ``vllm bench serve`` run (pure); the ``vllm`` script next to this interpreter."""
+                   name: str, repeat: int = 0) -> list[str]:
+    """argv of one ``vllm bench serve`` run of repeat ``repeat`` (pure; its workload seed is
+    ``s.repeat_seed(repeat)``); the ``vllm`` script next to this interpreter."""
     cmd = [str(Path(sys.executable).with_name("vllm")), "bench", "serve", "--backend", "openai",
            "--base-url", url, "--endpoint", "/v1/completions", "--model", served_name(s.model),
            "--tokenizer", model_path, "--dataset-name", "random", "--random-input-len", str(s.input_len),
            "--random-output-len", str(s.output_len), "--num-prompts", str(s.num_prompts),
-           "--request-rate", str(rate), "--seed", str(s.seed), "--ignore-eos", "--disable-tqdm",
+           "--request-rate", str(rate), "--seed", str(s.repeat_seed(repeat)), "--ignore-eos", "--disable-tqdm",
            "--goodput", f"ttft:{s.ttft_ms:g}", f"tpot:{s.tpot_ms:g}",
            "--percentile-metrics", "ttft,tpot,e2el",
            "--metric-percentiles", "50,90,99", "--save-result", "--save-detailed", "--result-dir", result_dir,
@@ -216,8 +223,9 @@ def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
 
 
 def run_variant(s: ServeBenchSetup, variant: tuple[str, str | None, bool], model_path: str, log,
-                echo, shape: PoolShape | None = None) -> dict:
-    """Start one server, run every rate against it, stop it; returns the variant's report."""
+                echo, shape: PoolShape | None = None, repeat: int = 0) -> dict:
+    """Start one server, run every rate of repeat ``repeat`` against it, stop it; returns the variant's
+    report (with the workload ``seed`` it ran)."""
     from vtoken.serve.launch.local import free_port
 
     mode, policy, asked = variant
@@ -234,16 +242,16 @@ def run_variant(s: ServeBenchSetup, variant: tuple[str, str | None, bool], model
         proc = subprocess.Popen(server_command(str(config_path), port), stdout=log, stderr=log,
                                 start_new_session=True)
         try:
-            _drive(s, proc, url, metrics_port, model_path, variant, tmp, runs, echo, started)
+            _drive(s, proc, url, metrics_port, model_path, variant, tmp, runs, echo, started, repeat)
         finally:
             stop(proc)
-    return {"mode": mode, "policy": policy, "admission": admission, "runs": runs,
+    return {"mode": mode, "policy": policy, "admission": admission, "seed": s.repeat_seed(repeat), "runs": runs,
             "max_rate_at_target": max_rate_meeting(runs), "rate_at_target_interpolated": rate_at_target(runs),
             "peak_running": max((r["peak_running"] for r in runs), default=0)}
 
 
 def _drive(s: ServeBenchSetup, proc, url: str, metrics_port: int, model_path: str, variant: tuple, tmp: str,
-           runs: list, echo, started: float) -> None:
+           runs: list, echo, started: float, repeat: int) -> None:
     """Wait for the server, then one ``vllm bench serve`` run per rate, ascending (appends to ``runs``), until
     ``sweep_done``."""
     mode, policy, admission = variant
@@ -253,7 +261,7 @@ def _drive(s: ServeBenchSetup, proc, url: str, metrics_port: int, model_path: st
     for rate in sorted(s.rates):
         name = f"{mode}-{policy}-{int(admission)}-{rate}.json".replace("+", "_")
         with ReplicaMetrics(f"http://127.0.0.1:{metrics_port}/metrics") as seen:
-            out = subprocess.run(client_command(s, url, model_path, rate, tmp, name), capture_output=True,
+            out = subprocess.run(client_command(s, url, model_path, rate, tmp, name, repeat), capture_output=True,
                                  text=True, timeout=3600)
         if out.returncode != 0:
             raise RuntimeError(f"vllm bench serve failed ({label}, rate {rate}):\n{out.stderr[-2000:]}")
@@ -306,7 +314,7 @@ def run_serve_bench(s: ServeBenchSetup, echo=lambda line: None, log_path: str | 
         for i in range(s.repeats):
             if s.repeats > 1:
                 echo(f"repeat {i + 1} of {s.repeats}")
-            repeats.append([run_variant(s, variant, model_path, log, echo, shape) for variant in s.variants()])
+            repeats.append([run_variant(s, variant, model_path, log, echo, shape, i) for variant in s.variants()])
             checkpoint(_report(s, model_path, repeats, started))
     report = _report(s, model_path, repeats, started)
     for line in headline(report["summary"]):

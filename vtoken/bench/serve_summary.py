@@ -9,7 +9,8 @@ same hour of the machine for both sides), then summarised over the repeats::
     summary    repack/h2o ÷ none: median 1.50 (min 1.20, max 1.75, 3 of 3 repeats)
 
 The baselines of an evicting variant are stock vLLM (``none`` without admission: no vToken class in the
-engine) and Naive-Evict with the same policy and admission setting. A variant that met no rate (it missed
+engine), stock vLLM with the same admission cap where the variant runs admission (``none +admission``), and
+Naive-Evict with the same policy and admission setting. A variant that met no rate (it missed
 the lowest one) counts as 0 against a baseline that met one: its ratio is 0, a loss, never left out. A ratio
 over a baseline that met no rate is ``None`` (undefined, not infinite) and is left out of the median; ``n``
 says how many repeats it covers. A variant that met the highest rate it ran (the grid's top: it never
@@ -59,6 +60,8 @@ def baselines(variant: tuple) -> list[tuple[str, tuple]]:
     if mode == "none":
         return [("stock", STOCK)] if admission else []
     out = [("stock", STOCK)]
+    if admission:  # the control: stock vLLM with the same admission cap
+        out.append(("stock+admission", ("none", None, True)))
     if mode != "naive":
         out.append(("naive", ("naive", policy, admission)))
     return out
