@@ -392,3 +392,24 @@ def test_an_admission_variant_is_also_compared_with_stock_under_the_same_cap():
     control = [r for k, r in ratios.items() if r["baseline"] == "stock+admission"]
     assert len(control) == 1 and control[0]["max_rate_at_target"]["median"] == 1.25
     assert [r["max_rate_at_target"]["median"] for r in ratios.values() if r["baseline"] == "stock"] == [1.6, 2.0]
+
+
+def test_bursts_and_mixed_lengths_reach_the_client_and_size_the_engine():
+    plain = ServeBenchSetup(model="tiny-llama", input_len=100, output_len=50)
+    cmd = client_command(plain, "http://x", "/m", 1.0, "/tmp/r", "x.json")
+    assert "--burstiness" not in cmd and "--random-range-ratio" not in cmd  # Poisson, fixed lengths: as before
+    bursty = ServeBenchSetup(model="tiny-llama", input_len=100, output_len=50, burstiness=0.25, range_ratio=0.9)
+    cmd = client_command(bursty, "http://x", "/m", 1.0, "/tmp/r", "x.json")
+    assert cmd[cmd.index("--burstiness") + 1] == "0.25" and cmd[cmd.index("--random-range-ratio") + 1] == "0.9"
+    assert bursty.longest_output() == 95 and bursty.longest_request() > plain.longest_request() + 90
+
+
+def test_bad_burst_settings_are_refused_by_name():
+    from typer.testing import CliRunner
+
+    from vtoken.cli import app
+
+    for args, needle in ((["--burstiness", "0"], "--burstiness 0.0"), (["--range-ratio", "1.5"], "--range-ratio 1.5"),
+                         (["--dataset", "chat", "--range-ratio", "0.5"], "chat sets its own")):
+        res = CliRunner().invoke(app, ["bench", "serve", "--model", "tiny-llama", *args])
+        assert res.exit_code != 0 and needle in res.output, (args, res.output)

@@ -589,7 +589,10 @@ def serve_cmd(
     prefix_len: int = typer.Option(128, "--prefix-len", help="chat: shared system-prompt tokens"),
     ttft_ms: float = typer.Option(15000, "--ttft-ms", help="TTFT SLO (ms), the same for every mode"),
     tpot_ms: float = typer.Option(300, "--tpot-ms", help="TPOT SLO (ms), the same for every mode"),
-    seed: int = typer.Option(0),
+    seed: int = typer.Option(0, help="workload seed of the first repeat (repeat i: seed + i)"),
+    burstiness: float = typer.Option(1.0, help="arrival burstiness: 1 Poisson, < 1 bursts (gamma intervals)"),
+    range_ratio: float = typer.Option(0.0, "--range-ratio", help="random dataset: request lengths uniform in "
+                                      "(1 ± this) × --input-len / --output-len (long and short mixed)"),
     admission: str = typer.Option("off", help="SLO-aware admission per variant: off | on | off,on (an A/B)"),
     stop_after_misses: int = typer.Option(0, "--stop-after-misses", help="stop a variant's sweep once this "
                                           "many rates in a row missed 90 % attainment (0: run every rate)"),
@@ -619,6 +622,9 @@ def serve_cmd(
         (ttft_ms <= 0 or tpot_ms <= 0, "--ttft-ms / --tpot-ms must be > 0"),
         (stop_after_misses < 0, f"--stop-after-misses {stop_after_misses}: 0 (every rate) or a count ≥ 1"),
         (repeats < 1, f"--repeats {repeats}: need at least 1"),
+        (burstiness <= 0, f"--burstiness {burstiness}: must be > 0"),
+        (not 0 <= range_ratio < 1, f"--range-ratio {range_ratio}: must be in [0, 1)"),
+        (range_ratio and dataset == "chat", f"--range-ratio {range_ratio}: chat sets its own (±50 %)"),
     ]
     switches = {"off": False, "on": True}
     admission_list = [a.strip() for a in admission.split(",") if a.strip()]
@@ -632,7 +638,8 @@ def serve_cmd(
         policies=tuple(p.strip() for p in policies.split(",") if p.strip()), budget=budget,
         pool_blocks=pool_blocks, max_num_seqs=max_num_seqs, rates=rate_list, num_prompts=num_prompts,
         input_len=input_len, output_len=output_len, dataset=dataset, prefix_len=prefix_len, ttft_ms=ttft_ms,
-        tpot_ms=tpot_ms, seed=seed, admission=tuple(switches[a] for a in admission_list), extra=tuple(sets),
+        tpot_ms=tpot_ms, seed=seed, burstiness=burstiness, range_ratio=range_ratio,
+        admission=tuple(switches[a] for a in admission_list), extra=tuple(sets),
         stop_after_misses=stop_after_misses, repeats=repeats)
     if not setup.variants():
         refuse(f"--modes {modes!r} / --policies {policies!r}: nothing to run")

@@ -73,6 +73,8 @@ class ServeBenchSetup:
     ttft_ms: float = 15000.0
     tpot_ms: float = 300.0
     seed: int = 0  # the workload of repeat i is drawn with seed + i (``repeat_seed``)
+    burstiness: float = 1.0  # arrivals: 1 Poisson; < 1 gamma intervals, bursts above the mean rate
+    range_ratio: float = 0.0  # random dataset: lengths uniform in (1 ± range_ratio) × input/output_len
     admission: tuple[bool, ...] = (False,)  # SLO-aware admission per variant: off, on, or both (an A/B)
     stop_after_misses: int = 0  # a variant's sweep stops once this many rates in a row missed (0: every rate)
     repeats: int = 1  # every variant this many times, all in one command; ratios per repeat (serve_summary)
@@ -82,17 +84,22 @@ class ServeBenchSetup:
         """Prompt + generated tokens of the longest request the client sends (the engine's
         ``max_model_len``): ``chat`` draws prompts up to 1.5 × ``input_len`` after the shared prefix, and
         the prompts' decode/re-encode round trip may add a few tokens."""
-        prompt = self.prefix_len + self._widest(self.input_len) if self.dataset == "chat" else self.input_len
+        prompt = self.prefix_len + self._widest(self.input_len) if self.dataset == "chat" else \
+            self._widest(self.input_len)
         return prompt + TOKENIZER_SLACK + self.longest_output() + 1
 
     def longest_output(self) -> int:
         """The largest ``max_tokens`` the client asks for (the server's ``limits.max_tokens``): ``chat``
         draws outputs up to (1 + ``CHAT_RANGE_RATIO``) × ``output_len``."""
-        return self._widest(self.output_len) if self.dataset == "chat" else self.output_len
+        return self._widest(self.output_len)
 
-    @staticmethod
-    def _widest(length: int) -> int:
-        return math.ceil(length * (1 + CHAT_RANGE_RATIO))
+    def spread(self) -> float:
+        """How far request lengths range around ``input_len`` / ``output_len`` (pure): chat's fixed ratio, else
+        ``range_ratio``."""
+        return CHAT_RANGE_RATIO if self.dataset == "chat" else self.range_ratio
+
+    def _widest(self, length: int) -> int:
+        return math.ceil(length * (1 + self.spread()))
 
     def repeat_seed(self, repeat: int) -> int:
         """The ``vllm bench serve --seed`` of repeat ``repeat`` (0-based; pure): every repeat replays another
@@ -132,7 +139,11 @@ def client_command(s: ServeBenchSetup, url: str, model_path: str, rate: float, r
            "--metric-percentiles", "50,90,99", "--save-result", "--save-detailed", "--result-dir", result_dir,
            "--result-filename", name]
     if s.dataset == "chat":
-        cmd += ["--random-prefix-len", str(s.prefix_len), "--random-range-ratio", str(CHAT_RANGE_RATIO)]
+        cmd += ["--random-prefix-len", str(s.prefix_len)]
+    if s.spread():
+        cmd += ["--random-range-ratio", str(s.spread())]
+    if s.burstiness != 1.0:
+        cmd += ["--burstiness", str(s.burstiness)]
     return cmd
 
 
