@@ -184,7 +184,8 @@ def test_retained_grid_prints_json_with_the_command(tmp_path):
 
 
 def test_serve_report_has_exactly_its_report_keys():
-    from vtoken.bench.serve_bench import REPORT_KEYS, ServeBenchSetup, _report
+    from vtoken.bench.serve_bench import REPORT_KEYS, _report
+    from vtoken.bench.serve_setup import ServeBenchSetup
 
     variant = {"mode": "repack", "policy": "h2o", "admission": False, "runs": [], "max_rate_at_target": 0.3,
                "rate_at_target_interpolated": 0.32, "peak_running": 4}
@@ -348,7 +349,7 @@ def required_keys(bench: str, words: list[str], report: dict) -> list[tuple[tupl
     from vtoken.bench.fleet import AUTOSCALER_KEYS
     from vtoken.bench.overhead import SCORE_COLLECTION_KEYS
     from vtoken.bench.quality import QualitySetup
-    from vtoken.bench.serve_bench import ServeBenchSetup
+    from vtoken.bench.serve_setup import ServeBenchSetup
     from vtoken.policies import get_policy_class
     from vtoken.sim.run import RESULT_KEYS
 

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from vtoken.bench.serve_bench import CHAT_RANGE_RATIO, ServeBenchSetup, client_command, variant_config
+from vtoken.bench.serve_bench import client_command, variant_config
 from vtoken.bench.serve_results import (
     ReplicaMetrics,
     max_rate_meeting,
@@ -24,6 +24,7 @@ from vtoken.bench.serve_results import (
     run_summary,
     sweep_done,
 )
+from vtoken.bench.serve_setup import CHAT_RANGE_RATIO, ServeBenchSetup
 
 VTOKEN = [sys.executable, "-m", "vtoken.cli"]
 

@@ -606,7 +606,8 @@ def serve_cmd(
 ) -> None:
     """The served path per mode: `vtoken serve` + `vllm bench serve`, goodput and SLO attainment per rate."""
     from vtoken.bench.report import emit, partial_writer
-    from vtoken.bench.serve_bench import DATASETS, ServeBenchSetup, pool_shape_of, run_serve_bench, variant_config
+    from vtoken.bench.serve_bench import pool_shape_of, run_serve_bench, variant_config
+    from vtoken.bench.serve_setup import DATASETS, ServeBenchSetup
     from vtoken.models.default import resolve_model
     from vtoken.vllm.launch import vllm_logs_to_stderr
 

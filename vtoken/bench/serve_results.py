@@ -25,7 +25,7 @@ from vtoken.metric_names import (
 )
 
 if TYPE_CHECKING:
-    from vtoken.bench.serve_bench import ServeBenchSetup
+    from vtoken.bench.serve_setup import ServeBenchSetup
 
 ATTAINMENT_TARGET = 0.9  # "SLA-constrained throughput": the highest rate meeting the SLOs for ≥ 90 %
 
