@@ -145,3 +145,14 @@ def test_support_matrix_lists_every_feature_of_issue_11():
               "speculative decoding", "prefix caching", "chunked prefill", "preemption", "tensor parallelism",
               "pipeline parallelism", "async scheduling", "cuda graphs"):
         assert f in features, f
+
+
+def test_support_matrix_refuses_micro_batching_and_mm_prefix_models_by_option():
+    """Issue 41: dual-batch overlap (``enable_dbo``), micro-batching (``ubatch_size``) and mm-prefix LMs
+    (``is_mm_prefix_lm``) sit in the refused column, each naming the test that builds those configs."""
+    rows = support_rows(SUPPORT.read_text())
+    for option in ("enable_dbo", "ubatch_size", "is_mm_prefix_lm"):
+        named = [r for r in rows if option in r["feature"]]
+        assert named, f"no support-matrix row names {option}"
+        for r in named:
+            assert "✓" in r["refused"] and TEST_REF.search(r["refused"]), r["feature"]

@@ -74,6 +74,22 @@ Engine construction (worker and scheduler) — ``vtoken/vllm/engine_setup.py``
     ``use_inductor_graph_partition``, ``pass_config.fuse_attn_quant`` named in the log) decides between the
     two: PIECEWISE only when attention runs eagerly between the captured pieces.
 
+Start-up refusals — ``vtoken/vllm/support.py`` (``check_engine_config``; reads only)
+  * ``ParallelConfig.enable_dbo`` / ``ubatch_size`` — refused when ``enable_dbo`` or ``ubatch_size > 1``,
+    the two fields vLLM 0.32's ``ParallelConfig.use_ubatching`` property ORs (``num_ubatches``: 2 under
+    DBO, else ``ubatch_size``). With it on, ``GPUModelRunner`` splits a step into micro-batches
+    (``ubatch_utils.maybe_create_ubatch_slices``), runs attention once per micro-batch with a
+    micro-batch-local query (vToken's score accumulator indexes queries with whole-batch offsets and would
+    count each layer once per micro-batch), and ``GPUModelRunner._allow_microbatching`` derives block
+    columns from ``input_batch.num_computed_tokens_cpu`` (logical) against rows eviction compacted.
+    vLLM's CPU platform (``CpuPlatform.check_and_update_config``) resets ``enable_dbo`` to False; CUDA keeps it.
+  * ``ModelConfig.is_mm_prefix_lm`` — a property over ``model_arch_config.is_mm_prefix_lm``, which
+    ``transformers_utils.model_arch_config_convertor`` takes from the HF config's ``is_mm_prefix_lm`` field,
+    else from ``model_type`` in (``bagel``, ``gemma3``, ``molmo2``, ``moondream3``, ``paligemma``), and sets
+    False when multimodal inputs are configuration-disabled. The runner then gives attention bidirectional
+    spans over multimodal prefixes as logical token ranges (``gpu_model_runner``, ``flash_attn``), which
+    compacted rows no longer match: refused.
+
 Worker side (worker process) — ``vtoken/vllm/runner.py``, ``results.py``, ``worker.py``, ``cpu_worker.py``,
 ``gpu_worker.py``
   * ``vllm.v1.worker.gpu_worker.Worker`` — subclassed by ``VTokenWorker`` (``worker_cls``), whose ``__new__``
