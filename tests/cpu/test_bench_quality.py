@@ -190,15 +190,16 @@ def test_quality_bad_input_exits_2_naming_the_value():
 
 def test_the_committed_sweep_covers_every_policy_and_budget_and_the_docs_show_its_table():
     """docs/results/quality-smollm2.json is the documented run: every registered policy at budgets 10–50 %
-    in both granularities, the full-cache reference, a plot beside it, and docs/quality.md shows exactly
-    the table ``quality_table`` makes of it (a re-run that is not copied into the docs fails here)."""
+    in both granularities, the full-cache reference, a plot beside it, and its experiment file
+    (docs/experiments/2026-11-30-quality-sweep-every-policy.md) shows exactly the table ``quality_table``
+    makes of it (a re-run that is not copied into the docs fails here)."""
     from vtoken.bench.quality_plot import quality_table
     from vtoken.policies import policy_names
 
     root = Path(__file__).resolve().parents[2]
     report = json.loads((root / "docs/results/quality-smollm2.json").read_text())
     points = report["points"]
-    # registered after the sweep ran; docs/quality.md says so beside it. Remove a name once a re-run
+    # registered after the sweep ran; its experiment file says so beside it. Remove a name once a re-run
     # covers it (then the sweep must hold it like every other policy).
     not_swept = {"rkv"}
     swept = set(policy_names()) - not_swept
@@ -207,10 +208,11 @@ def test_the_committed_sweep_covers_every_policy_and_budget_and_the_docs_show_it
     assert {p["budget"] for p in points} == {0.1, 0.2, 0.3, 0.4, 0.5}
     assert {(p["policy"], p["budget"], p["granularity"]) for p in points} == {
         (name, b, g) for name in swept for b in (0.1, 0.2, 0.3, 0.4, 0.5) for g in ("token", "block")}
-    assert "`rkv` (R-KV) was registered after this sweep" in (root / "docs/quality.md").read_text()
+    sweep_doc = (root / "docs/experiments/2026-11-30-quality-sweep-every-policy.md").read_text()
+    assert "`rkv` (R-KV) was registered after this sweep" in sweep_doc
     full = report["full_cache"]
     assert full["accuracy"] >= 0.9 and full["perplexity"] > 1  # the task is solved with the whole cache
     for p in points:
         assert p["retained_blocks_mean"] <= full["retained_blocks_mean"] + 1e-9, p
     assert (root / "docs/results/quality-smollm2.png").stat().st_size > 10_000
-    assert quality_table(report) in (root / "docs/quality.md").read_text()
+    assert quality_table(report) in sweep_doc

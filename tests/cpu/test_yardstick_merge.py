@@ -1,5 +1,5 @@
 """`vtoken bench yardstick`: several quality runs on one yardstick merged into one report, figure and table;
-the committed figure's table is the one docs/quality.md shows."""
+the committed figure's table is the one its experiment file shows."""
 
 from __future__ import annotations
 
@@ -100,7 +100,8 @@ def test_the_command_refuses_bad_input_naming_it(tmp_path):
 
 def test_the_committed_yardstick_figure_and_its_table_in_the_docs_are_its_reports_merged(tmp_path):
     """docs/results/quality-yardstick-smollm2.json records the command that merged the committed runs: run
-    again it gives the same points, the figure beside it exists, and docs/quality.md shows its table."""
+    again it gives the same points, the figure beside it exists, and its experiment file
+    (docs/experiments/2026-12-03-yardstick-merged.md) shows its table."""
     committed = json.loads((ROOT / "docs/results/quality-yardstick-smollm2.json").read_text())
     args = shlex.split(committed["command"])[1:]
     for flag, to in (("--plot", tmp_path / "y.png"), ("--out", tmp_path / "y.json")):
@@ -112,7 +113,8 @@ def test_the_committed_yardstick_figure_and_its_table_in_the_docs_are_its_report
     assert again["parity"] == committed["parity"]
     assert (tmp_path / "y.png").stat().st_size > 10_000
     assert (ROOT / committed["plot"]).stat().st_size > 10_000
-    assert yardstick_table(committed) in (ROOT / "docs/quality.md").read_text()
-    assert parity_table(committed) in (ROOT / "docs/quality.md").read_text()
+    doc = (ROOT / "docs/experiments/2026-12-03-yardstick-merged.md").read_text()
+    assert yardstick_table(committed) in doc
+    assert parity_table(committed) in doc
     assert {Path(r).name for r in committed["reports"]} >= {
         "quality-yardstick-smollm2-decode-only.json", "quality-yardstick-smollm2-question-aware.json"}
