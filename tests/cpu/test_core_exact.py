@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from vtoken.core.config import Budget, Mode, VTokenConfig
+from vtoken.core.config import Budget, Mode, Trigger, VTokenConfig
 from vtoken.core.integrity import check_integrity
 from vtoken.core.manager import CacheManager
 from vtoken.core.pool import BlockPool, PoolExhausted
@@ -168,7 +168,7 @@ def test_budget_parsing_and_tokens():
     [
         ({"policy": "lru"}, f"valid policies: {', '.join(policy_names())}"),
         ({"mode": "compact"}, "valid modes: none, naive, repack, reuse+repack"),
-        ({"trigger": "often"}, "valid triggers: step, block"),
+        ({"trigger": "often"}, f"valid triggers: {', '.join(t.value for t in Trigger)}"),
         ({"block_size": 24}, "power of two, got 24"),
         ({"block_size": 0}, "positive integer, got 0"),
         ({"sinks": -1}, "sinks must be a non-negative integer, got -1"),

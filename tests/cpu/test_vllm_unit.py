@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from vtoken.core.config import VTokenConfig
+from vtoken.core.config import Trigger, VTokenConfig
 from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
 from vtoken.errors import ConfigError
 from vtoken.vllm import SCHEDULER_CLS, WORKER_CLS, engine_kwargs
@@ -86,7 +86,7 @@ def test_engine_kwargs_shape():
         ({"mode": "pack"}, "'pack'; valid modes: none, naive, repack, reuse+repack"),
         ({"budget": 1.5}, "1.5"),
         ({"budget": "lots"}, "'lots'"),
-        ({"trigger": "often"}, "'often'; valid triggers: step, block"),
+        ({"trigger": "often"}, f"'often'; valid triggers: {', '.join(t.value for t in Trigger)}"),
         ({"sinks": -1}, "sinks must be a non-negative integer, got -1"),
         ({"block_size": 64}, "block_size 64 differs from vLLM's block size 32"),
         ({"polcy": "h2o"}, "'polcy'; valid settings: policy, budget"),

@@ -96,10 +96,17 @@ class Trigger(_Choice):
     ``step``   every step in which the request is over budget (one small plan per step).
     ``block``  only when the request is at least one block over budget; it then evicts down to the
                budget, so every plan frees whole blocks and moves are batched.
+    ``pressure`` only when vLLM's KV pool is short (``vtoken.core.pressure``): nothing is evicted while the
+               free blocks cover the running batch's next step; when they do not (vLLM would preempt, or the
+               head of the queue cannot get its first chunk), the batch's evictable tokens go in one policy
+               order across the requests, none below its ``budget`` (a floor), until the step fits plus a
+               margin of one block per running request (the hysteresis); vLLM preempts only once every
+               request is at its floor.
     """
 
     STEP = "step"
     BLOCK = "block"
+    PRESSURE = "pressure"
 
     @classmethod
     def _names(cls) -> tuple[str, str]:
@@ -279,8 +286,13 @@ class VTokenConfig:
     put the question; generated tokens' queries add as usual). TOVA (last query), Scissorhands (last 64) and
     SnapKV (the window) read only late queries already."""
     trigger: Trigger = Trigger.STEP
-    """When eviction runs (`Trigger`): `step` (every step over budget) or `block` (only when at least one
-    block over budget, then down to the budget: every plan frees whole blocks, moves are batched)."""
+    """When eviction runs (`Trigger`): `step` (every step over budget), `block` (only when at least one
+    block over budget, then down to the budget: every plan frees whole blocks, moves are batched) or
+    `pressure` (only when vLLM's pool cannot hold the running batch's next step or the queue head's first
+    chunk: tokens then go in policy order across the batch, none below `budget`, which becomes a floor,
+    until the step fits plus one block per running request, the hysteresis margin; vLLM preempts only once
+    every request is at its floor; one KV cache group, one rank, synchronous scheduling, token granularity,
+    no `keep_mass`; docs/vllm-integration.md, "Evicting under pressure")."""
     granularity: Granularity = Granularity.TOKEN
     """What one eviction removes (`Granularity`): `token` (single tokens, the policy's lowest scores) or
     `block` (whole original blocks whose tokens are all live and evictable, lowest mean score first,
@@ -322,6 +334,10 @@ class VTokenConfig:
             raise ConfigError(f"score_layers must be a positive integer (layers scored) or null (every layer), "
                               f"got {n!r}")
         cls = get_policy_class(self.policy)
+        if self.trigger is Trigger.PRESSURE and (
+                self.keep_mass is not None or self.granularity is Granularity.BLOCK):
+            raise ConfigError("trigger 'pressure' evicts single tokens down to at most the budget's floor; "
+                              "it does not combine with keep_mass or granularity 'block'")
         self._check_keep_mass(cls)
         self._check_score_pool(cls)
 

@@ -27,7 +27,7 @@ from vtoken.policies.context import EvictionContext
 def eviction_count(live: int, seen: int, prompt_len: int, cfg: VTokenConfig) -> int:
     """How many tokens to evict now: down to the budget (``VTokenConfig.kept_live``), or nothing if the
     trigger is not met."""
-    if not cfg.mode.evicts:
+    if not cfg.mode.evicts or cfg.trigger is Trigger.PRESSURE:  # pressure: the budget is a floor only
         return 0
     over = live - cfg.kept_live(seen, prompt_len)
     if cfg.trigger is Trigger.BLOCK and over < cfg.block_size:
@@ -88,13 +88,17 @@ class StepDecision:
 
 
 def decide_step(
-    table: TokenTable, policy: ScorerPolicy, cfg: VTokenConfig, salt: int, n_new: int
+    table: TokenTable, policy: ScorerPolicy, cfg: VTokenConfig, salt: int, n_new: int,
+    victims: np.ndarray | None = None,
 ) -> StepDecision:
     """Evict down to the budget, place a lone new token into a hole (reuse+repack), plan and apply the
     repack. Mutates ``table``; ``n_new`` is the number of tokens this step will compute (the caller places
     them afterwards unless ``placed`` is set). Without victims the row is already dense: nothing is placed
-    and the plan is empty."""
-    victims = choose_victims(table, policy, cfg, salt)
+    and the plan is empty. ``victims``: evict exactly these (ascending, evictable logical positions) instead
+    of the budget's choice: the batch-wide decision of ``trigger: pressure`` (``vtoken.core.pressure``);
+    the rest of the step order is the same."""
+    if victims is None:
+        victims = choose_victims(table, policy, cfg, salt)
     if victims.size:
         table.evict(victims, cfg.sinks, cfg.recent, cfg.kept_prompt(table.prompt_len))
     placed = table.place(1) if victims.size and cfg.mode.reuses_holes and n_new == 1 else None
