@@ -66,8 +66,8 @@ def test_score_kernels_compile(dtype, precision):
     ptx = compile_sm90(_STATS, types, common)
     assert re.search(r"ld\.global(\.\w+)*\.v4", ptx)  # the query tile: 16-byte vectors (Q_ALIGN)
     assert re.search(r"cp\.async\.cg\.shared\.global .*, 0x10", ptx)  # keys: 16-byte async copies
-    ptx = compile_sm90(_PROBS, {**types, "q_row": "*i32", "sums_ptr": "*fp32", "rows_ptr": "*fp32",
-                                "kmax": "i32"}, {**common, "HKV": 8})
+    ptx = compile_sm90(_PROBS, {**types, "q_row": "*i32", "q_first": "*i32", "sums_ptr": "*fp32",
+                                "rows_ptr": "*fp32", "kmax": "i32"}, {**common, "HKV": 8})
     assert re.search(r"cp\.async\.cg\.shared\.global .*, 0x10", ptx)
     assert not re.search(r"ld\.global(\.\w+)*\.b16", ptx)  # triton 3.6 loaded keys by the element before
 
@@ -121,7 +121,8 @@ def _ttir_cases():
              "token_stride": "i32"}
     move_c = dict(CAP=512, BLOCK_SIZE=16, HEADS=8, HEAD_TILE=8, WIDTH=256, WIDTH_P2=256, ALIGN=16)
     scores = {**SCORE_TYPES, "q_ptr": "*bf16", "cache_ptr": "*bf16", "block_stride": "i32"}
-    probs = {**scores, "q_row": "*i32", "sums_ptr": "*fp32", "rows_ptr": "*fp32", "kmax": "i32"}
+    probs = {**scores, "q_row": "*i32", "q_first": "*i32", "sums_ptr": "*fp32", "rows_ptr": "*fp32",
+             "kmax": "i32"}
     decode = {"q_ptr": "*bf16", "q_st": "i32", "q_sh": "i32", "cache_ptr": "*bf16", "bt_ptr": "*i32",
               "bt_stride": "i32", "index_ptr": "*i32", "seq_ptr": "*i32", "out_ptr": "*bf16", "o_st": "i32",
               "o_sh": "i32", "block_stride": "i32", "head_stride": "i32", "token_stride": "i32",

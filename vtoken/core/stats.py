@@ -46,8 +46,9 @@ class StepScores:
 class SlotScores:
     """What the worker measured for one request in one step: the typed worker → scheduler boundary.
 
-    Attention statistics cover the request's row slots ``0..seq_len-1`` (its dense live keys, in slot
-    order) and are ``None`` when they were not asked for; ``key_norm`` holds the step's ``n_queries`` new
+    Attention statistics cover the request's row slots ``first..seq_len-1`` (its dense live keys, in slot
+    order; slots below ``first`` hold tokens that are never evictable, ``vtoken.core.scored_range``, and are
+    not scored) and are ``None`` when they were not asked for; ``key_norm`` holds the step's ``n_queries`` new
     keys' norms in order (preceded by those of prefix-cache hits the step was asked for), or ``None``;
     ``window`` covers the row slots too, only on the step that computed the prompt's last token;
     ``redundancy`` covers them when asked for (R-KV). Plain numpy: it is pickled across the engine's process
@@ -62,6 +63,7 @@ class SlotScores:
     key_norm: np.ndarray | None = None
     window: np.ndarray | None = None
     redundancy: np.ndarray | None = None
+    first: int = 0  # the attention statistics' first row slot (they hold seq_len - first entries)
 
     def by_logical(self, token_at: np.ndarray, first_new: int) -> StepScores:
         """Map slots to logical positions through the table's ``token_at`` (holes are dropped); the key norms
@@ -70,8 +72,10 @@ class SlotScores:
         new = np.arange(first_new, first_new + len(kn), dtype=np.int64) if kn is not None else None
         if self.accumulated is None:
             return StepScores(np.zeros(0, np.int64), self.n_queries, key_norm_logicals=new, key_norm=self.key_norm)
-        logicals = np.asarray(token_at[: self.seq_len], dtype=np.int64)
+        logicals = np.asarray(token_at[self.first : self.seq_len], dtype=np.int64)
         ok = logicals >= 0
+        if ok.all():  # a dense row (every scored slot holds a token): no copies
+            ok = slice(None)
         return StepScores(
             logicals=logicals[ok],
             n_queries=self.n_queries,
@@ -118,17 +122,22 @@ def shift_history(bits: np.ndarray, n_queries: int, new_bits: np.ndarray) -> np.
     return (bits << np.uint64(n_queries)) | new_bits.astype(np.uint64)
 
 
-def unimportance_bits(probs: np.ndarray, visible: np.ndarray) -> np.ndarray:
+def unimportance_bits(probs: np.ndarray, visible: np.ndarray, n_visible: np.ndarray | None = None) -> np.ndarray:
     """History bits from the last ≤64 queries' attention rows.
 
     ``probs``: [q, k] attention of each query over the keys (mean over heads/layers), oldest query first.
     ``visible``: [q, k] bool, which keys each query could see (causal mask). A key a query could not see
-    is not judged by that query. Bit 0 is the newest query.
+    is not judged by that query. Bit 0 is the newest query. ``n_visible`` ``[q]``: how many keys each query
+    saw in all, when ``probs`` covers only some of them (a scored range starting past slot 0; the
+    threshold 1/n stays that of every key the softmax normalised over); default ``visible.sum(axis=1)``.
     """
     q = probs.shape[0]
     rows = probs[max(0, q - HISTORY_BITS) :]
     vis = visible[max(0, q - HISTORY_BITS) :]
-    n_vis = np.maximum(vis.sum(axis=1, keepdims=True), 1)
+    if n_visible is None:
+        n_vis = np.maximum(vis.sum(axis=1, keepdims=True), 1)
+    else:
+        n_vis = np.maximum(np.asarray(n_visible)[max(0, q - HISTORY_BITS) :, None], 1)
     low = (rows < 1.0 / n_vis) & vis  # [h, k]
     weights = np.uint64(1) << np.arange(low.shape[0] - 1, -1, -1, dtype=np.uint64)  # newest -> bit 0
     return (low.astype(np.uint64) * weights[:, None]).sum(axis=0, dtype=np.uint64)
@@ -144,6 +153,8 @@ def observe(table, scores: StepScores, question_aware: bool = False) -> None:
     idx = np.asarray(scores.logicals, dtype=np.int64)
     if idx.size and scores.accumulated is not None:
         keep = idx < table.seen
+        if keep.all():  # the usual case: no copies
+            keep = slice(None)
         idx = idx[keep]
         table.accumulated[idx] += np.asarray(scores.accumulated)[keep]
         table.last[: table.seen] = 0.0

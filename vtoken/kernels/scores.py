@@ -78,8 +78,9 @@ class RequestScores:
     want_key_norm: bool
     window: int = 0  # > 0: queries 0..window-1 end the prompt; sum the last ≤ OBSERVATION_WINDOW of them
     want_redundancy: bool = False  # R-KV: the live keys' mean cosine similarity (``key_redundancy``)
-    probs: torch.Tensor | None = None  # [n_q, seq_len] summed over layers
-    redundancy: torch.Tensor | None = None  # [seq_len] summed over layers
+    first: int = 0  # first row slot whose statistics are kept (vtoken.core.scored_range; softmax over all)
+    probs: torch.Tensor | None = None  # [n_q, seq_len - first] summed over layers
+    redundancy: torch.Tensor | None = None  # [seq_len - first] summed over layers
     live_slots: torch.Tensor | None = None  # the live keys' physical slots (Triton path)
     key_norm: torch.Tensor | None = None  # [n_q] summed over layers
     layers: int = 0
@@ -91,12 +92,17 @@ class RequestScores:
 
 
 def layer_mean_probs(rs: RequestScores) -> tuple[np.ndarray, np.ndarray]:
-    """``(probs, visible)``: a request's ``[n_q, seq_len]`` probabilities, mean over its scored layers, and
-    their causal visibility (query ``i`` sees keys up to ``seq_len - n_q + i``), as ``finish`` reduces them
-    (reads ``rs.probs``: a host copy once ``to_host`` ran). Pure."""
+    """``(probs, visible)``: a request's ``[n_q, seq_len - first]`` probabilities (slots ``first ..``), mean
+    over its scored layers, and their causal visibility (query ``i`` sees keys up to ``seq_len - n_q + i``),
+    as ``finish`` reduces them (reads ``rs.probs``: a host copy once ``to_host`` ran). Pure."""
     probs = (rs.probs / rs.layers).cpu().numpy().astype(np.float64)
-    n_q, n_k = probs.shape
-    return probs, np.arange(n_k)[None, :] <= (np.arange(n_q)[:, None] + (n_k - n_q))
+    n_q, n_k = probs.shape[0], rs.seq_len
+    return probs, np.arange(rs.first, n_k)[None, :] <= (np.arange(n_q)[:, None] + (n_k - n_q))
+
+
+def visible_counts(n_q: int, seq_len: int) -> np.ndarray:
+    """``[n_q]``: how many keys each of a step's queries sees (all of them, whatever range is kept). Pure."""
+    return np.arange(n_q) + (seq_len - n_q + 1)
 
 
 @dataclass
@@ -129,7 +135,7 @@ class ScoreAccumulator:
                     add_redundancy(rs, k)
                 if rs.n_q == 1 and self._dec:
                     continue
-                p = attention_probs(query[rs.q_start : rs.q_end], k, scale)
+                p = attention_probs(query[rs.q_start : rs.q_end], k, scale)[:, rs.first :]
                 rs.probs = p if rs.probs is None else rs.probs + p
                 rs.layers += 1
         for rs in self.requests.values():
@@ -201,32 +207,33 @@ class ScoreAccumulator:
 
     def finish(self) -> dict[str, SlotScores]:
         """Per request: mean over layers, reduced to the statistics (``SlotScores``, plain numpy, picklable
-        across the scheduler↔worker boundary): attention statistics over the row's slots ``0..seq_len-1``
+        across the scheduler↔worker boundary): attention statistics over the row's slots ``first..seq_len-1``
         and ``key_norm`` for the step's new tokens in order, each ``None`` when not collected; ``window`` on
         the step that ends the prompt (``RequestScores.window``). Pure apart from reading the accumulators.
         """
         if self._dec and self._dec_probs is not None:
             for i, rs in enumerate(self._dec):
-                rs.probs = self._dec_probs[i, : rs.seq_len].unsqueeze(0)
+                rs.probs = self._dec_probs[i, rs.first : rs.seq_len].unsqueeze(0)
         out: dict[str, SlotScores] = {}
         for rid, rs in self.requests.items():
             stats: dict[str, np.ndarray] = {}
             if rs.probs is not None and rs.layers:
                 probs, visible = layer_mean_probs(rs)
                 stats.update(accumulated=probs.sum(axis=0), last=probs[-1].copy(),
-                             unimportant=unimportance_bits(probs, visible))
+                             unimportant=unimportance_bits(probs, visible, visible_counts(rs.n_q, rs.seq_len)))
                 if rs.window:
                     stats["window"] = probs[max(rs.window - OBSERVATION_WINDOW, 0) : rs.window].sum(axis=0)
             if rs.key_norm is not None and rs.norm_layers:
                 stats["key_norm"] = (rs.key_norm / rs.norm_layers).cpu().numpy().astype(np.float64)
             stats.update(redundancy_stat(rs))
-            out[rid] = SlotScores(n_queries=rs.n_q, seq_len=rs.seq_len, **stats)
+            out[rid] = SlotScores(n_queries=rs.n_q, seq_len=rs.seq_len, first=rs.first, **stats)
         return out
 
 
 def add_redundancy(rs: RequestScores, keys: torch.Tensor) -> None:
-    """Fold one layer's ``key_redundancy`` of the request's live keys ``[seq_len, H_kv, D]`` into ``rs``."""
-    r = key_redundancy(keys)
+    """Fold one layer's ``key_redundancy`` of the request's live keys ``[seq_len, H_kv, D]`` (every one: the
+    mean is over all of them) into ``rs``, kept for slots ``rs.first ..``."""
+    r = key_redundancy(keys)[rs.first :]
     rs.redundancy = r if rs.redundancy is None else rs.redundancy + r
 
 

@@ -10,10 +10,16 @@ matrix, only what the statistics need:
 
     per layer   1. _softmax_stats  grid (queries, kv heads): row max m and normaliser l of every (query,
                    head) over its visible keys (online softmax over key tiles of the block table)
-                2. _probs          grid (queries, key tiles): p = exp(s - m) / l, mean over the heads;
-                   atomically added into sums[request, key] (Σ over queries and layers) and, for the
-                   kept queries (the last ≤ 64 for the bits, SnapKV's window), into rows[row, key]
-    finish      ÷ layers → accumulated = sums, last = the last query's row, bits from the ≤ 64 last rows
+                2. _probs          grid (queries, key tiles of the scored range): p = exp(s - m) / l, mean
+                   over the heads; atomically added into sums[request, key - first] (Σ over queries and
+                   layers) and, for the kept queries of a multi-query step (the last ≤ 64 for the bits,
+                   SnapKV's window), into rows[row, key - first]
+    finish      ÷ layers → accumulated = sums, last = the last query's row (a single query's: its sums),
+                bits from the ≤ 64 last rows (threshold 1/all keys the query saw)
+
+Scored range: a request's keys ``[first, seq_len)`` only (``RequestScores.first``, from the scheduler's
+``vtoken.core.scored_range``: below it every token stays forever), so the buffers, the copy back and the
+host work scale with what can be evicted; ``m`` and ``l`` still cover every key.
 
 Any head_dim (padded to a power of two ≥ 16, masked), GQA/MQA (a kv head's query heads are one tile, padded
 to ≥ 16 rows for ``tl.dot``), fp16/bf16/fp32 inputs with fp32 accumulation (``ieee`` dot for fp32). CPU
@@ -124,15 +130,17 @@ def _softmax_stats(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, q
     tl.store(l_ptr + i * HQ + g * GROUP + h, den, mask=h < GROUP)
 
 
-def _probs(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, q_tok, q_req, q_vis, q_row, m_ptr,
-           l_ptr, sums_ptr, rows_ptr, kmax, block_stride, head_stride, token_stride, scale, HQ: tl.constexpr,
+def _probs(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, q_tok, q_req, q_vis, q_row, q_first,
+           m_ptr, l_ptr, sums_ptr, rows_ptr, kmax, block_stride, head_stride, token_stride, scale, HQ: tl.constexpr,
            HKV: tl.constexpr, GROUP: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
            WIDTH: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, STRIDED: tl.constexpr,
            PRECISION: tl.constexpr, UPCAST: tl.constexpr, ALIGN: tl.constexpr, Q_ALIGN: tl.constexpr):
-    """Program (i, j): head-mean probabilities of query i over key tile j, added into sums (atomic, shared by
-    the request's queries) and into rows[q_row[i]] when the query is kept (one program per element)."""
+    """Program (i, j): head-mean probabilities of query i over key tile j of its scored range (row positions
+    q_first[i] + j·BLOCK_N ..; m and l cover every key), added into sums (atomic, shared by the request's
+    queries) and into rows[q_row[i]] when the query is kept, both at column position − first."""
     i = tl.program_id(0)
-    start = tl.program_id(1) * BLOCK_N
+    first = tl.load(q_first + i)
+    start = first + tl.program_id(1) * BLOCK_N
     vis = tl.load(q_vis + i)
     if start < vis:
         t = tl.load(q_tok + i).to(tl.int64)
@@ -153,11 +161,12 @@ def _probs(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, q_tok, q_
         mean = acc / HQ
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < vis
-        tl.atomic_add(sums_ptr + req * kmax + pos, mean, mask=valid)
+        col = pos - first
+        tl.atomic_add(sums_ptr + req * kmax + col, mean, mask=valid)
         row = tl.load(q_row + i).to(tl.int64)
         if row >= 0:
-            old = tl.load(rows_ptr + row * kmax + pos, mask=valid, other=0.0)
-            tl.store(rows_ptr + row * kmax + pos, old + mean, mask=valid)
+            old = tl.load(rows_ptr + row * kmax + col, mask=valid, other=0.0)
+            tl.store(rows_ptr + row * kmax + col, old + mean, mask=valid)
 
 
 _STATS = TritonKernel(_softmax_stats, helpers=(_kv_tile, _query_tile, _logits),
@@ -169,21 +178,26 @@ KERNELS = {"_softmax_stats": _STATS, "_probs": _PROBS}  # by name, for the devic
 
 
 def _device_meta(device: torch.device, tok: list[int], req: list[int], vis: list[int], row: list[int],
-                 bt: torch.Tensor, kmax: int, n_rows: int) -> dict:
-    """The launch metadata on ``device``: int32 query tables, the int32 block table, zeroed fp32 ``sums``
-    ``[requests, kmax]`` and ``rows`` ``[max(n_rows, 1), kmax]`` (new tensors; pure)."""
+                 first: list[int], bt: torch.Tensor, kmax: int, n_rows: int) -> dict:
+    """The launch metadata on ``device``: int32 query tables (``first``: each query's first scored row
+    position), the int32 block table, zeroed fp32 ``sums`` ``[requests, kmax]`` (``kmax``: the longest
+    scored range) and ``rows`` ``[n_rows, kmax]`` (``[1, 1]``, never written, without kept rows;
+    ``n_rows`` records how many) (new tensors; pure)."""
 
     def dev(values):  # CUDA: through pinned memory, so planning never waits for the stream
         t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int32)
         return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
-    return dict(tok=dev(tok), req=dev(req), vis=dev(vis), row=dev(row), bt=dev(bt), kmax=kmax,
-                sums=torch.zeros(bt.shape[0], kmax, device=device),
-                rows=torch.zeros(max(n_rows, 1), kmax, device=device))
+    return dict(tok=dev(tok), req=dev(req), vis=dev(vis), row=dev(row), first=dev(first), bt=dev(bt),
+                kmax=kmax, n_rows=n_rows, sums=torch.zeros(bt.shape[0], kmax, device=device),
+                rows=torch.zeros(n_rows or 1, kmax if n_rows else 1, device=device))
 
 
 def kept_queries(rs: RequestScores) -> list[int]:
-    """Query indices whose rows ``finish`` needs: the last ≤ ``HISTORY_BITS`` and SnapKV's window (pure)."""
+    """Query indices whose rows ``finish`` needs: the last ≤ ``HISTORY_BITS`` and SnapKV's window; none for
+    a single query (its row is bit-identical to the request's sums, which ``finish`` reads instead) (pure)."""
+    if rs.n_q == 1:
+        return []
     keep = set(range(max(0, rs.n_q - HISTORY_BITS), rs.n_q))
     if rs.window:
         keep.update(range(max(rs.window - OBSERVATION_WINDOW, 0), rs.window))
@@ -199,7 +213,7 @@ class TritonScoreAccumulator(ScoreAccumulator):
     _meta: dict | None = None
 
     def _plan(self, scored: list[RequestScores], device: torch.device) -> dict:
-        tok, req, vis, row, tables, kept = [], [], [], [], [], []
+        tok, req, vis, row, first, tables, kept = [], [], [], [], [], [], []
         n_rows = 0
         for r, rs in enumerate(scored):
             keep = kept_queries(rs)
@@ -211,13 +225,14 @@ class TritonScoreAccumulator(ScoreAccumulator):
                 req.append(r)
                 vis.append(rs.seq_len - rs.n_q + qi + 1)
                 row.append(where.get(qi, NO_ROW))
+                first.append(rs.first)
             tables.append(rs.block_row.to("cpu", torch.int32))
         width = max(int(t.numel()) for t in tables)
         bt = torch.zeros(len(scored), width, dtype=torch.int32)
         for r, t in enumerate(tables):
             bt[r, : t.numel()] = t
-        return dict(_device_meta(device, tok, req, vis, row, bt, max(rs.seq_len for rs in scored), n_rows),
-                    kept=kept, scored=scored)
+        kmax = max(max(rs.seq_len - rs.first for rs in scored), 1)
+        return dict(_device_meta(device, tok, req, vis, row, first, bt, kmax, n_rows), kept=kept, scored=scored)
 
     @classmethod
     def warmup(cls, layout: PagedLayout, kv_cache: torch.Tensor, num_q_heads: int, head_dim: int,
@@ -235,7 +250,7 @@ class TritonScoreAccumulator(ScoreAccumulator):
                              f"{layout.num_kv_heads} kv heads of {layout.head_dim}")
         acc = cls(layout) if block_n is None else cls(layout, block_n=block_n)
         device = kv_cache.device
-        meta = _device_meta(device, [0], [0], [0], [NO_ROW], torch.zeros(1, 1, dtype=torch.int32), 1, 0)
+        meta = _device_meta(device, [0], [0], [0], [NO_ROW], [0], torch.zeros(1, 1, dtype=torch.int32), 1, 0)
         query = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
         acc._launch(query, kv_cache, scale, meta)
 
@@ -283,20 +298,25 @@ class TritonScoreAccumulator(ScoreAccumulator):
         tail = (lay.block_stride, lay.head_stride, lay.token_stride or 0, float(scale))
         _STATS.launch(kv_cache.device, (nq, lay.num_kv_heads), *head, m, den, *tail, **common)
         tiles = -(-meta["kmax"] // self.block_n)
-        _PROBS.launch(kv_cache.device, (nq, tiles), *head, meta["row"], m, den, meta["sums"], meta["rows"],
+        _PROBS.launch(kv_cache.device, (nq, tiles), *head, meta["row"], meta["first"], m, den, meta["sums"],
+                      meta["rows"],
                       meta["kmax"], *tail, HKV=lay.num_kv_heads, **common)
 
     def linear_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``(attention, key norms)`` (see ``ScoreAccumulator.linear_buffers``): the step's sums and kept
-        query rows, then the key norms. Pure."""
+        query rows (not when no query is kept: a decode-only step), then the key norms. Pure."""
         norms = kv_head_means(self.requests.values())
-        return ([self._meta["sums"], self._meta["rows"]] if self._meta is not None else []), norms
+        meta = self._meta
+        attention = [] if meta is None else [meta["sums"], meta["rows"]] if meta["n_rows"] else [meta["sums"]]
+        return attention, norms
 
     def to_host(self, copy) -> None:
         """Replace the step's sums, kept query rows and key norms with ``copy(buffer)`` (see
         ``ScoreAccumulator.to_host``). Mutates the buffers' owners."""
         if self._meta is not None:
-            self._meta["sums"], self._meta["rows"] = copy(self._meta["sums"]), copy(self._meta["rows"])
+            self._meta["sums"] = copy(self._meta["sums"])
+            if self._meta["n_rows"]:
+                self._meta["rows"] = copy(self._meta["rows"])
         for rs in self.requests.values():
             rs.key_norm = copy(rs.key_norm) if rs.key_norm is not None else None
             rs.redundancy = copy(rs.redundancy) if rs.redundancy is not None else None
@@ -306,26 +326,42 @@ class TritonScoreAccumulator(ScoreAccumulator):
         meta = self._meta
         attention: dict[int, dict] = {}
         if meta is not None:
-            sums, rows = meta["sums"].cpu().double().numpy(), meta["rows"].cpu().double().numpy()
+            sums = meta["sums"].cpu().numpy()
+            rows = meta["rows"].cpu().numpy() if meta["n_rows"] else None
             start = 0
             for r, rs in enumerate(meta["scored"]):
-                keep = meta["kept"][r]
-                mine = rows[start : start + len(keep), : rs.seq_len] / rs.layers
-                by_q = dict(zip(keep, mine))
-                start += len(keep)
-                last = [qi for qi in keep if qi >= rs.n_q - HISTORY_BITS]
-                visible = np.arange(rs.seq_len)[None, :] < (np.array(last)[:, None] + rs.seq_len - rs.n_q + 1)
-                stats = dict(accumulated=sums[r, : rs.seq_len] / rs.layers, last=by_q[rs.n_q - 1].copy(),
-                             unimportant=unimportance_bits(np.stack([by_q[qi] for qi in last]), visible))
-                if rs.window:
-                    rows_w = range(max(rs.window - OBSERVATION_WINDOW, 0), rs.window)
-                    stats["window"] = sum(by_q[qi] for qi in rows_w)
-                attention[id(rs)] = stats
+                attention[id(rs)] = _request_stats(rs, sums[r], rows, start, meta["kept"][r])
+                start += len(meta["kept"][r])
         out: dict[str, SlotScores] = {}
         for rid, rs in self.requests.items():
             stats = dict(attention.get(id(rs), {}))
             if rs.key_norm is not None and rs.norm_layers:
                 stats["key_norm"] = (rs.key_norm / rs.norm_layers).cpu().numpy().astype(np.float64)
             stats.update(redundancy_stat(rs))
-            out[rid] = SlotScores(n_queries=rs.n_q, seq_len=rs.seq_len, **stats)
+            out[rid] = SlotScores(n_queries=rs.n_q, seq_len=rs.seq_len, first=rs.first, **stats)
         return out
+
+
+def _request_stats(rs: RequestScores, sums: np.ndarray, rows: np.ndarray | None, start: int,
+                   keep: list[int]) -> dict[str, np.ndarray]:
+    """One request's attention statistics over its scored range (``seq_len - first`` columns) from the
+    host buffers: its ``sums`` row and, from row ``start``, the rows of its ``keep`` queries (none for a single
+    query: its row is its sums). Each slice is taken before it is widened to float64. Pure."""
+    n = rs.seq_len - rs.first
+    acc = sums[:n].astype(np.float64) / rs.layers
+    if not keep:  # one query: accumulated, last and the window are its row
+        # unimportance_bits of one row that saw every key: bit 0 ⇔ below 1/seq_len (same values, no 2-D pass)
+        stats = dict(accumulated=acc, last=acc.copy(), unimportant=(acc < 1.0 / rs.seq_len).astype(np.uint64))
+        if rs.window:
+            stats["window"] = acc.copy()
+        return stats
+    by_q = dict(zip(keep, rows[start : start + len(keep), :n].astype(np.float64) / rs.layers))
+    last = [qi for qi in keep if qi >= rs.n_q - HISTORY_BITS]
+    seen = np.array(last)[:, None] + rs.seq_len - rs.n_q + 1  # keys each kept query saw, in all
+    visible = np.arange(rs.first, rs.seq_len)[None, :] < seen
+    stats = dict(accumulated=acc, last=by_q[rs.n_q - 1].copy(),
+                 unimportant=unimportance_bits(np.stack([by_q[qi] for qi in last]), visible, seen[:, 0]))
+    if rs.window:
+        rows_w = range(max(rs.window - OBSERVATION_WINDOW, 0), rs.window)
+        stats["window"] = sum(by_q[qi] for qi in rows_w)
+    return stats

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vtoken.core.scored_range import first_scored
 from vtoken.core.stats import SlotScores, StepScores
 from vtoken.core.token_table import TokenTable
 from vtoken.errors import IntegrityError
@@ -99,11 +100,17 @@ class RequestState:
     preplaced: np.ndarray | None = None  # reuse+repack: slot given to the next token before vLLM scheduled it
     inflight: InFlight = field(default_factory=InFlight)
     normed: int = 0  # KNorm: logical tokens of the table whose key norms a step has asked for
+    score_all: bool = False  # the engine's ``scores: always``: every row slot is scored
 
     def drop_table(self) -> None:
         """Preemption: the table, the reservation and the steps in flight go (late scores are dropped)."""
         self.table, self.preplaced, self.normed = None, None, 0
         self.inflight.clear()
+
+    def first_scored(self) -> int:
+        """The first row slot a step of this table scores (``vtoken.core.scored_range``; the caller compares
+        it with the step's live length: nothing to score below it). Needs the table. Pure."""
+        return first_scored(self.settings.cfg, self.table.prompt_len, full=self.score_all)
 
     def norm_back(self, computed_before: int, n: int) -> int:
         """How many keys before this step's ``n`` new ones (logical ``computed_before ..``) need their norms
@@ -125,6 +132,7 @@ def new_request_state(rs: RequestSettings, salt: int, observer: RequestObserver,
     auto = evicts and scores == "auto"
     return RequestState(
         settings=rs, policy=policy, salt=salt, observer=observer,
+        score_all=scores == "always",
         want_attention=scores == "always" or (auto and bool(policy.needs & STEP_ATTENTION_STATS)),
         want_key_norm=scores == "always" or (evicts and Stat.KEY_NORM in policy.needs),
         want_window=scores == "always" or (auto and Stat.WINDOW in rs.cfg.measured_stats()),

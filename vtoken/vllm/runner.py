@@ -323,6 +323,7 @@ class VTokenRunnerMixin:
                     q_start=q0, q_end=q1, seq_len=int(seq_lens[i]),
                     block_row=torch.from_numpy(rows.block_table.np[i, :n_blocks].astype(np.int64)),
                     want_attention=True, want_key_norm=False, window=rs.window, want_redundancy=rs.redundancy,
+                    first=rs.first,
                 )
             if rs.key_norm:
                 n = q1 - q0 + rs.norm_back  # norm_back: cache-hit keys before the new ones (row slots)
@@ -370,6 +371,8 @@ class VTokenRunnerMixin:
             return out
         if self._vt_tp is not None:  # every rank, same buffers in the same order (the plan fixes them)
             self._vt_tp.reduce(self._vt_acc, self._vt_norm_sum)
+            if not self._vt_tp.output:  # vLLM drops this rank's output: no read-back, no finish
+                self._vt_acc, self._vt_norm_reqs, self._vt_norm_sum = None, None, None
         parts = (res, self._vt_acc, self._vt_norm_reqs, self._vt_norm_sum, self._vt_norm_layers,
                  self._vt_timer)
         self._vt_acc, self._vt_norm_reqs, self._vt_norm_sum, self._vt_timer = None, None, None, None

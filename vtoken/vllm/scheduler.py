@@ -270,13 +270,15 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
             appended = int(slots[0]) == t.live - n and (n == 1 or int(slots[-1]) == t.live - 1)
             window = window_queries(t.prompt_len, computed_before, n) if st.want_window else 0  # SnapKV's, once
             back = st.norm_back(computed_before, n)  # KNorm: a fresh table's cache hits (request_state.py)
-            if offset or not appended or st.want_attention or st.want_key_norm or window:
+            first = st.first_scored()  # slots below it stay forever: never scored (core/scored_range.py)
+            scored = (st.want_attention or window > 0) and first < t.live
+            if offset or not appended or scored or st.want_key_norm:
                 steps[rid] = RequestStep(
-                    offset=offset, slots=None if appended else slots, scores=st.want_attention or window > 0,
+                    offset=offset, slots=None if appended else slots, scores=scored,
                     key_norm=st.want_key_norm, window=window, norm_back=back, redundancy=st.want_redundancy,
-                    score_layers=st.settings.cfg.score_layers,
+                    score_layers=st.settings.cfg.score_layers, first=first if scored else 0,
                 )
-            st.inflight.add(step, computed_before - back, t.live, scored=st.want_attention or window > 0)
+            st.inflight.add(step, computed_before - back, t.live, scored=scored)
             held = len(self._vt_manager.req_to_blocks.get(rid, ()))
             if self.vt.check:
                 t.check(dense=True)

@@ -79,10 +79,14 @@ def reduce_buffers(attention: Sequence[torch.Tensor], norms: Sequence[torch.Tens
 
 
 class TPReducer:
-    """The reduction for one worker: vLLM's TP group and the model's head shards."""
+    """The reduction for one worker: vLLM's TP group and the model's head shards. ``output``: whether this
+    rank's ``ModelRunnerOutput`` reaches the scheduler (TP rank 0: vLLM's executors reply from the first TP
+    worker of the last pipeline stage, and vToken runs with PP = 1); the others join the all-reduce and then
+    drop the step's statistics without reading them back or finishing them (``VTokenRunnerMixin._vt_attach``).
+    """
 
-    def __init__(self, group, shards: HeadShards) -> None:
-        self.group, self.shards = group, shards
+    def __init__(self, group, shards: HeadShards, output: bool = True) -> None:
+        self.group, self.shards, self.output = group, shards, output
 
     def reduce(self, acc, norm_sum: torch.Tensor | None) -> None:
         """All-reduce the step's accumulator buffers and the key-norm sums (mutates them in place)."""
@@ -104,4 +108,4 @@ def tp_reducer(vllm_config) -> TPReducer | None:
     mc = vllm_config.model_config
     shards = HeadShards(tp=group.world_size, q_heads=mc.get_num_attention_heads(vllm_config.parallel_config) * tp,
                         kv_heads=mc.get_total_num_kv_heads())
-    return TPReducer(group, shards)
+    return TPReducer(group, shards, output=group.rank_in_group == 0)

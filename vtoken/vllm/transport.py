@@ -48,6 +48,8 @@ class RequestStep:
     redundancy: bool = False  # with scores: also each live key's mean cosine similarity to the others (R-KV)
     score_layers: int | None = None  # with scores: how many attention layers score (None: every layer;
     # the worker picks which: vtoken.core.config.score_layer_indices)
+    first: int = 0  # with scores: the first row slot scored (< seq_len; below it every token stays forever:
+    # vtoken.core.scored_range); the softmax still covers every live key
 
 
 @dataclass
