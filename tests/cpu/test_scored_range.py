@@ -29,6 +29,7 @@ from vtoken.kernels.scores import RequestScores
     ({"policy": "scissorhands"}, 100, 100),
     ({"policy": "rkv"}, 100, 0),  # redundancy: a softmax over every live token
     ({"policy": "snapkv"}, 100, 0),  # window: ranks add the maximum over every live token
+    ({"trigger": "pressure"}, 100, 0),  # the batch-wide order divides by the mass of every live token
 ])
 def test_first_scored_is_the_protected_prefix(settings, prompt_len, want):
     cfg = VTokenConfig(**settings)

@@ -22,12 +22,14 @@ Reach: span pooling (``score_pool``) ranks an evictable token by its neighbours'
 distance, so the range starts ``score_pool`` earlier. Policies whose score of one token depends on the whole
 live set keep the full range (``first = 0``): R-KV (``redundancy``, softmax over all live tokens and
 renormalised pooled importance) and SnapKV (``window``: its ranks add the maximum pooled score over every
-live token). The engine setting ``scores: always`` (statistics for their own sake) keeps it full too.
+live token). ``trigger: pressure`` keeps it full as well: its batch-wide order divides a request's scores by
+their total over every live token (``vtoken.core.pressure``). The engine setting ``scores: always``
+(statistics for their own sake) keeps it full too.
 """
 
 from __future__ import annotations
 
-from vtoken.core.config import VTokenConfig
+from vtoken.core.config import Trigger, VTokenConfig
 from vtoken.policies.context import Stat
 
 WHOLE_SET_STATS = frozenset({Stat.REDUNDANCY, Stat.WINDOW})  # a policy reading these sees every live token
@@ -42,9 +44,9 @@ def protected_prefix(cfg: VTokenConfig, prompt_len: int) -> int:
 
 def first_scored(cfg: VTokenConfig, prompt_len: int, full: bool = False) -> int:
     """The first row slot whose attention statistics a step must score (0: the whole row): the protected
-    prefix less the policy's pooling reach; 0 for a policy in ``WHOLE_SET_STATS`` or when ``full``
-    (``scores: always``). Pure; the caller clips it to the step's ``seq_len`` (nothing to score when
-    ``first ≥ seq_len``)."""
-    if full or cfg.policy_class.needs & WHOLE_SET_STATS:
+    prefix less the policy's pooling reach; 0 for a policy in ``WHOLE_SET_STATS``, under ``trigger:
+    pressure`` or when ``full`` (``scores: always``). Pure; the caller clips it to the step's ``seq_len``
+    (nothing to score when ``first ≥ seq_len``)."""
+    if full or cfg.trigger is Trigger.PRESSURE or cfg.policy_class.needs & WHOLE_SET_STATS:
         return 0
     return max(protected_prefix(cfg, prompt_len) - cfg.score_pool, 0)
