@@ -72,7 +72,7 @@ class SlotScores:
         new = np.arange(first_new, first_new + len(kn), dtype=np.int64) if kn is not None else None
         if self.accumulated is None:
             return StepScores(np.zeros(0, np.int64), self.n_queries, key_norm_logicals=new, key_norm=self.key_norm)
-        logicals = np.asarray(token_at[self.first : self.seq_len], dtype=np.int64)
+        logicals = np.array(token_at[self.first : self.seq_len], dtype=np.int64)  # a copy: the map changes
         ok = logicals >= 0
         if ok.all():  # a dense row (every scored slot holds a token): no copies
             ok = slice(None)
