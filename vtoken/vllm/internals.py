@@ -137,6 +137,22 @@ Worker side (worker process) — ``vtoken/vllm/runner.py``, ``results.py``, ``wo
     own writer) instead of hard-coded (``vtoken/kernels/layout.py``).
   * ``kv_cache_config.kv_cache_groups[g].layer_names`` — the attention layers to move and score.
 
+Eviction under pressure (``trigger: pressure``) — ``vtoken/vllm/pressure.py``
+  * Read, to predict the blocks vLLM's own ``schedule()`` is about to allocate, before it runs, so that
+    vToken evicts instead of letting it preempt (the prediction repeats its running loop's arithmetic):
+    ``Scheduler.max_num_scheduled_tokens`` (the token budget), ``scheduler_config
+    .long_prefill_token_threshold`` with ``Scheduler.adaptive_long_prefill_threshold`` and ``scheduler_config
+    .max_num_batched_tokens`` (the chunk cap, only when ``get_request_counts()`` sees more than one request),
+    ``Scheduler.max_model_len``, ``Scheduler.running`` (order = the order vLLM schedules and, reversed,
+    preempts), each request's ``num_tokens_with_spec`` + ``num_output_placeholders`` − ``num_computed_tokens``
+    (its step's tokens) and ``status``; for the queue's head: ``Scheduler.waiting.peek_request()``,
+    ``num_tokens``, ``max_num_active_reqs`` and ``kv_cache_manager.watermark_blocks`` (vLLM's admission
+    headroom); ``block_pool.get_num_free_blocks()`` (free, cached-but-unused blocks included: what
+    ``allocate_slots`` may take).
+  * Read to refuse at construction what the prediction does not cover: ``parallel_config
+    .tensor_parallel_size``, ``scheduler_config.async_scheduling`` (a step in flight holds blocks),
+    ``kv_cache_config.kv_cache_groups`` (a hybrid model's other groups draw on the same pool).
+
 Engine/front end
   * ``vllm.envs.disable_envs_cache`` — ``vtoken.vllm.launch.scoped_env`` builds in-process engines for
     ``vtoken verify`` / ``vtoken bench overhead`` / tests with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` without

@@ -53,6 +53,7 @@ from vtoken.vllm import blocks, invariants
 from vtoken.vllm.admission import AdmissionMixin
 from vtoken.vllm.config import EngineSettings, request_settings
 from vtoken.vllm.engine_setup import prepare_engine, refuse_under_full_graphs
+from vtoken.vllm.pressure import PressureMixin
 from vtoken.vllm.request_state import RequestState, new_request_state, step_scores
 from vtoken.vllm.stats import encode_admission, encode_stats
 from vtoken.vllm.support import check_supported
@@ -71,7 +72,7 @@ class _StepWork:
     release: list = field(default_factory=list)  # freed once every decision is made (blocks.rewrite_row)
 
 
-class VTokenScheduler(AdmissionMixin, Scheduler):
+class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
     """vLLM's V1 scheduler with per-token eviction and repacking (see the module docstring). The one name to
     configure: with async scheduling on, constructing it builds ``VTokenAsyncScheduler`` (vLLM's
     ``AsyncScheduler`` with the same hooks; vtoken/vllm/async_scheduler.py)."""
@@ -99,6 +100,7 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
         if not settings.enabled:
             return
         group = check_supported(vllm_config, kv_cache_config)  # the full-attention group (hybrid models)
+        self._vt_init_pressure(vllm_config, kv_cache_config, settings.cfg.trigger)  # refuses what it cannot run
         self._vt_manager = self.kv_cache_manager.coordinator.single_type_managers[group]
         blocks.install_block_sizing(self.kv_cache_manager.coordinator, self._vt_manager, self._vt_table,
                                     block_size)
@@ -116,6 +118,7 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
         if self.vt.enabled and request.request_id not in self._vt_reqs:
             try:
                 rs = request_settings(self.vt, getattr(request.sampling_params, "extra_args", None))
+                self._vt_check_pressure(rs.cfg)
                 if self._vt_full_graphs:
                     refuse_under_full_graphs(rs.cfg, self.vt.cfg)
             except ConfigError as e:
@@ -212,30 +215,44 @@ class VTokenScheduler(AdmissionMixin, Scheduler):
             if request.status == RequestStatus.RUNNING:
                 self._vt_decide(request, st, work)
         blocks.release(self.kv_cache_manager.block_pool, work.release)
+        self._vt_pressure(work)  # trigger: pressure (vtoken/vllm/pressure.py); releases its own blocks
         out = super().schedule(throttle_prefills)
         return attach_plan(out, self._vt_place(out, work))
 
-    def _vt_decide(self, request: Request, st: RequestState, work: _StepWork) -> None:
-        """Decide (core), then the block work (``blocks.rewrite_row``: copy-on-write of blocks it must not
-        write, moves, the cut tail) before vLLM allocates this step (mutates the table, the row and the pool).
-        Tokens placed by steps still in flight (async scheduling) have no statistics yet: they are
-        protected like the recent window."""
-        t, cfg, rid = st.table, st.settings.cfg, request.request_id
-        if eviction_count(t.live, t.seen, t.prompt_len, cfg) == 0 and cfg.keep_mass is None:
-            return  # nothing due (with keep_mass the scores decide, in choose_victims)
+    def _vt_protect(self, request: Request, st: RequestState):
+        """The request's config with the protection in force (tokens of steps still in flight, async
+        scheduling, have no statistics yet: protected like the recent window), after marking its shared
+        leading blocks in the table; ``None`` when it must not decide this step (a shared block past the
+        prefix could not be replaced). Mutates the table's shared count."""
+        t, cfg = st.table, st.settings.cfg
         guard = st.inflight.unobserved(t.seen)
         if guard > cfg.recent:
             cfg = dataclasses.replace(cfg, recent=guard)
-        row = self._vt_manager.req_to_blocks[rid]
+        row = self._vt_manager.req_to_blocks[request.request_id]
         n_shared = min(blocks.shared_prefix(row), t.seen // self.block_size)
         if n_shared != t.shared_blocks:
             t.mark_shared(n_shared)
         if not blocks.can_replace_shared(row, n_shared, self.kv_cache_manager.block_pool):
-            return  # a shared block past the prefix could not be replaced: decide at a later step
+            return None
+        return cfg
+
+    def _vt_decide(self, request: Request, st: RequestState, work: _StepWork, victims=None, cfg=None) -> None:
+        """Decide (core), then the block work (``blocks.rewrite_row``: copy-on-write of blocks it must not
+        write, moves, the cut tail) before vLLM allocates this step (mutates the table, the row and the pool).
+        ``victims`` (with the ``cfg`` ``_vt_protect`` gave): the tokens a pressure round took from this
+        request (vtoken/vllm/pressure.py), instead of its budget's choice."""
+        t, rid = st.table, request.request_id
+        if victims is None:
+            if eviction_count(t.live, t.seen, t.prompt_len, st.settings.cfg) == 0 and st.settings.cfg.keep_mass is None:
+                return  # nothing due (with keep_mass the scores decide, in choose_victims)
+            cfg = self._vt_protect(request, st)
+            if cfg is None:
+                return  # a shared block past the prefix could not be replaced: decide at a later step
+        row = self._vt_manager.req_to_blocks[rid]
         # the step's new tokens; an async step's placeholder for the token still being sampled counts
         n_new = request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
         st.inflight.freeze(t)
-        decision = decide_step(t, st.policy, cfg, st.salt, 1 if n_new == 1 else 0)
+        decision = decide_step(t, st.policy, cfg, st.salt, 1 if n_new == 1 else 0, victims=victims)
         if decision.victims.size == 0:
             st.observer.decided(decision.victims, 0, t.shared_blocks)
             return
