@@ -73,9 +73,7 @@ class SlotScores:
         if self.accumulated is None:
             return StepScores(np.zeros(0, np.int64), self.n_queries, key_norm_logicals=new, key_norm=self.key_norm)
         logicals = np.array(token_at[self.first : self.seq_len], dtype=np.int64)  # a copy: the map changes
-        ok = logicals >= 0
-        if ok.all():  # a dense row (every scored slot holds a token): no copies
-            ok = slice(None)
+        ok = slice(None) if logicals.min(initial=0) >= 0 else logicals >= 0  # a dense row: no copies
         return StepScores(
             logicals=logicals[ok],
             n_queries=self.n_queries,
@@ -119,7 +117,7 @@ def shift_history(bits: np.ndarray, n_queries: int, new_bits: np.ndarray) -> np.
     """Push ``n_queries`` newer queries' bits into a uint64 history (the oldest fall off)."""
     if n_queries >= HISTORY_BITS:
         return new_bits.astype(np.uint64)
-    return (bits << np.uint64(n_queries)) | new_bits.astype(np.uint64)
+    return (bits << np.uint64(n_queries)) | np.asarray(new_bits, dtype=np.uint64)  # no copy when uint64
 
 
 def unimportance_bits(probs: np.ndarray, visible: np.ndarray, n_visible: np.ndarray | None = None) -> np.ndarray:
@@ -152,9 +150,7 @@ def observe(table, scores: StepScores, question_aware: bool = False) -> None:
     """
     idx = np.asarray(scores.logicals, dtype=np.int64)
     if idx.size and scores.accumulated is not None:
-        keep = idx < table.seen
-        if keep.all():  # the usual case: no copies
-            keep = slice(None)
+        keep = slice(None) if idx.max() < table.seen else idx < table.seen  # the usual case: no copies
         idx = idx[keep]
         table.accumulated[idx] += np.asarray(scores.accumulated)[keep]
         table.last[: table.seen] = 0.0

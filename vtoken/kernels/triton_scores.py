@@ -326,7 +326,7 @@ class TritonScoreAccumulator(ScoreAccumulator):
         meta = self._meta
         attention: dict[int, dict] = {}
         if meta is not None:
-            sums = meta["sums"].cpu().numpy()
+            sums = _widened(meta["sums"].cpu().numpy(), meta["scored"])
             rows = meta["rows"].cpu().numpy() if meta["n_rows"] else None
             start = 0
             for r, rs in enumerate(meta["scored"]):
@@ -342,18 +342,29 @@ class TritonScoreAccumulator(ScoreAccumulator):
         return out
 
 
+def _widened(sums: np.ndarray, scored: list[RequestScores]) -> np.ndarray | list[np.ndarray]:
+    """Each request's ``sums`` row over its scored range, float64, divided by its layers: the whole buffer
+    at once when the ranges fill at least half of it (a decode batch of similar rows: a few numpy calls in
+    all), else each request's slice alone (never a long row's width for every request). Pure."""
+    used = sum(rs.seq_len - rs.first for rs in scored)
+    if 2 * used >= sums.size:
+        return sums.astype(np.float64) / np.array([float(rs.layers) for rs in scored])[:, None]
+    return [sums[r, : rs.seq_len - rs.first].astype(np.float64) / rs.layers for r, rs in enumerate(scored)]
+
+
 def _request_stats(rs: RequestScores, sums: np.ndarray, rows: np.ndarray | None, start: int,
                    keep: list[int]) -> dict[str, np.ndarray]:
     """One request's attention statistics over its scored range (``seq_len - first`` columns) from the
-    host buffers: its ``sums`` row and, from row ``start``, the rows of its ``keep`` queries (none for a single
-    query: its row is its sums). Each slice is taken before it is widened to float64. Pure."""
+    host buffers: its ``sums`` row (float64, ÷ layers: ``_widened``) and, from row ``start``, the rows of its
+    ``keep`` queries (none for a single query: its row is its sums), each sliced before it is widened. The
+    arrays may share memory with each other and the buffers: read-only. Pure."""
     n = rs.seq_len - rs.first
-    acc = sums[:n].astype(np.float64) / rs.layers
+    acc = sums[:n]
     if not keep:  # one query: accumulated, last and the window are its row
         # unimportance_bits of one row that saw every key: bit 0 ⇔ below 1/seq_len (same values, no 2-D pass)
-        stats = dict(accumulated=acc, last=acc.copy(), unimportant=(acc < 1.0 / rs.seq_len).astype(np.uint64))
+        stats = dict(accumulated=acc, last=acc, unimportant=(acc < 1.0 / rs.seq_len).astype(np.uint64))
         if rs.window:
-            stats["window"] = acc.copy()
+            stats["window"] = acc
         return stats
     by_q = dict(zip(keep, rows[start : start + len(keep), :n].astype(np.float64) / rs.layers))
     last = [qi for qi in keep if qi >= rs.n_q - HISTORY_BITS]
