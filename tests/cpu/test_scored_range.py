@@ -77,7 +77,7 @@ def test_accumulators_score_exactly_the_range(backend):
         np.testing.assert_array_equal(got.unimportant, ref.unimportant[first:])
         table = np.arange(ref.seq_len)[::-1].copy()  # any slot→token map
         by = got.by_logical(table, 0)
-        assert np.array_equal(by.logicals, table[first:])
+        assert np.array_equal(by.logicals, table[first:]) and by.first == first
     if backend == "triton":  # the kernels' buffers: the longest scored range, rows for the chunk's queries only
         meta = acc._meta
         assert meta["kmax"] == max(n - f for n, f in zip(lens, firsts))

@@ -40,6 +40,7 @@ class StepScores:
     key_norm: np.ndarray | None = None  # … and their key norms
     window: np.ndarray | None = None  # float [k]: Σ over the observation window (the prompt's end step only)
     redundancy: np.ndarray | None = None  # float [k]: mean cosine similarity to the other live keys (R-KV)
+    first: int = 0  # logical tokens below it were never scored (the protected prefix: slot = logical there)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class SlotScores:
             key_norm=self.key_norm,
             window=None if self.window is None else np.asarray(self.window)[ok],
             redundancy=None if self.redundancy is None else np.asarray(self.redundancy)[ok],
+            first=self.first,
         )
 
 
@@ -144,7 +146,9 @@ def unimportance_bits(probs: np.ndarray, visible: np.ndarray, n_visible: np.ndar
 def observe(table, scores: StepScores, question_aware: bool = False) -> None:
     """Fold one step's scores into ``table``'s per-token statistics (mutates the table).
 
-    Scores for tokens evicted since the step ran are ignored (their state is dead anyway). With
+    Scores for tokens evicted since the step ran are ignored (their state is dead anyway). ``last`` and
+    ``redundancy`` are cleared from ``scores.first`` on: the tokens below it (a request's protected prefix,
+    which sits in the same row slots for the table's life) are never scored, so they stay 0. With
     ``question_aware`` (``VTokenConfig.question_aware``) the step that measures the observation window sets
     its keys' ``accumulated`` to the window's attention instead of adding the step's queries.
     """
@@ -153,7 +157,7 @@ def observe(table, scores: StepScores, question_aware: bool = False) -> None:
         keep = slice(None) if idx.max() < table.seen else idx < table.seen  # the usual case: no copies
         idx = idx[keep]
         table.accumulated[idx] += np.asarray(scores.accumulated)[keep]
-        table.last[: table.seen] = 0.0
+        table.last[scores.first : table.seen] = 0.0  # below first: never set (vtoken.core.scored_range)
         table.last[idx] = np.asarray(scores.last)[keep]
         table.unimportant[idx] = shift_history(
             table.unimportant[idx], scores.n_queries, np.asarray(scores.unimportant)[keep]
@@ -163,7 +167,7 @@ def observe(table, scores: StepScores, question_aware: bool = False) -> None:
             if question_aware:
                 table.accumulated[idx] = table.window[idx]
         if scores.redundancy is not None:
-            table.redundancy[: table.seen] = 0.0
+            table.redundancy[scores.first : table.seen] = 0.0
             table.redundancy[idx] = np.asarray(scores.redundancy)[keep]
     if scores.key_norm_logicals is not None and scores.key_norm is not None:
         table.key_norm[np.asarray(scores.key_norm_logicals, dtype=np.int64)] = scores.key_norm
