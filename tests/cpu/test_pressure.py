@@ -27,9 +27,10 @@ def batches(draw):
         held = blocks_for(live, B)
         keys = np.sort(np.asarray(draw(st.lists(st.floats(0, 1), min_size=above, max_size=above)), np.float64))
         order = np.asarray(draw(st.permutations(range(live)))[:above], np.int64)
-        cands.append(Candidate(f"r{i}", live, held, n_new, blocks_for(live + n_new, B) - held, order, keys))
+        cands.append(Candidate.repack(f"r{i}", live, held, n_new, blocks_for(live + n_new, B) - held, order, keys,
+                                      block_size=B))
     fixed = draw(st.integers(0, 3))
-    need0 = fixed + sum(c.need0 for c in cands)
+    need0 = fixed + sum(c.need(0) for c in cands)
     free = draw(st.integers(0, need0 + 4))
     margin = draw(st.integers(0, len(cands)))
     return cands, free, fixed, margin
@@ -60,7 +61,7 @@ def test_a_round_takes_a_prefix_above_the_floor_frees_whole_blocks_and_reaches_t
         assert v.size <= c.order.size  # never below the floor
         assert np.array_equal(v, np.sort(c.order[: v.size]))  # the request's own order, first first
         # every victim counts: one fewer would hold one more block (repacking returns whole blocks)
-        assert blocks_for(c.live - v.size + c.n_new, B) < blocks_for(c.live - v.size + 1 + c.n_new, B)
+        assert c.after[v.size] < c.after[v.size - 1]
     assert d.slack == free - _need(cands, k, fixed)
     if d.fired:
         floors = {c.key: c.order.size for c in cands}
@@ -85,9 +86,9 @@ def test_hysteresis_no_new_round_until_the_batch_outgrows_the_margin(batch, step
         held = blocks_for(live + c.n_new, B)  # what it holds once the round's step ran
         free_after -= held - c.held
         after.append((c, live + c.n_new, held))
-    grown = [Candidate(c.key, live + steps, held, 1, blocks_for(live + steps + 1, B) - held)
+    grown = [Candidate.repack(c.key, live + steps, held, 1, blocks_for(live + steps + 1, B) - held, block_size=B)
              for c, live, held in after]
-    growth = sum(g.need0 for g in grown) + fixed
+    growth = sum(g.need(0) for g in grown) + fixed
     again = plan_pressure(grown, free_after, fixed, margin, B)
     assert free_after - fixed >= margin  # the round left its margin
     assert again.fired == (growth > free_after)
@@ -97,14 +98,14 @@ def test_hysteresis_no_new_round_until_the_batch_outgrows_the_margin(batch, step
 
 def test_batch_order_crosses_requests():
     """The lowest keys of the whole batch go first: request a's cheap tokens before b's dear ones."""
-    a = Candidate("a", 12, 3, 1, 1, np.arange(8), np.full(8, 0.1))
-    b = Candidate("b", 12, 3, 1, 1, np.arange(8), np.full(8, 0.5))
+    a = Candidate.repack("a", 12, 3, 1, 1, np.arange(8), np.full(8, 0.1), block_size=B)
+    b = Candidate.repack("b", 12, 3, 1, 1, np.arange(8), np.full(8, 0.5), block_size=B)
     d = plan_pressure([a, b], free=1, fixed=0, margin=1, block_size=B)  # 2 blocks short of the target
     assert set(d.victims) == {"a"} and d.victims["a"].size == 5 and d.slack == 1
 
 
 def test_a_waiting_request_counts_only_if_the_floors_can_make_room():
-    a = Candidate("a", 12, 3, 0, 0, np.arange(8), np.full(8, 0.1))  # can return 2 blocks at its floor
+    a = Candidate.repack("a", 12, 3, 0, 0, np.arange(8), np.full(8, 0.1), block_size=B)  # 2 blocks at its floor
     d = plan_pressure([a], free=0, fixed=0, margin=0, block_size=B, admit=5)
     assert not d.admitted and d.victims == {}
     d = plan_pressure([a], free=0, fixed=0, margin=0, block_size=B, admit=1)
@@ -137,3 +138,24 @@ def test_pressure_refuses_keep_mass_and_block_granularity():
     for extra in ({"keep_mass": 0.9}, {"granularity": "block"}):
         with pytest.raises(ConfigError, match="trigger 'pressure'"):
             VTokenConfig(policy="h2o", budget=0.5, trigger=Trigger.PRESSURE, **extra)
+
+
+def test_naive_rows_count_by_the_naive_rule():
+    """A naive row returns an original block only once all its tokens are dead: ``after`` follows the
+    table's own count after each prefix of the victims (``required_blocks_after_place`` after evicting)."""
+    from vtoken.core.pressure import naive_after
+
+    cfg = VTokenConfig(policy="random", budget=0.25, mode="naive", block_size=B, sinks=1, recent=2,
+                       trigger="pressure", scope="all")
+    t = TokenTable(block_size=B, mode=cfg.mode, prompt_len=30)
+    t.place(30)
+    c = candidate("r", t, cfg.make_policy(), cfg, salt=3, held=8, n_new=1)
+    after = naive_after(t, c.order, 1)
+    assert np.array_equal(c.after, after) and np.all(np.diff(after) <= 0)
+    for k in range(c.order.size + 1):
+        u = TokenTable(block_size=B, mode=cfg.mode, prompt_len=30)
+        u.place(30)
+        if k:
+            u.evict(np.sort(c.order[:k]), cfg.sinks, cfg.recent)
+            u.apply(u.plan())  # dense again, as decide_step leaves it
+        assert after[k] == u.required_blocks_after_place(1), k

@@ -41,8 +41,8 @@ def ref_llama():
     return load_reference_model(tiny_model("llama"))
 
 
-def pressure(tag: str, n: int, **extra):
-    return sp(n, mode="repack", trigger="pressure", budget=FLOOR, policy="h2o", scope="all", trace_id=tag, **extra)
+def pressure(tag: str, n: int, mode: str = "repack", **extra):
+    return sp(n, mode=mode, trigger="pressure", budget=FLOOR, policy="h2o", scope="all", trace_id=tag, **extra)
 
 
 def run(llm, prompts, params, tag):
@@ -80,23 +80,35 @@ def test_memory_to_spare_nothing_is_evicted_and_output_is_stock(engine):
     assert RequestTrace.read(d / "spare-p.json").evicted == 0 and rounds == [] and pre == 0
 
 
-def test_shortage_evicts_instead_of_preempting_and_stays_exact(engine, ref_llama):
-    """Three requests of 96 prompt + 150 generated tokens want 24 blocks of 11: stock vLLM preempts; with
-    pressure (floor 30 %) the same workload runs with no preemption, never below a floor, and exact. The
-    prompts share their first 64 tokens through the prefix cache, and prefill is chunked."""
-    llm, d = engine
+@pytest.fixture(scope="module")
+def short_prompts():
+    """Three 96-token prompts sharing their first 64 tokens (prefix cache); with 150 generated tokens each
+    they want 24 blocks of the 11."""
     rng = np.random.default_rng(2)
     head = rng.integers(10, 500, 64).tolist()
-    prompts = [head + rng.integers(10, 500, 32).tolist() for _ in range(3)]
-    _, stock_pre, _ = run(llm, prompts, [sp(150, mode="none", trace_id=f"short-none-{i}") for i in range(3)],
+    return [head + rng.integers(10, 500, 32).tolist() for _ in range(3)]
+
+
+def test_the_shortage_makes_stock_vllm_preempt(engine, short_prompts):
+    llm, _ = engine
+    _, stock_pre, _ = run(llm, short_prompts, [sp(150, mode="none", trace_id=f"short-none-{i}") for i in range(3)],
                           "stock")
     assert stock_pre > 0, "the workload was meant to make stock vLLM preempt"
-    outs, pre, rounds = run(llm, prompts, [pressure(f"short-p-{i}", 150) for i in range(3)], "short")
+
+
+@pytest.mark.parametrize("mode", ["repack", "reuse+repack", "naive"])
+def test_shortage_evicts_instead_of_preempting_and_stays_exact(engine, ref_llama, short_prompts, mode):
+    """The workload that makes stock vLLM preempt (the test above): with pressure (floor 30 %) it runs with
+    no preemption, never below a floor, rounds never on consecutive steps, every token exact against the
+    masked reference. Chunked prefill, a shared cached prefix; naive (the paired baseline) counts its blocks
+    by the naive rule, so it needs more victims for the same blocks but does not preempt either."""
+    llm, d = engine
+    tag = f"short-{mode.replace('+', '-')}"
+    outs, pre, rounds = run(llm, short_prompts, [pressure(f"{tag}-{i}", 150, mode) for i in range(3)], tag)
     assert pre == 0 and rounds
     assert all(b - a > 1 for a, b in itertools.pairwise(rounds)), f"rounds on consecutive steps: {rounds}"
-    print("pressure rounds at steps", rounds, "stock preemptions", stock_pre)
-    for i, (p, out) in enumerate(zip(prompts, outs)):
-        trace = RequestTrace.read(d / f"short-p-{i}.json")
+    for i, (p, out) in enumerate(zip(short_prompts, outs)):
+        trace = RequestTrace.read(d / f"{tag}-{i}.json")
         assert trace.evicted > 0 and len(trace.epochs) == 1
         check_against_reference(ref_llama, p, out, trace)
 

@@ -6,7 +6,7 @@ victims with ``decide_step(..., victims=...)``.
 The rule, with ``B`` tokens per block, request ``r`` holding ``held_r`` blocks and ``live_r`` live tokens,
 computing ``n_r`` tokens in the coming step and giving up ``k_r`` of them::
 
-    need(k)  = fixed + Σ_r (⌈(live_r − k_r + n_r) / B⌉ − held_r)   blocks the step takes from the pool
+    need(k)  = fixed + Σ_r (after_r[k_r] − held_r)                  blocks the step takes from the pool
     trigger  : need(0) > free        the step does not fit: vLLM would preempt (or the queue's head waits)
     target   : free − need(k) ≥ margin                       margin: the caller's (one block per request)
 
@@ -21,14 +21,18 @@ highest-ranked of its victims stay). If every candidate is at its floor and the 
 
 The queue's head (``admit``: blocks its first chunk needs) counts in the need only when evicting every
 candidate down to its floor could make room for it; otherwise evicting for it would buy nothing and it
-waits, as in vLLM. Block counts after eviction are repack's (``⌈live/B⌉``).
+waits, as in vLLM. ``after_r[k]``, the blocks a row holds after its step, is the mode's own count:
+``⌈(live − k + n)/B⌉`` when repacking, the naive rule for ``mode: naive`` (an original block returns only
+once all its tokens are dead, so the same victims free fewer blocks and naive needs more of them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
+
+from vtoken.core.config import Mode
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -46,29 +50,41 @@ def _empty_f() -> np.ndarray:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One running request as pressure sees it. ``need0``: blocks its step takes from the pool without
-    eviction (the mode's own rule); ``order``: the logical positions it may give up (evictable and above its
-    floor), first to go first; ``keys``: their batch-wide keys, non-decreasing along ``order``."""
+    """One running request as pressure sees it: it holds ``held`` blocks and ``live`` live tokens and
+    computes ``n_new`` in the coming step. ``order``: the logical positions it may give up (evictable and
+    above its floor), first to go first; ``keys``: their batch-wide keys, non-decreasing along ``order``;
+    ``after[k]`` (``k`` = 0 … ``order.size``, non-increasing): the blocks its row holds after the step when it
+    gives up the first ``k``, by its mode's rule."""
 
     key: str
     live: int
     held: int
     n_new: int
-    need0: int
+    after: np.ndarray
     order: np.ndarray = field(default_factory=_empty_i)
     keys: np.ndarray = field(default_factory=_empty_f)
 
-    def need(self, k: int, block_size: int) -> int:
+    @classmethod
+    def repack(cls, key: str, live: int, held: int, n_new: int, need0: int, order: np.ndarray | None = None,
+               keys: np.ndarray | None = None, *, block_size: int) -> Candidate:
+        """A dense repacking row: ``after[0] = held + need0`` (the mode's count without eviction, e.g. a
+        reused hole), ``after[k] = ⌈(live − k + n_new)/B⌉``. Pure."""
+        order = _empty_i() if order is None else np.asarray(order, np.int64)
+        keys = _empty_f() if keys is None else np.asarray(keys, np.float64)
+        k = np.arange(1, order.size + 1, dtype=np.int64)
+        after = np.concatenate([[held + need0], -(-np.maximum(live - k + n_new, 0) // block_size)])
+        return cls(key, live, held, n_new, after.astype(np.int64), order, keys)
+
+    def need(self, k: int, block_size: int = 0) -> int:
         """Blocks this request takes from the pool in the coming step after giving up ``k`` tokens (may be
         negative: blocks it returns). Pure."""
-        if k == 0:
-            return self.need0
-        return blocks_for(self.live - k + self.n_new, block_size) - self.held
+        return int(self.after[k]) - self.held
 
-    def useful(self, k: int, block_size: int) -> int:
+    def useful(self, k: int, block_size: int = 0) -> int:
         """The fewest of the first ``k`` tokens of ``order`` that free as many blocks as all ``k``. Pure."""
-        keep = blocks_for(self.live - k + self.n_new, block_size)
-        return min(k, max(self.live + self.n_new - block_size * keep, 0))
+        while k > 0 and self.after[k - 1] == self.after[k]:
+            k -= 1
+        return k
 
 
 @dataclass(frozen=True)
@@ -147,18 +163,46 @@ def candidate(key: str, table, policy, cfg, salt: int, held: int, n_new: int) ->
     so a request giving up ``k`` tokens gives up exactly what ``select`` with ``k`` would."""
     from vtoken.core.eviction import context_for
 
+    B = table.block_size
     need0 = table.required_blocks_after_place(n_new) - held
     avail = table.live - cfg.kept_live(table.seen, table.prompt_len)
     if avail <= 0:
-        return Candidate(key, table.live, held, n_new, need0)
+        return Candidate.repack(key, table.live, held, n_new, need0, block_size=B)
     logicals = table.live_logicals()
     evictable = table.evictable(logicals, cfg.sinks, cfg.recent, cfg.kept_prompt(table.prompt_len))
     if not evictable.any():
-        return Candidate(key, table.live, held, n_new, need0)
+        return Candidate.repack(key, table.live, held, n_new, need0, block_size=B)
     ranked = policy.ranked(context_for(table, logicals, salt, policy))
     cand = np.flatnonzero(evictable)
     if not np.all(np.isfinite(ranked[cand])):
         raise ValueError(f"policy {policy.name!r} returned non-finite scores")
     chosen = cand[np.lexsort((logicals[cand], ranked[cand]))][:avail]
     mass = float(ranked.sum()) if policy.attention_mass else None
-    return Candidate(key, table.live, held, n_new, need0, logicals[chosen], batch_keys(ranked[chosen], mass))
+    c = Candidate.repack(key, table.live, held, n_new, need0, logicals[chosen], batch_keys(ranked[chosen], mass),
+                         block_size=B)
+    if table.mode is Mode.NAIVE:
+        c = replace(c, after=naive_after(table, c.order, n_new))
+    return c
+
+
+def naive_after(table, order: np.ndarray, n_new: int) -> np.ndarray:
+    """``after[k]`` of a ``mode: naive`` row (pure): after giving up ``order[:k]`` and placing ``n_new``, it
+    holds the dense count or, if more, its original blocks that keep a live token plus the blocks the new
+    tokens open (``TokenTable.required_blocks_after_place``'s rule, applied to each prefix of ``order``)."""
+    B, seen, live = table.block_size, table.seen, table.live
+    counts = table.orig_live.copy()
+    nonempty = table.naive_nonempty
+    after = np.empty(order.size + 1, np.int64)
+    after[0] = table.required_blocks_after_place(n_new)
+    first, last = seen // B, (seen + max(n_new, 1) - 1) // B
+    for j, pos in enumerate(order, start=1):
+        b = int(pos) // B
+        counts[b] -= 1
+        nonempty -= int(counts[b] == 0)
+        seg = counts[first : last + 1]
+        if n_new:
+            opened = int(np.count_nonzero(seg == 0)) + (last + 1 - first - seg.size)
+        else:
+            opened = int(seen % B != 0 and counts[first] == 0)
+        after[j] = max(blocks_for(live - j + n_new, B), nonempty + opened)
+    return after
