@@ -159,3 +159,11 @@ def test_naive_rows_count_by_the_naive_rule():
             u.evict(np.sort(c.order[:k]), cfg.sinks, cfg.recent)
             u.apply(u.plan())  # dense again, as decide_step leaves it
         assert after[k] == u.required_blocks_after_place(1), k
+
+
+def test_the_simulator_refuses_pressure():
+    """The simulator gives each request its own memory: nothing could ever run short, so it refuses."""
+    from vtoken.sim.run import SimConfig
+
+    with pytest.raises(ConfigError, match="trigger 'pressure'"):
+        SimConfig.of(policy="h2o", budget=0.2, trigger="pressure")

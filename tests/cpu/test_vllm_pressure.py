@@ -137,3 +137,14 @@ def test_engine_with_pressure_and_async_scheduling_is_refused_at_construction():
         make_scheduler(async_scheduling=True, vtoken={"trigger": "pressure"})
     make_scheduler(async_scheduling=True, vtoken={"trigger": "step"})
     make_scheduler(async_scheduling=False, vtoken={"trigger": "pressure"})
+
+
+def test_a_pressure_request_on_an_engine_that_cannot_run_it_fails_alone():
+    """On an async-scheduling engine (trigger 'step'), a request asking for ``trigger: pressure`` is refused
+    like any invalid override (finished with an error at the next update); another request is admitted."""
+    from test_vllm_async_scheduler import make_request, make_scheduler
+
+    sched = make_scheduler(async_scheduling=True)
+    sched.add_request(make_request("bad", 16, 4, trigger="pressure"))
+    sched.add_request(make_request("good", 16, 4))
+    assert "bad" in sched.grammar_compile_error_reqs and "bad" not in sched._vt_reqs and "good" in sched._vt_reqs

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vtoken.core.config import Granularity, Mode, Scope, VTokenConfig
+from vtoken.core.config import Granularity, Mode, Scope, Trigger, VTokenConfig
 from vtoken.errors import ConfigError
 from vtoken.sim.exact import simulate_exact
 from vtoken.sim.fast import simulate_fast
@@ -62,6 +62,9 @@ class SimConfig:
             raise ConfigError("granularity 'block' runs on the exact engine only: pass --engine exact")
         if self.engine == "fast" and self.vtoken.keep_mass is not None:  # requests keep different counts
             raise ConfigError("keep_mass runs on the exact engine only: pass --engine exact")
+        if self.vtoken.trigger is Trigger.PRESSURE:  # the simulator has no shared pool to run short
+            raise ConfigError("trigger 'pressure' evicts only when vLLM's shared KV pool runs short; the "
+                              "simulator gives every request its own memory: use trigger 'step' or 'block'")
         check_simulable(self.vtoken)
 
     @classmethod
