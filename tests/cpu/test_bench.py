@@ -288,6 +288,17 @@ def test_sim_scale_report_has_exactly_its_report_keys(tmp_path, capsys):
     assert json.loads((tmp_path / "s.json").read_text()) == report
 
 
+def test_score_host_report_has_exactly_its_report_keys():
+    """A small shape: the old and new paths fold the same statistics for every evictable token."""
+    from vtoken.bench.score_host import REPORT_KEYS, run_score_host
+
+    report = run_score_host("h2o", 16, 1, 0, shapes=((3, 200),))
+    assert set(report) == REPORT_KEYS
+    assert [r["scope"] for r in report["rows"]] == ["generated", "all"]
+    assert all(r["same_statistics"] for r in report["rows"])
+    assert [r["first_scored"] for r in report["rows"]] == [184, 4]
+
+
 def test_fleet_report_has_exactly_its_report_keys():
     from vtoken.bench.fleet import AUTOSCALER_KEYS, REPORT_KEYS, run_fleet
     from vtoken.serve.telemetry.sla import SloTargets
@@ -315,6 +326,7 @@ def bench_keys() -> dict[str, tuple[frozenset, bool]]:
         prefix,
         quality,
         retained,
+        score_host,
         serve_bench,
         sim_scale,
         soak,
@@ -329,7 +341,8 @@ def bench_keys() -> dict[str, tuple[frozenset, bool]]:
             "fleet": (fleet.REPORT_KEYS, False), "retained": (retained.REPORT_KEYS, False),
             "sim-scale": (sim_scale.REPORT_KEYS, False), "kernels": (kernels.REPORT_KEYS, False),
             "soak": (soak.REPORT_KEYS, True), "yardstick": (yardstick_plot.REPORT_KEYS, False),
-            "longgen": (longgen_report.REPORT_KEYS, True), "codegen": (codegen.REPORT_KEYS, True)}
+            "longgen": (longgen_report.REPORT_KEYS, True), "codegen": (codegen.REPORT_KEYS, True),
+            "score-host": (score_host.REPORT_KEYS, False)}
 
 
 def bench_of(words: list[str], report: dict) -> str:

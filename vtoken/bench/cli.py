@@ -443,6 +443,30 @@ def yardstick_cmd(
     emit(merged, out)
 
 
+@bench_app.command("score-host")
+def score_host_cmd(
+    policy: str = typer.Option("h2o", help="an attention policy (its first scored slot: vtoken.core.scored_range)"),
+    generated: int = typer.Option(256, help="output tokens among each request's live tokens (the rest: prompt)"),
+    repeats: int = typer.Option(5, help="timed repeats per row (the median is reported)"),
+    seed: int = typer.Option(0),
+    out: str = typer.Option(None, help="also write the JSON here"),
+) -> None:
+    """Host cost of one decode step's attention statistics (finish + fold), old path vs scored range."""
+    from vtoken.bench.report import emit
+    from vtoken.bench.score_host import SHAPES, run_score_host
+    from vtoken.core.config import VTokenConfig
+    from vtoken.errors import ConfigError
+
+    try:
+        VTokenConfig(policy=policy)
+    except ConfigError as err:
+        refuse(err)
+    if repeats < 1 or not 0 < generated < min(live for _, live in SHAPES):
+        refuse(f"--repeats {repeats} must be ≥ 1 and --generated {generated} in (0, {min(n for _, n in SHAPES)})")
+    emit(run_score_host(policy, generated, repeats, seed,
+                        on_row=lambda r: typer.echo(f"{r}", err=True)), out)
+
+
 @bench_app.command("kernels")
 def kernels_cmd(
     backend: str = typer.Option("triton", help="torch | triton"),
