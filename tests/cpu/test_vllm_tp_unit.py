@@ -79,3 +79,41 @@ def test_reduce_buffers_is_one_call_and_skips_empty_steps():
     assert len(calls) == 1 and calls[0].numel() == 10
     torch.testing.assert_close(a, torch.ones(2, 3))  # weight 1/2, summed over 2 "ranks"
     torch.testing.assert_close(b, torch.ones(4))
+
+
+class _NoFinish:
+    """A step's accumulator whose statistics must not be read back or finished."""
+
+    requests: dict = {}
+
+    def linear_buffers(self):
+        return [], []
+
+    def finish(self):
+        raise AssertionError("finished on a rank whose output vLLM drops")
+
+
+@pytest.mark.parametrize("output", [False, True])
+def test_only_the_output_rank_finishes_the_step_statistics(output):
+    """After the all-reduce every rank joins, a non-output TP rank (vLLM replies from TP rank 0) drops the
+    step's statistics: no read-back, no ``finish``; the output rank finishes them."""
+    from vtoken.vllm.runner import VTokenRunnerMixin
+    from vtoken.vllm.tp import HeadShards, TPReducer
+    from vtoken.vllm.transport import StepResult
+
+    class Group:
+        calls = 0
+
+        def all_reduce(self, t):
+            Group.calls += 1
+            return t
+
+    runner = VTokenRunnerMixin()
+    runner._vt_tp = TPReducer(Group(), HeadShards(tp=2, q_heads=4, kv_heads=2), output=output)
+    runner._vt_result, runner._vt_acc = StepResult(step=3), _NoFinish()
+    out = object()
+    if output:
+        with pytest.raises(AssertionError, match="finished"):
+            runner._vt_attach(out)
+    else:
+        assert runner._vt_attach(out) is out and runner._vt_acc is None
