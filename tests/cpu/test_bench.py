@@ -229,8 +229,7 @@ def test_capacity_report_has_exactly_its_report_keys(monkeypatch):
     monkeypatch.setattr(capacity, "kv_cache_groups", lambda llm: [{"kind": "full", "layers": 2}])
     monkeypatch.setattr(capacity, "close", lambda llm: None)
     monkeypatch.setattr(capacity, "run_batch", run_batch)
-    setup = capacity.CapacitySetup(model="m", policy="h2o", budget=0.2, block_size=32, kv_blocks=8,
-                                   prompt_len=8, gen_len=4, max_seqs=4)
+    setup = capacity.CapacitySetup(model="m", kv_blocks=8, prompt_len=8, gen_len=4, max_seqs=4)
     report = capacity.run_capacity(setup, ("naive", "repack"), requests=2, ttft_slo=1.0, tpot_slo=0.1,
                                    repeats=1)
     assert set(report) == capacity.REPORT_KEYS
@@ -262,7 +261,7 @@ def test_overhead_report_has_its_report_keys(monkeypatch, policies):
                         staticmethod(lambda *a, **k: SimpleNamespace(vocab_size=100)))
     monkeypatch.setattr(overhead, "_engine", lambda *a, **k: llm)
     monkeypatch.setattr(overhead, "_decode_steps", steps)
-    report = overhead.run_overhead("m", 32, 2, 8, 3, 0.5, 1, policies=policies)
+    report = overhead.run_overhead("m", overhead.BASE, 2, 8, 3, 1, policies=policies)
     one = len(policies) == 1
     assert set(report) == (overhead.REPORT_KEYS | {"policy" if one else "policies"}
                            | (overhead.SCORE_COLLECTION_KEYS if one else set()))
@@ -280,9 +279,10 @@ def test_kernels_report_has_exactly_its_report_keys():
 
 def test_sim_scale_report_has_exactly_its_report_keys(tmp_path, capsys):
     from vtoken.bench.sim_scale import REPORT_KEYS, run_sim_scale
-    from vtoken.sim.run import RESULT_KEYS
+    from vtoken.sim.run import RESULT_KEYS, SimConfig
 
-    report = run_sim_scale(2, 64, 8, "h2o", "0.2", 16, 1, str(tmp_path / "s.json"))
+    cfg = SimConfig.of(policy="h2o", budget="0.2", block_size=16, prompt_len=64, gen_len=8, requests=2)
+    report = run_sim_scale(cfg, str(tmp_path / "s.json"))
     assert set(report) == REPORT_KEYS | {"environment"}  # report.emit added it
     assert set(report["result"]) == RESULT_KEYS
     assert json.loads((tmp_path / "s.json").read_text()) == report
@@ -301,11 +301,12 @@ def test_score_host_report_has_exactly_its_report_keys():
 
 def test_fleet_report_has_exactly_its_report_keys():
     from vtoken.bench.fleet import AUTOSCALER_KEYS, REPORT_KEYS, run_fleet
+    from vtoken.bench.fleet_model import BASE
     from vtoken.serve.telemetry.sla import SloTargets
 
     steps = Path(__file__).resolve().parents[2] / "docs" / "results" / "fleet-steps.json"
-    report = run_fleet(2, [0.5], ["kv"], ["naive"], 6.0, 2.0, 32, 4, "h2o", 0.2, 32, steps, False,
-                       "tiny-llama", 1.0, 0.5, SloTargets(2.0, 0.2), 0, (4,), echo=lambda *a: None)
+    report = run_fleet(2, [0.5], ["kv"], ["naive"], 6.0, 2.0, 32, 4, BASE, steps, False, "tiny-llama", 1.0, 0.5,
+                       SloTargets(2.0, 0.2), (4,), echo=lambda *a: None)
     assert set(report) == REPORT_KEYS
     assert set(report["replicas_needed"]["naive"]["autoscaler"]) == AUTOSCALER_KEYS
 

@@ -31,37 +31,49 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
 from vtoken.bench.report import emit
+from vtoken.bench.settings import EVICTING
+from vtoken.core.config import VTokenConfig
 from vtoken.vllm.launch import scheduler_of, vllm_logs_to_stderr
 
 MODES = ("naive", "repack", "reuse+repack")
+# the engine's config, declared once: every token may be evicted (scope all), as in every report; the mode is
+# set per request (``--modes``), so ``mode`` is the bench's own (``settings.configure``)
+BASE = EVICTING
+OWN = {"mode": "--modes picks the modes, one per request"}
 
 
 @dataclass(frozen=True)
 class CapacitySetup:
-    """What every probe shares (the engine is built from it once)."""
+    """What every probe shares (the engine is built from it once, with ``vtoken``'s settings)."""
 
     model: str
-    policy: str
-    budget: float
-    block_size: int
     kv_blocks: int
     prompt_len: int
     gen_len: int
-    sinks: int = 4
-    recent: int = 16
+    vtoken: VTokenConfig = BASE
     max_seqs: int = 256
     tensor_parallel_size: int = 1  # > 1: vLLM's multiprocess executor, one core per rank on CPU
 
+    def to_report(self) -> dict:
+        """The report's setup fields (flat, as every capacity report has them)."""
+        cfg = self.vtoken
+        return {"model": self.model, "policy": cfg.policy, "budget": cfg.budget.to_json(),
+                "block_size": cfg.block_size, "kv_blocks": self.kv_blocks, "prompt_len": self.prompt_len,
+                "gen_len": self.gen_len, "sinks": cfg.sinks, "recent": cfg.recent, "max_seqs": self.max_seqs,
+                "tensor_parallel_size": self.tensor_parallel_size}
 
+
+SETUP_KEYS = ("model", "policy", "budget", "block_size", "kv_blocks", "prompt_len", "gen_len", "sinks", "recent",
+              "max_seqs", "tensor_parallel_size")
 # the top-level keys ``run_capacity`` returns (``report.emit`` adds ``environment``); tests/cpu/test_bench.py
 # holds the builder and the committed capacity-*.json to them
-REPORT_KEYS = frozenset({"bench", "command", *CapacitySetup.__dataclass_fields__, "requests", "repeats",
-                         "slo", "kv_cache_groups", "modes", "ratios_vs_naive"})
+REPORT_KEYS = frozenset({"bench", "command", *SETUP_KEYS, "requests", "repeats", "slo", "kv_cache_groups", "modes",
+                         "ratios_vs_naive"})
 
 
 @dataclass(frozen=True)
@@ -88,17 +100,15 @@ def build_engine(setup: CapacitySetup):
     """An in-process ``LLM`` with the fixed pool. Side effect: starts an engine (free with ``close``)."""
     from vllm import LLM
 
-    from vtoken.core.config import Scope, VTokenConfig
     from vtoken.vllm import engine_kwargs
     from vtoken.vllm.launch import scoped_env, tp_engine_kwargs
 
-    cfg = VTokenConfig(policy=setup.policy, budget=setup.budget, mode="repack", block_size=setup.block_size,
-                       sinks=setup.sinks, recent=setup.recent, scope=Scope.ALL)
+    cfg = setup.vtoken
     tp_kw, tp_env = tp_engine_kwargs(setup.tensor_parallel_size)
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **tp_env}
     with scoped_env(**env):
         return LLM(model=setup.model, dtype="float32", enforce_eager=True, seed=0,
-                   max_model_len=setup.prompt_len + setup.gen_len + setup.block_size,
+                   max_model_len=setup.prompt_len + setup.gen_len + cfg.block_size,
                    num_gpu_blocks_override=setup.kv_blocks, max_num_seqs=setup.max_seqs,
                    max_num_batched_tokens=max(setup.prompt_len, 256), enable_prefix_caching=False,
                    enable_chunked_prefill=True, **tp_kw, **engine_kwargs(cfg))
@@ -204,7 +214,7 @@ def run_capacity(setup: CapacitySetup, modes: tuple[str, ...], requests: int, tt
     from rich.progress import Progress
 
     report: dict = {"bench": "capacity", "command": "vtoken " + shlex.join(sys.argv[1:]),
-                    **asdict(setup), "requests": requests,
+                    **setup.to_report(), "requests": requests,
                     "repeats": repeats, "slo": {"ttft_s": ttft_slo, "tpot_s": tpot_slo}, "modes": {}}
     llm = build_engine(setup)
     try:

@@ -18,14 +18,6 @@ from vtoken.models.default import MODEL_HELP
 BUDGET_HELP = "fraction of the context in (0, 1] or a token count (Budget.parse)"
 
 
-def _budget(text: str) -> int | float:
-    """``--budget``, parsed one way for every command (``Budget.parse``): a token count (``512``) or a fraction
-    (``0.2``), as the number a ``VTokenConfig`` and a report take; ``ConfigError`` names a bad one."""
-    from vtoken.core.config import Budget
-
-    return Budget.parse(text).to_json()
-
-
 bench_app = typer.Typer(help="Benchmarks (JSON out, with the command that produced it).", no_args_is_help=True)
 bench_app.command("longgen")(longgen_cmd)
 bench_app.command("longgen-figure")(longgen_figure_cmd)
@@ -38,16 +30,26 @@ def sim_scale(
     requests: int = typer.Option(10_000),
     prompt_len: int = typer.Option(8_064, "--prompt-len"),
     gen_len: int = typer.Option(128, "--gen-len"),
-    policy: str = typer.Option("h2o"),
-    budget: str = typer.Option("0.2"),
-    block_size: int = typer.Option(32, "--block-size"),
+    policy: str = typer.Option(None, help="eviction policy (default: sim_scale.BASE's)"),
+    budget: str = typer.Option(None, help=BUDGET_HELP + " (default: sim_scale.BASE's)"),
+    block_size: int = typer.Option(None, "--block-size", help="tokens per KV block (default: sim_scale.BASE's)"),
     workers: int = typer.Option(1),
     out: str = typer.Option(None, help="also write the JSON here"),
+    sets: list[str] = typer.Option([], "--set", help="vtoken.KEY=VALUE: any setting of `vtoken settings`, over "
+                                   "the flags (repeatable; not mode: every mode runs)"),
 ) -> None:
     """The simulator at scale: R requests × (prompt + gen) tokens, every mode, wall time measured."""
-    from vtoken.bench.sim_scale import run_sim_scale
+    from vtoken.bench.settings import configure
+    from vtoken.bench.sim_scale import BASE, OWN, run_sim_scale
+    from vtoken.errors import ConfigError
+    from vtoken.sim.run import SimConfig
 
-    run_sim_scale(requests, prompt_len, gen_len, policy, budget, block_size, workers, out)
+    try:
+        cfg = SimConfig(vtoken=configure(BASE, sets, own=OWN, policy=policy, budget=budget, block_size=block_size),
+                        prompt_len=prompt_len, gen_len=gen_len, requests=requests, workers=workers)
+    except ConfigError as err:
+        refuse(err)
+    run_sim_scale(cfg, out)
 
 
 @bench_app.command("retained")
@@ -59,26 +61,38 @@ def retained(
     gen_len: int = typer.Option(128, "--gen-len"),
     requests: int = typer.Option(64),
     traces: str = typer.Option(None, help=".npz of recorded attention; default synthetic"),
-    sinks: int = typer.Option(4),
-    recent: int = typer.Option(16),
+    sinks: int = typer.Option(None, help="first tokens never evicted (default: retained.BASE's)"),
+    recent: int = typer.Option(None, help="last tokens never evicted (default: retained.BASE's)"),
     markdown: bool = typer.Option(False, help="also print a markdown table"),
     out: str = typer.Option(None, help="also write the JSON here"),
+    sets: list[str] = typer.Option([], "--set", help="vtoken.KEY=VALUE: any setting of `vtoken settings`, over "
+                                   "the flags (repeatable; not mode, policy, budget or block_size: the grid's)"),
 ) -> None:
     """Retained KV blocks per mode for a grid of policies × budgets × block sizes (vs the paper's range)."""
-    from vtoken.bench.retained import run_retained
+    from pathlib import Path
 
-    run_retained(policies, budgets, block_sizes, prompt_len, gen_len, requests, traces, sinks, recent, markdown,
-                 out)
+    from vtoken.bench.retained import BASE, OWN, grid, run_retained
+    from vtoken.bench.settings import configure
+    from vtoken.errors import ConfigError
+    from vtoken.sim.run import SimConfig
+
+    try:
+        base = SimConfig(vtoken=configure(BASE, sets, own=OWN, sinks=sinks, recent=recent), prompt_len=prompt_len,
+                         gen_len=gen_len, requests=requests, traces=Path(traces) if traces else None)
+        cells = grid(base, policies, budgets, block_sizes)
+    except (ConfigError, ValueError) as err:
+        refuse(err)
+    run_retained(base, cells, markdown, out)
 
 
 @bench_app.command("overhead")
 def overhead_cmd(
     model: str = typer.Option("tiny-llama", help=MODEL_HELP),
-    block_size: int = typer.Option(32, "--block-size"),
+    block_size: int = typer.Option(None, "--block-size", help="tokens per KV block (default: overhead.BASE's)"),
     batch: int = typer.Option(8, help="concurrent requests"),
     prompt_len: int = typer.Option(256, "--prompt-len"),
     gen_len: int = typer.Option(64, "--gen-len"),
-    budget: str = typer.Option("0.5", help=BUDGET_HELP + " for the evicting variants"),
+    budget: str = typer.Option(None, help=BUDGET_HELP + " for the evicting variants (default: overhead.BASE's)"),
     repeats: int = typer.Option(3, help="runs per variant (median reported)"),
     out: str = typer.Option(None, help="also write the JSON here"),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
@@ -88,24 +102,26 @@ def overhead_cmd(
                                                 "(repeatable; repack+scores is the default score_layers, "
                                                 "repack+scores@all every layer, both always run)"),
     policy: list[str] = typer.Option(None, "--policy",
-                                     help="the evicting variants' policy (default random); an attention policy "
-                                          "makes every variant score (naive and repack paired, no "
-                                          "score-collection rows); repeatable with attention policies: each "
-                                          "runs every evicting variant in the same run"),
+                                     help="the evicting variants' policy (default: overhead.BASE's, random); "
+                                          "an attention policy makes every variant score (naive and repack "
+                                          "paired, no score-collection rows); repeatable with attention "
+                                          "policies: each runs every evicting variant in the same run"),
+    sets: list[str] = typer.Option([], "--set", help="vtoken.KEY=VALUE: any setting of `vtoken settings`, over "
+                                   "the flags (repeatable; not mode, policy or score_layers: each variant's)"),
 ) -> None:
     """Decode-step overhead in vLLM: repack vs naive vs none (no memory pressure), score collection on/off."""
-    from vtoken.bench.overhead import overhead
-    from vtoken.core.config import VTokenConfig
+    from vtoken.bench.overhead import BASE, OWN, overhead
+    from vtoken.bench.settings import configure
     from vtoken.errors import ConfigError
     from vtoken.vllm import engine_kwargs
 
-    policies = tuple(dict.fromkeys(policy or ["random"]))
+    policies = tuple(dict.fromkeys(policy or [BASE.policy]))
     try:
-        budget = _budget(budget)
-        cfgs = [VTokenConfig(policy=p, budget=budget, mode="repack", block_size=block_size) for p in policies]
+        cfg = configure(BASE, sets, own=OWN, policy=policies[0], budget=budget, block_size=block_size)
+        cfgs = [dataclasses.replace(cfg, policy=p) for p in policies]
         engine_kwargs(cfgs[0])
         for n in score_layers or ():
-            VTokenConfig(score_layers=n)
+            dataclasses.replace(cfg, score_layers=n)
     except (ConfigError, ValueError) as err:
         refuse(err)
     if score_layers and cfgs[0].policy_class.needs_attention():
@@ -114,16 +130,16 @@ def overhead_cmd(
     if len(policies) > 1 and (plain := [c.policy for c in cfgs if not c.policy_class.needs_attention()]):
         refuse(f"--policy {plain[0]!r} with other policies: several policies are compared only among attention "
                f"policies (run a query-free policy on its own)")
-    overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats, out, tensor_parallel_size,
-             tuple(score_layers or ()), policies)
+    overhead(model, cfg, batch, prompt_len, gen_len, repeats, out, tensor_parallel_size, tuple(score_layers or ()),
+             policies)
 
 
 @bench_app.command("capacity")
 def capacity_cmd(
     model: str = typer.Option("tiny-llama", help=MODEL_HELP),
-    policy: str = typer.Option("h2o"),
-    budget: str = typer.Option("0.2", help=BUDGET_HELP),
-    block_size: int = typer.Option(32, "--block-size"),
+    policy: str = typer.Option(None, help="eviction policy (default: capacity.BASE's)"),
+    budget: str = typer.Option(None, help=BUDGET_HELP + " (default: capacity.BASE's)"),
+    block_size: int = typer.Option(None, "--block-size", help="tokens per KV block (default: capacity.BASE's)"),
     kv_blocks: int = typer.Option(64, "--kv-blocks", help="exact KV pool size in blocks (the memory limit)"),
     prompt_len: int = typer.Option(256, "--prompt-len"),
     gen_len: int = typer.Option(96, "--gen-len"),
@@ -135,10 +151,12 @@ def capacity_cmd(
     out: str = typer.Option(None, help="also write the JSON here"),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
                                              help="TP ranks (CPU: one process and core each)"),
+    sets: list[str] = typer.Option([], "--set", help="vtoken.KEY=VALUE: any setting of `vtoken settings`, over "
+                                   "the flags (repeatable; not mode: --modes)"),
 ) -> None:
     """Max feasible concurrency and burst SLA goodput per mode at a fixed KV pool (real vLLM engine)."""
-    from vtoken.bench.capacity import MODES, CapacitySetup, main
-    from vtoken.core.config import VTokenConfig
+    from vtoken.bench.capacity import BASE, MODES, OWN, CapacitySetup, main
+    from vtoken.bench.settings import configure
     from vtoken.errors import ConfigError
 
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
@@ -158,13 +176,13 @@ def capacity_cmd(
         from vtoken.models.default import resolve_model
         from vtoken.vllm import engine_kwargs
 
-        budget = _budget(budget)
-        engine_kwargs(VTokenConfig(policy=policy, budget=budget, mode="repack", block_size=block_size))
+        cfg = configure(BASE, sets, own=OWN, policy=policy, budget=budget, block_size=block_size)
+        engine_kwargs(cfg)
         path = str(resolve_model(model))
     except (ConfigError, ValueError, OSError) as err:
         refuse(err)
-    setup = CapacitySetup(model=path, policy=policy, budget=budget, block_size=block_size, kv_blocks=kv_blocks,
-                          prompt_len=prompt_len, gen_len=gen_len, tensor_parallel_size=tensor_parallel_size)
+    setup = CapacitySetup(model=path, kv_blocks=kv_blocks, prompt_len=prompt_len, gen_len=gen_len, vtoken=cfg,
+                          tensor_parallel_size=tensor_parallel_size)
     main(setup, chosen, requests, ttft_slo, tpot_slo, repeats, out)
 
 
@@ -198,10 +216,10 @@ QUALITY_PRESETS = {
 @bench_app.command("prefix")
 def prefix_cmd(
     model: str = typer.Option("tiny-llama", help=MODEL_HELP),
-    block_size: int = typer.Option(32, "--block-size"),
+    block_size: int = typer.Option(None, "--block-size", help="tokens per KV block (default: prefix.BASE's)"),
     modes: str = typer.Option("none,repack,reuse+repack", help="comma-separated modes, set per request"),
-    policy: str = typer.Option("h2o"),
-    budget: str = typer.Option("0.3", help=BUDGET_HELP),
+    policy: str = typer.Option(None, help="eviction policy (default: prefix.BASE's)"),
+    budget: str = typer.Option(None, help=BUDGET_HELP + " (default: prefix.BASE's)"),
     requests: int = typer.Option(6, help="sequential requests sharing the system prompt"),
     system_len: int = typer.Option(256, "--system-len", help="shared system-prompt tokens"),
     user_len: int = typer.Option(64, "--user-len", help="each request's own prompt tokens"),
@@ -209,25 +227,27 @@ def prefix_cmd(
     repeats: int = typer.Option(3, help="runs per mode, interleaved"),
     seed: int = typer.Option(0),
     out: str = typer.Option(None, help="also write the JSON here"),
+    sets: list[str] = typer.Option([], "--set", help="vtoken.KEY=VALUE: any setting of `vtoken settings`, over "
+                                   "the flags (repeatable; not mode: --modes)"),
 ) -> None:
     """Prefix-cache hits and TTFT of sequential requests sharing a system prompt, per mode (one engine)."""
     from vtoken.vllm.launch import vllm_logs_to_stderr
 
     vllm_logs_to_stderr()
-    from vtoken.bench.prefix import prefix
-    from vtoken.core.config import VTokenConfig
+    from vtoken.bench.prefix import BASE, OWN, prefix
+    from vtoken.bench.settings import configure
     from vtoken.errors import ConfigError
     from vtoken.vllm import engine_kwargs
 
     chosen = [m.strip() for m in modes.split(",") if m.strip()]
     try:
-        budget = _budget(budget)
+        cfg = configure(BASE, sets, own=OWN, policy=policy, budget=budget, block_size=block_size)
         for m in chosen:
-            VTokenConfig(policy=policy, budget=budget, mode=m, block_size=block_size)
-        engine_kwargs(VTokenConfig(policy=policy, budget=budget, mode="repack", block_size=block_size))
+            dataclasses.replace(cfg, mode=m)
+        engine_kwargs(cfg)
     except (ConfigError, ValueError) as err:
         refuse(err)
-    prefix(model, block_size, chosen, policy, budget, requests, system_len, user_len, gen_len, repeats, seed, out)
+    prefix(model, cfg, chosen, requests, system_len, user_len, gen_len, repeats, seed, out)
 
 
 def _count_setting(text: str, option: str, key: str) -> int:
@@ -328,13 +348,15 @@ def quality_cmd(
     out: str = typer.Option(None, help="also write the JSON here"),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
                                              help="TP ranks (CPU: one process and core each)"),
+    sets: list[str] = typer.Option([], "--set", help="vtoken.KEY=VALUE over the flags (repeatable): the engine's "
+                                   "block_size, sinks, recent, or one value of a point's setting in every point"),
 ) -> None:
     """Task quality (pass key, perplexity, RULER-style tasks with 95 % intervals, long-generation fidelity)
     per policy × granularity × budget vs retained blocks."""
 
     from rich.console import Console
 
-    from vtoken.bench.quality import QualitySetup, points, run_quality
+    from vtoken.bench.quality import QualitySetup, apply_sets, points, run_quality
     from vtoken.bench.report import emit
     from vtoken.core.config import Budget, VTokenConfig
     from vtoken.errors import ConfigError
@@ -376,8 +398,9 @@ def quality_cmd(
             ruler_samples=samples or preset.ruler_samples, fidelity_prompts=fid_prompts,
             fidelity_tokens=fidelity_tokens or preset.fidelity_tokens,
         )
+        setup = apply_sets(setup, sets)
         for pt in points(setup):  # every point is one base config with its overrides: each checked here
-            pt.config()
+            pt.config(setup.base())
         from vtoken.models.default import resolve_model
 
         setup = dataclasses.replace(setup, model=str(resolve_model(model)))
@@ -509,9 +532,9 @@ def fleet_cmd(
     warmup: float = typer.Option(10.0, help="seconds of each run not measured"),
     pool_blocks: int = typer.Option(128, "--pool-blocks", help="KV pool of each replica (blocks)"),
     max_seqs: int = typer.Option(16, "--max-seqs", help="engine batch limit of each replica"),
-    policy: str = typer.Option("h2o"),
-    budget: str = typer.Option("0.2", help=BUDGET_HELP),
-    block_size: int = typer.Option(32, "--block-size"),
+    policy: str = typer.Option(None, help="eviction policy (default: fleet_model.BASE's)"),
+    budget: str = typer.Option(None, help=BUDGET_HELP + " (default: fleet_model.BASE's)"),
+    block_size: int = typer.Option(None, "--block-size", help="tokens per KV block (default: fleet_model.BASE's)"),
     steps: str = typer.Option("docs/results/fleet-steps.json", help="measured engine steps (JSON)"),
     measure_steps: bool = typer.Option(False, "--measure-steps", help="measure engine steps into --steps"),
     steps_model: str = typer.Option("tiny-llama", "--steps-model", help="model the steps are measured on"),
@@ -521,23 +544,27 @@ def fleet_cmd(
     tpot_slo: float = typer.Option(0.2, "--tpot-slo", help="seconds per output token"),
     decision_sizes: str = typer.Option("64,128,256,512,1024", "--decision-sizes",
                                        help="fleet sizes at which each router's decision is timed"),
-    seed: int = typer.Option(0),
+    seed: int = typer.Option(None, help="seeds the routers, the simulation and the policy (default: "
+                             "fleet_model.BASE's)"),
     as_json: bool = typer.Option(False, "--json", help="print the JSON only (else a table on stderr too)"),
     plot: str = typer.Option(None, help="write the plot (PNG) here"),
     out: str = typer.Option(None, help="also write the JSON here"),
+    sets: list[str] = typer.Option([], "--set", help="vtoken.KEY=VALUE: any setting of `vtoken settings`, over "
+                                   "the flags (repeatable; not mode: --modes)"),
 ) -> None:
     """Discrete-event fleet of N replicas: routers × modes × load, replicas needed, routing cost."""
     from pathlib import Path
 
     from vtoken.bench.fleet import plot as draw
     from vtoken.bench.fleet import run_fleet, summary
-    from vtoken.bench.fleet_model import MODES, ROUTERS
+    from vtoken.bench.fleet_model import BASE, MODES, OWN, ROUTERS
     from vtoken.bench.report import emit
+    from vtoken.bench.settings import configure
     from vtoken.errors import ConfigError
     from vtoken.serve.telemetry.sla import SloTargets
 
     try:
-        budget = _budget(budget)
+        cfg = configure(BASE, sets, own=OWN, policy=policy, budget=budget, block_size=block_size, seed=seed)
     except ConfigError as err:
         refuse(err)
     try:
@@ -562,9 +589,9 @@ def fleet_cmd(
         if failed:
             refuse(message)
     echo = (lambda *_: None) if as_json else (lambda line: typer.echo(line, err=True))
-    report = run_fleet(replicas, load_list, chosen_r, chosen_m, duration, warmup, pool_blocks, max_seqs,
-                       policy, budget, block_size, Path(steps), measure_steps, steps_model, time_scale,
-                       target_load, SloTargets(ttft_slo, tpot_slo), seed, tuple(sizes), echo)
+    report = run_fleet(replicas, load_list, chosen_r, chosen_m, duration, warmup, pool_blocks, max_seqs, cfg,
+                       Path(steps), measure_steps, steps_model, time_scale, target_load,
+                       SloTargets(ttft_slo, tpot_slo), tuple(sizes), echo)
     if plot:
         draw(report, plot)
     if not as_json:

@@ -28,6 +28,7 @@ import numpy as np
 from vtoken.bench.fleet_model import MODES, ROUTERS, WORKLOAD, KVAware, kv_profiles, make_router
 from vtoken.bench.fleet_sim import FleetSpec, View, simulate
 from vtoken.bench.fleet_steps import StepModel, load_steps, measure_steps
+from vtoken.core.config import VTokenConfig
 from vtoken.serve.control.autoscaling import ScalingParams
 from vtoken.serve.telemetry.sla import SloTargets
 from vtoken.serve.telemetry.stats import routing_stats
@@ -118,20 +119,22 @@ def replicas_needed(spec: FleetSpec, rate: float, slo_target: float, echo) -> di
 
 
 def run_fleet(replicas: int, loads: list[float], routers: list[str], modes: list[str], duration: float,
-              warmup: float, pool_blocks: int, max_seqs: int, policy: str, budget: float, block_size: int,
-              steps_file: Path, measure: bool, steps_model: str, time_scale: float, target_load: float,
-              slo: SloTargets, seed: int, decision_sizes=DECISION_SIZES, echo=print) -> dict:
-    """Every experiment of the module docstring; returns the report (JSON-able): ``REPORT_KEYS``."""
+              warmup: float, pool_blocks: int, max_seqs: int, vtoken: VTokenConfig, steps_file: Path, measure: bool,
+              steps_model: str, time_scale: float, target_load: float, slo: SloTargets,
+              decision_sizes=DECISION_SIZES, echo=print) -> dict:
+    """Every experiment of the module docstring, the replicas running ``vtoken``'s settings (its seed seeds the
+    routers and the simulation too); returns the report (JSON-able): ``REPORT_KEYS``."""
     started = time.perf_counter()
+    block_size, seed = vtoken.block_size, vtoken.seed
     if measure or not steps_file.exists():
         echo(f"measuring engine steps ({steps_model}) → {steps_file}")
         import json
 
         steps_file.parent.mkdir(parents=True, exist_ok=True)
-        measured = measure_steps(steps_model, block_size, budget=budget)
+        measured = measure_steps(steps_model, vtoken)
         steps_file.write_text(json.dumps(measured, indent=2) + "\n")
     step, steps_report = load_steps(steps_file, time_scale)
-    profiles = kv_profiles(WORKLOAD, policy, budget, block_size, seed=seed)
+    profiles = kv_profiles(WORKLOAD, vtoken)
     caps = {m: capacity(step, profiles[m], WORKLOAD, pool_blocks, max_seqs) for m in MODES}
     base_rate = caps["naive"]["req_s"] * replicas
     spec = {m: FleetSpec(replicas, pool_blocks, max_seqs, block_size, step, WORKLOAD, profiles[m], slo,
@@ -155,7 +158,7 @@ def run_fleet(replicas: int, loads: list[float], routers: list[str], modes: list
         "replicas": replicas, "loads": loads, "routers": routers, "modes": modes,
         "duration_s": duration, "warmup_s": warmup,
         "replica": {"pool_blocks": pool_blocks, "max_num_seqs": max_seqs, "block_size": block_size,
-                    "policy": policy, "budget": budget},
+                    "policy": vtoken.policy, "budget": vtoken.budget.to_json()},
         "workload": [{"prompt": c.prompt, "gen": c.gen, "share": w[c]} for c in WORKLOAD],
         "kv_per_request_blocks_mean": {m: [round(float(np.mean(p.held)), 2) for p in profiles[m]]
                                        for m in MODES},

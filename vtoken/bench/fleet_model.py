@@ -24,11 +24,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vtoken.bench.settings import EVICTING
+from vtoken.core.config import Mode, VTokenConfig
 from vtoken.serve.control.ranking import RouterParams, effective_free_tokens, rank_by_kv, stats_as_of
 from vtoken.serve.telemetry.stats import POLLED_AT
 
 MODES = ("naive", "repack")
 ROUTERS = ("kv", "p2c", "least_kv", "round_robin")
+# the replicas' config, declared once (``kv_profiles``, ``fleet_steps.measure_steps``): every token may be
+# evicted (scope all); the mode is the bench's own (``--modes``: every replica of a run in one mode)
+BASE = EVICTING
+OWN = {"mode": "--modes picks the modes"}
 
 
 @dataclass(frozen=True)
@@ -51,16 +57,19 @@ class KVProfile:
     live: np.ndarray  # [gen] float
 
 
-def kv_profiles(classes=WORKLOAD, policy: str = "h2o", budget: float = 0.2, block_size: int = 32,
-                requests: int = 16, seed: int = 0) -> dict[str, list[KVProfile]]:
-    """``{mode: [KVProfile per class]}`` for ``MODES``, from ``vtoken.sim.run_simulation`` (the fast
-    engine, checked equal to the core's exact replay by tests/cpu/test_sim.py)."""
+def kv_profiles(classes=WORKLOAD, vtoken: VTokenConfig = BASE, requests: int = 16) -> dict[str, list[KVProfile]]:
+    """``{mode: [KVProfile per class]}`` for ``MODES`` under ``vtoken``'s settings (its seed also seeds the
+    synthetic attention), from ``vtoken.sim.run_simulation`` (the fast engine, checked equal to the core's
+    exact replay by tests/cpu/test_sim.py)."""
+    from dataclasses import replace
+
     from vtoken.sim.run import SimConfig, run_simulation
 
+    block_size = vtoken.block_size
     out: dict[str, list[KVProfile]] = {m: [] for m in MODES}
     for c in classes:
-        cfg = SimConfig.of(policy=policy, budget=budget, block_size=block_size, seed=seed,
-                           prompt_len=c.prompt, gen_len=c.gen, requests=requests)
+        cfg = SimConfig(vtoken=replace(vtoken, mode=Mode.REPACK), prompt_len=c.prompt, gen_len=c.gen,
+                        requests=requests)
         _, tally = run_simulation(cfg)
         series = tally.mean_series()
         live = tally.live_per_step_sum / tally.requests

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from vtoken.bench.fleet_model import BASE
+from vtoken.core.config import VTokenConfig
 from vtoken.vllm.launch import scheduler_of
 
 DEFAULT_STEPS_FILE = Path("docs/results/fleet-steps.json")
@@ -77,15 +79,12 @@ def load_steps(path: Path, time_scale: float = 1.0) -> tuple[StepModel, dict]:
     return model, report
 
 
-def _engine(model: str, block_size: int, mode: str, policy: str, budget: float):
+def _engine(model: str, cfg: VTokenConfig):
     from vllm import LLM
 
-    from vtoken.core.config import Scope, VTokenConfig
     from vtoken.vllm import engine_kwargs
     from vtoken.vllm.launch import scoped_env
 
-    cfg = VTokenConfig(policy=policy, budget=budget, mode=mode, block_size=block_size, sinks=4, recent=16,
-                       scope=Scope.ALL)
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     with scoped_env(**env):
@@ -115,11 +114,11 @@ def _run(llm, prompts: list[list[int]], gen: int, tag: str) -> tuple[list[float]
     return prefill, decode
 
 
-def measure_steps(model: str = "tiny-llama", block_size: int = 32, mode: str = "repack", policy: str = "h2o",
-                  budget: float = 0.2, decode_batches=(1, 2, 4, 8, 16), prefill_lens=(64, 256, 1024),
-                  context: int = 256, decode_steps: int = 16, repeats: int = 4) -> dict:
-    """Time decode and prefill steps of a real engine; returns the report (see the module docstring):
-    ``REPORT_KEYS``."""
+def measure_steps(model: str = "tiny-llama", vtoken: VTokenConfig = BASE, decode_batches=(1, 2, 4, 8, 16),
+                  prefill_lens=(64, 256, 1024), context: int = 256, decode_steps: int = 16,
+                  repeats: int = 4) -> dict:
+    """Time decode and prefill steps of a real engine with ``vtoken``'s settings (the fleet's replicas'); returns
+    the report (see the module docstring): ``REPORT_KEYS``."""
     from transformers import AutoConfig
 
     from vtoken.models.default import resolve_model
@@ -127,7 +126,7 @@ def measure_steps(model: str = "tiny-llama", block_size: int = 32, mode: str = "
     path = str(resolve_model(model))
     vocab = AutoConfig.from_pretrained(path).vocab_size
     rng = np.random.default_rng(0)
-    llm = _engine(path, block_size, mode, policy, budget)
+    llm = _engine(path, vtoken)
     started = time.perf_counter()
 
     def tokens(n: int) -> list[int]:
@@ -154,7 +153,8 @@ def measure_steps(model: str = "tiny-llama", block_size: int = 32, mode: str = "
         "bench": "fleet-steps",
         "command": f"vtoken bench fleet --measure-steps --steps-model {shlex.quote(model)}",
         "what": "engine step wall times of one in-process vLLM engine with vToken, measured on this machine",
-        "model": path, "block_size": block_size, "mode": mode, "policy": policy, "budget": budget,
+        "model": path, "block_size": vtoken.block_size, "mode": vtoken.mode.value, "policy": vtoken.policy,
+        "budget": vtoken.budget.to_json(),
         "decode_context_tokens": context, "repeats": repeats,
         "statistic": "10th percentile of each shape's steps (fit); medians beside",
         "decode_step_ms": {str(b): round(ms, 3) for b, ms in decode_ms.items()},

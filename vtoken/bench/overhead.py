@@ -36,14 +36,13 @@ import shlex
 import statistics
 import sys
 import time
-from typing import Annotated
+from dataclasses import replace
 
 import numpy as np
-import typer
 
 from vtoken.bench.report import emit
-from vtoken.core.config import DEFAULT_SCORE_LAYERS
-from vtoken.models.default import MODEL_HELP
+from vtoken.bench.settings import EVICTING
+from vtoken.core.config import DEFAULT_SCORE_LAYERS, VTokenConfig
 from vtoken.vllm.launch import scheduler_of, vllm_logs_to_stderr
 
 # the top-level keys ``run_overhead`` always returns; besides them ``policy`` (one policy) or ``policies``
@@ -56,18 +55,22 @@ REPORT_KEYS = frozenset({"command", "model", "block_size", "batch", "prompt_len"
 SCORE_COLLECTION_KEYS = frozenset({"score_collection_pct", "score_layers", "scores_vs_repack_ratio"})
 
 
-def _engine(model: str, block_size: int, mode: str, scores: str, budget: float, max_model_len: int, tp: int = 1,
-            policy: str = "random"):
+# the evicting variants' config, declared once: the query-free ``random`` policy (identical decisions in every
+# mode) and every token evictable (scope all); ``--policy`` may name others. The mode, policy and score_layers
+# are set per variant (``settings.configure``'s ``own``).
+BASE = replace(EVICTING, policy="random", budget=0.5)
+OWN = {"mode": "every variant runs its own", "policy": "--policy, repeatable",
+       "score_layers": "--score-layers; the default and every layer always run"}
+
+
+def _engine(model: str, cfg: VTokenConfig, scores: str, max_model_len: int, tp: int = 1):
+    """An in-process engine with ``cfg``'s settings (its mode ``none``: vanilla vLLM, no hooks)."""
     from vllm import LLM
 
-    from vtoken.core.config import Scope, VTokenConfig
     from vtoken.vllm import engine_kwargs
-
-    cfg = VTokenConfig(policy=policy, budget=budget, mode=mode, block_size=block_size, sinks=4, recent=16,
-                       scope=Scope.ALL)
     from vtoken.vllm.launch import scoped_env, tp_engine_kwargs
 
-    kw = engine_kwargs(cfg, scores=scores) if mode != "none" else {"block_size": block_size}
+    kw = engine_kwargs(cfg, scores=scores) if cfg.mode.evicts else {"block_size": cfg.block_size}
     tp_kw, tp_env = tp_engine_kwargs(tp)
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            **tp_env}
@@ -103,11 +106,12 @@ def _decode_steps(llm, prompts: list[list[int]], gen_len: int, mode: str | None,
     return times
 
 
-def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_len: int, budget: float,
-                 repeats: int, tensor_parallel_size: int = 1, score_layers: tuple[int, ...] = (),
-                 policies: tuple[str, ...] = ("random",)) -> dict:
+def run_overhead(model: str, vtoken: VTokenConfig, batch: int, prompt_len: int, gen_len: int, repeats: int,
+                 tensor_parallel_size: int = 1, score_layers: tuple[int, ...] = (),
+                 policies: tuple[str, ...] = ()) -> dict:
     """Measure every variant; returns the JSON-able report (see the module docstring; its keys:
     ``REPORT_KEYS``, ``policy`` or ``policies``, and ``SCORE_COLLECTION_KEYS`` with a query-free policy).
+    The engines run ``vtoken``'s settings; ``policies`` (default: ``vtoken``'s) are the evicting variants'.
     Several ``policies`` must all be attention policies (``ValueError`` otherwise: the caller refuses them
     first)."""
     from rich.progress import Progress
@@ -123,6 +127,7 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
     prompts = [rng.integers(10, min(vocab, 30000), prompt_len).tolist() for _ in range(batch)]
     max_model_len = prompt_len + gen_len + 8
     default = DEFAULT_SCORE_LAYERS
+    policies = policies or (vtoken.policy,)
     policy = policies[0]
     attention = get_policy_class(policy).needs_attention()  # every evicting variant scores: no scores engine
     if len(policies) > 1 and not all(get_policy_class(p).needs_attention() for p in policies):
@@ -144,8 +149,8 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
     per_run: dict[str, list[float]] = {v: [] for v in variants}
     steps: dict[str, list[float]] = {v: [] for v in variants}
     moves: dict[str, int] = {}
-    engines = {label: _engine(path, block_size, mode, scores, budget, max_model_len, tensor_parallel_size, policy)
-               for label, mode, scores, _ in plan}
+    engines = {label: _engine(path, replace(vtoken, mode=mode, policy=policy), scores, max_model_len,
+                              tensor_parallel_size) for label, mode, scores, _ in plan}
     total = len(runs) * repeats * (gen_len - 1)
     with Progress(transient=True) as progress:
         task = progress.add_task("decode steps", total=total)
@@ -174,12 +179,12 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
     report = {
         "command": "vtoken " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "model": path,
-        "block_size": block_size,
+        "block_size": vtoken.block_size,
         "batch": batch,
         "prompt_len": prompt_len,
         "gen_len": gen_len,
         **({"policy": policy} if len(policies) == 1 else {"policies": list(policies)}),
-        "budget": budget,
+        "budget": vtoken.budget.to_json(),
         "repeats": repeats,
         "scores": {label: scores for label, _, scores, _ in plan},  # each engine's scores setting
         "decode_step_ms": {v: round(ms[v], 3) for v in variants},
@@ -201,21 +206,11 @@ def run_overhead(model: str, block_size: int, batch: int, prompt_len: int, gen_l
     return report
 
 
-def overhead(
-    model: Annotated[str, typer.Option(help=MODEL_HELP)] = "tiny-llama",
-    block_size: Annotated[int, typer.Option("--block-size")] = 32,
-    batch: Annotated[int, typer.Option(help="concurrent requests")] = 8,
-    prompt_len: Annotated[int, typer.Option("--prompt-len")] = 256,
-    gen_len: Annotated[int, typer.Option("--gen-len")] = 64,
-    budget: Annotated[float, typer.Option(help="budget fraction for the evicting variants")] = 0.5,
-    repeats: Annotated[int, typer.Option(help="runs per variant (median reported)")] = 3,
-    out: Annotated[str | None, typer.Option(help="also write the JSON here")] = None,
-    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", min=1)] = 1,
-    score_layers: tuple[int, ...] = (),
-    policies: tuple[str, ...] = ("random",),
-) -> None:
+def overhead(model: str, vtoken: VTokenConfig, batch: int, prompt_len: int, gen_len: int, repeats: int,
+             out: str | None, tensor_parallel_size: int = 1, score_layers: tuple[int, ...] = (),
+             policies: tuple[str, ...] = ()) -> None:
     """Decode-step overhead of repack vs naive vs none (no memory pressure), and of score collection."""
     vllm_logs_to_stderr()
-    report = run_overhead(model, block_size, batch, prompt_len, gen_len, budget, repeats, tensor_parallel_size,
-                          score_layers, policies)
+    report = run_overhead(model, vtoken, batch, prompt_len, gen_len, repeats, tensor_parallel_size, score_layers,
+                          policies)
     emit(report, out)

@@ -16,11 +16,18 @@ import shlex
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from vtoken.bench.report import emit
+from vtoken.bench.settings import EVICTING
+from vtoken.core.config import VTokenConfig
 
+# the engine's config, declared once: every token may be evicted (scope all); the mode is set per request
+# (``--modes``), so ``mode`` is the bench's own (``settings.configure``)
+BASE = replace(EVICTING, budget=0.3)
+OWN = {"mode": "--modes picks the modes, one per request"}
 # the top-level keys ``run_prefix`` returns (``report.emit`` adds ``environment``); tests/cpu/test_bench.py
 # holds the committed prefix-*.json to them
 REPORT_KEYS = frozenset({"command", "model", "block_size", "policy", "budget", "requests", "system_len",
@@ -44,18 +51,18 @@ def _one(llm, rid: str, prompt: list[int], params) -> tuple[float, int, list[int
     return float(ttft or 0.0), int(hits), tokens
 
 
-def run_prefix(model: str, block_size: int, modes: list[str], policy: str, budget: float, requests: int,
-               system_len: int, user_len: int, gen_len: int, repeats: int, seed: int) -> dict:
-    """Every mode ``repeats`` times on one engine (module docstring); returns the report: ``REPORT_KEYS``."""
+def run_prefix(model: str, cfg: VTokenConfig, modes: list[str], requests: int, system_len: int, user_len: int,
+               gen_len: int, repeats: int, seed: int) -> dict:
+    """Every mode ``repeats`` times on one engine with ``cfg``'s settings (module docstring); returns the report:
+    ``REPORT_KEYS``."""
     from vllm import LLM, SamplingParams
 
-    from vtoken.core.config import Scope, VTokenConfig
     from vtoken.models.default import resolve_model
     from vtoken.vllm import engine_kwargs
     from vtoken.vllm.launch import scheduler_of, scoped_env
 
     path = str(resolve_model(model))
-    cfg = VTokenConfig(policy=policy, budget=budget, mode="repack", block_size=block_size, scope=Scope.ALL)
+    block_size, policy, budget = cfg.block_size, cfg.policy, cfg.budget.to_json()
     with scoped_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1"):
         llm = LLM(model=path, dtype="float32", enforce_eager=True, seed=seed,
                   max_model_len=system_len + user_len + gen_len + block_size, enable_prefix_caching=True,
@@ -102,7 +109,6 @@ def run_prefix(model: str, block_size: int, modes: list[str], policy: str, budge
             "user_len": user_len, "gen_len": gen_len, "repeats": repeats, "rows": rows, "runs": runs}
 
 
-def prefix(model: str, block_size: int, modes: list[str], policy: str, budget: float, requests: int,
-           system_len: int, user_len: int, gen_len: int, repeats: int, seed: int, out: str | None) -> None:
-    emit(run_prefix(model, block_size, modes, policy, budget, requests, system_len, user_len, gen_len, repeats,
-                    seed), out)
+def prefix(model: str, cfg: VTokenConfig, modes: list[str], requests: int, system_len: int, user_len: int,
+           gen_len: int, repeats: int, seed: int, out: str | None) -> None:
+    emit(run_prefix(model, cfg, modes, requests, system_len, user_len, gen_len, repeats, seed), out)

@@ -72,6 +72,10 @@ class QualitySetup:
     fidelity_prompt_tokens: int = 32
     fidelity_tokens: int = 256
 
+    def base(self) -> VTokenConfig:
+        """The config every point overrides (``Point.config``): ``BASE`` with this run's engine settings."""
+        return replace(BASE, block_size=self.block_size, sinks=self.sinks, recent=self.recent)
+
 
 @dataclass(frozen=True)
 class Point:
@@ -138,6 +142,36 @@ SETTING_DEFAULTS = {f.name: f.default for f in fields(Point) if f.name != "budge
 # ``environment`` (tests/cpu/test_bench.py holds the builder and the committed quality-*.json to them)
 REPORT_KEYS = frozenset({"bench", "command", "model", "setup", "full_cache", "points", "retrieval",
                          "language_modelling", "ruler", "fidelity", "parity", "seconds"})
+
+
+# what ``--set vtoken.KEY=VALUE`` sets in a quality run: an engine setting (``QualitySetup``'s field) or a point's
+# setting, then one value in every point instead of its flag's sweep (the ``QualitySetup`` field it replaces)
+ENGINE_KEYS = ("block_size", "sinks", "recent")
+SWEEPS = {"policy": "policies", "budget": "budgets", "granularity": "granularities", "score_layers": "score_layers",
+          "prompt_tail": "prompt_tails", "scope": "scopes", "prompt_scores": "prompt_scores",
+          "keep_mass": "keep_masses", "score_pool": "score_pools"}
+
+
+def apply_sets(setup: QualitySetup, sets) -> QualitySetup:
+    """``setup`` with ``--set vtoken.KEY=VALUE`` items over its flags (``vtoken.core.config.with_sets`` over
+    ``setup.base()``, so values are checked as on construction): ``ENGINE_KEYS`` set the engine's value, a
+    point's setting (``SWEEPS``) its one value in every point. ``ConfigError`` names an unknown key (listing the
+    valid ones), a bad value or a key a quality run does not carry (mode follows the granularity, seed is
+    ``--seed``)."""
+    from vtoken.core.config import parse_sets, with_sets
+    from vtoken.errors import ConfigError
+
+    over = parse_sets(sets)
+    if not over:
+        return setup
+    carried = (*ENGINE_KEYS, *SWEEPS)
+    if other := [k for k in over if k not in carried]:
+        raise ConfigError(f"--set {', '.join('vtoken.' + k for k in other)}: quality carries only "
+                          f"{', '.join(carried)} (mode follows --granularities, seed is --seed)")
+    cfg = with_sets(setup.base(), sets)
+    as_run = cfg.to_dict()  # the budget as its number, enums as their strings: as the flags give them
+    return replace(setup, **{k: as_run[k] for k in ENGINE_KEYS if k in over},
+                   **{SWEEPS[k]: (as_run[k],) for k in SWEEPS if k in over})
 
 
 def points(setup: QualitySetup) -> list[Point]:

@@ -4,33 +4,34 @@ from __future__ import annotations
 
 import shlex
 import sys
-from pathlib import Path
+from dataclasses import replace
 
 import typer
 
-from vtoken.bench.report import emit, refuse
-from vtoken.errors import ConfigError
+from vtoken.bench.report import emit
+from vtoken.sim.run import SimConfig, run_simulation
 
 PAPER_RANGE_PCT = (-72.3, -27.2)
+# the simulated config, declared once: the simulator's default (``SimConfig``); every mode runs and each cell
+# sets its policy, budget and block size (``settings.configure``'s ``own``)
+BASE = SimConfig().vtoken
+OWN = {"mode": "every mode runs", "policy": "--policies", "budget": "--budgets", "block_size": "--block-sizes"}
 # the top-level keys of the report ``run_retained`` emits (``report.emit`` adds ``environment``)
 REPORT_KEYS = frozenset({"bench", "command", "source", "prompt_len", "gen_len", "requests", "sinks",
                          "recent", "paper_range_pct", "rows"})
 
 
-def run_retained(policies: str, budgets: str, block_sizes: str, prompt_len: int, gen_len: int, requests: int,
-                 traces: str | None, sinks: int, recent: int, markdown: bool, out: str | None = None) -> list[dict]:
+def grid(base: SimConfig, policies: str, budgets: str, block_sizes: str) -> list[SimConfig]:
+    """One simulation per policy × budget × block size (comma-separated): ``base`` with the cell's settings.
+    Raises ``ConfigError`` or ``ValueError`` naming a bad one."""
+    return [replace(base, vtoken=replace(base.vtoken, policy=p.strip(), budget=b.strip(), block_size=int(bs)))
+            for p in policies.split(",") for b in budgets.split(",") for bs in block_sizes.split(",")]
+
+
+def run_retained(base: SimConfig, cfgs: list[SimConfig], markdown: bool, out: str | None = None) -> list[dict]:
+    """Every cell of ``grid`` (``cfgs``; ``base``: what they share, for the report); emits the report."""
     from rich.progress import Progress
 
-    from vtoken.sim.run import SimConfig, run_simulation
-
-    try:
-        grid = [(p.strip(), b.strip(), int(bs)) for p in policies.split(",") for b in budgets.split(",")
-                for bs in block_sizes.split(",")]
-        cfgs = [SimConfig.of(policy=p, budget=b, block_size=bs, prompt_len=prompt_len, gen_len=gen_len,
-                             requests=requests, traces=Path(traces) if traces else None, sinks=sinks, recent=recent)
-                for p, b, bs in grid]
-    except (ConfigError, ValueError) as err:
-        refuse(err)
     rows = []
     with Progress(transient=True) as bar:
         task = bar.add_task("grid", total=len(cfgs))
@@ -46,9 +47,9 @@ def run_retained(policies: str, budgets: str, block_sizes: str, prompt_len: int,
             })
             bar.advance(task)
     report = {"bench": "retained", "command": "vtoken " + shlex.join(sys.argv[1:]),
-              "source": traces or "synthetic", "prompt_len": prompt_len, "gen_len": gen_len,
-              "requests": requests, "sinks": sinks, "recent": recent, "paper_range_pct": PAPER_RANGE_PCT,
-              "rows": rows}
+              "source": str(base.traces) if base.traces else "synthetic", "prompt_len": base.prompt_len,
+              "gen_len": base.gen_len, "requests": base.requests, "sinks": base.vtoken.sinks,
+              "recent": base.vtoken.recent, "paper_range_pct": PAPER_RANGE_PCT, "rows": rows}
     emit(report, out)
     if markdown:
         typer.echo("\n| policy | budget | B | none | naive | repack (= ⌈live/B⌉) | repack vs naive | moves repack / reuse+repack |")

@@ -28,17 +28,20 @@ def _fail(msg: str) -> None:
 
 
 def simulate(
-    policy: str = typer.Option("h2o", help="eviction policy (see `vtoken policies`)"),
-    budget: str = typer.Option("0.2", help="fraction of the context in (0, 1], or a token count"),
-    block_size: int = typer.Option(16, "--block-size", help="tokens per KV block (power of two)"),
+    policy: str = typer.Option(None, help="eviction policy (see `vtoken policies`; default: SimConfig's)"),
+    budget: str = typer.Option(None, help="fraction of the context in (0, 1], or a token count (default: "
+                               "SimConfig's)"),
+    block_size: int = typer.Option(None, "--block-size", help="tokens per KV block, a power of two (default: "
+                                   "SimConfig's)"),
     prompt_len: int = typer.Option(512, "--prompt-len"),
     gen_len: int = typer.Option(256, "--gen-len", help="decode steps"),
     requests: int = typer.Option(64),
-    seed: int = typer.Option(0),
-    sinks: int = typer.Option(4, help="first tokens never evicted"),
-    recent: int = typer.Option(16, help="last tokens never evicted"),
-    trigger: str = typer.Option("step", help="step | block"),
-    granularity: str = typer.Option("token", help="token | block (whole original blocks; exact engine)"),
+    seed: int = typer.Option(None, help="the random policy's and the synthetic attention's (default: SimConfig's)"),
+    sinks: int = typer.Option(None, help="first tokens never evicted (default: SimConfig's)"),
+    recent: int = typer.Option(None, help="last tokens never evicted (default: SimConfig's)"),
+    trigger: str = typer.Option(None, help="step | block (default: SimConfig's)"),
+    granularity: str = typer.Option(None, help="token | block (whole original blocks; exact engine; default: "
+                                    "SimConfig's)"),
     engine: str = typer.Option(None, help="fast (batched) | exact (the core objects, slow); default: fast, "
                                "exact with --granularity block"),
     workers: int = typer.Option(1, help="processes for the fast engine"),
@@ -58,12 +61,14 @@ def simulate(
     if traces is not None and not traces.is_file():
         _fail(f"--traces {str(traces)!r}: no such file")
     try:
-        settings = {"policy": policy, "budget": Budget.parse(budget), "block_size": block_size, "seed": seed,
-                    "sinks": sinks, "recent": recent, "trigger": trigger, "granularity": granularity,
-                    "keep_mass": keep_mass, **parse_sets(sets)}
+        flags = {"policy": policy, "budget": None if budget is None else Budget.parse(budget),
+                 "block_size": block_size, "seed": seed, "sinks": sinks, "recent": recent, "trigger": trigger,
+                 "granularity": granularity, "keep_mass": keep_mass}  # None: not given, SimConfig's default
+        settings = {**{k: v for k, v in flags.items() if v is not None}, **parse_sets(sets)}
         if "mode" in settings:
             raise ConfigError("--set vtoken.mode: the simulator runs every reclamation mode")
-        block = Granularity.parse(settings["granularity"]) is Granularity.BLOCK
+        default = SimConfig.__dataclass_fields__["vtoken"].default
+        block = Granularity.parse(settings.get("granularity", default.granularity)) is Granularity.BLOCK
         cfg = SimConfig.of(prompt_len=prompt_len, gen_len=gen_len, requests=requests, workers=workers,
                            traces=traces, window=window, window_groups=window_groups,
                            engine=engine or ("exact" if block else "fast"), **settings)

@@ -17,26 +17,27 @@ DEFAULT_POINT = "default"  # the engine's defaults, VTokenConfig() as it is decl
 
 
 def parse_point(text: str):
-    """``"default"`` or ``"key=value,key=value"`` (values read as JSON where they parse, else as text) →
-    ``(text, VTokenConfig)`` with those settings over the engine's defaults; ``ConfigError`` naming a bad one."""
-    from vtoken.core.config import VTokenConfig
+    """``"default"`` or ``"key=value,key=value"`` → ``(text, VTokenConfig)`` with those settings over the engine's
+    defaults: each item is read as ``--set vtoken.key=value`` is (``vtoken.core.config.with_sets``: a value typed as
+    its setting, an unknown key refused with the valid ones listed); ``ConfigError`` naming the point and the
+    bad item."""
+    from vtoken.core.config import SET_PREFIX, VTokenConfig, with_sets
     from vtoken.errors import ConfigError
 
     text = text.strip()
     if text == DEFAULT_POINT:
         return text, VTokenConfig()
-    raw = {}
-    for item in text.split(","):
-        key, sep, value = item.partition("=")
+    items = [item.strip() for item in text.split(",")]
+    for item in items:
+        key, sep, _ = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"point {text!r}: {item!r} is not key=value (or use {DEFAULT_POINT!r})")
-        try:
-            raw[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            raw[key.strip()] = value.strip()
-    if "block_size" in raw:
-        raise ConfigError(f"point {text!r}: block_size is the engine's (one per run), not a point's")
-    return text, VTokenConfig.from_dict(raw, where="point")
+        if key.strip() == "block_size":
+            raise ConfigError(f"point {text!r}: block_size is the engine's (one per run), not a point's")
+    try:
+        return text, with_sets(VTokenConfig(), [SET_PREFIX + item for item in items])
+    except ConfigError as err:  # the parser speaks of --set vtoken.KEY; a point names its keys bare
+        raise ConfigError(f"point {text!r}: {str(err).removeprefix('--set ').replace(SET_PREFIX, '')}") from None
 
 
 def longgen_cmd(
