@@ -148,3 +148,18 @@ def test_a_pressure_request_on_an_engine_that_cannot_run_it_fails_alone():
     sched.add_request(make_request("bad", 16, 4, trigger="pressure"))
     sched.add_request(make_request("good", 16, 4))
     assert "bad" in sched.grammar_compile_error_reqs and "bad" not in sched._vt_reqs and "good" in sched._vt_reqs
+
+
+def test_a_queue_longer_than_the_floors_allow_preempts_only_at_the_floors(engine, ref_llama):
+    """Six requests (80 + 120 tokens) whose floors alone (2 blocks each) exceed the 11 blocks: pressure evicts
+    to admit the queue, and vLLM preempts only after a round that found every request at its floor; all
+    exact. (Near the floors rounds come every step, a few tokens each: the floors bind, not the margin.)"""
+    llm, d = engine
+    sched = scheduler_of(llm)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(10, 500, 80).tolist() for _ in range(6)]
+    at_floor = sched.pressure_stats().at_floor
+    outs, pre, rounds = run(llm, prompts, [pressure(f"q-{i}", 120) for i in range(6)], "q")
+    assert rounds and pre <= sched.pressure_stats().at_floor - at_floor
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        check_against_reference(ref_llama, p, out, RequestTrace.read(d / f"q-{i}.json"))
