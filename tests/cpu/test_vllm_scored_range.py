@@ -52,8 +52,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_plan_scores_from_the_first_evictable_slot_with_the_same_victims(case, engine, monkeypatch):
-    import vtoken.vllm.request_state as request_state
-    import vtoken.vllm.scheduler as scheduler
+    from vtoken.vllm import request_state, scheduler
 
     llm, d = engine
     vt, first = CASES[case]

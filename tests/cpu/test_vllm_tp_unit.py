@@ -84,7 +84,9 @@ def test_reduce_buffers_is_one_call_and_skips_empty_steps():
 class _NoFinish:
     """A step's accumulator whose statistics must not be read back or finished."""
 
-    requests: dict = {}
+    @property
+    def requests(self) -> dict:
+        return {}
 
     def linear_buffers(self):
         return [], []
@@ -102,10 +104,7 @@ def test_only_the_output_rank_finishes_the_step_statistics(output):
     from vtoken.vllm.transport import StepResult
 
     class Group:
-        calls = 0
-
         def all_reduce(self, t):
-            Group.calls += 1
             return t
 
     runner = VTokenRunnerMixin()

@@ -59,8 +59,8 @@ def legacy_finish(meta: dict, requests: dict[str, RequestScores]) -> dict[str, S
         start += len(keep)
         last = [qi for qi in keep if qi >= rs.n_q - HISTORY_BITS]
         visible = np.arange(rs.seq_len)[None, :] < (np.array(last)[:, None] + rs.seq_len - rs.n_q + 1)
-        stats = dict(accumulated=sums[r, : rs.seq_len] / rs.layers, last=by_q[rs.n_q - 1].copy(),
-                     unimportant=unimportance_bits(np.stack([by_q[qi] for qi in last]), visible))
+        stats = {"accumulated": sums[r, : rs.seq_len] / rs.layers, "last": by_q[rs.n_q - 1].copy(),
+                 "unimportant": unimportance_bits(np.stack([by_q[qi] for qi in last]), visible)}
         if rs.window:
             stats["window"] = sum(by_q[qi] for qi in range(max(rs.window - OBSERVATION_WINDOW, 0), rs.window))
         attention[id(rs)] = stats

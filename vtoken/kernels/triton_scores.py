@@ -362,7 +362,7 @@ def _request_stats(rs: RequestScores, sums: np.ndarray, rows: np.ndarray | None,
     acc = sums[:n]
     if not keep:  # one query: accumulated, last and the window are its row
         # unimportance_bits of one row that saw every key: bit 0 ⇔ below 1/seq_len (same values, no 2-D pass)
-        stats = dict(accumulated=acc, last=acc, unimportant=(acc < 1.0 / rs.seq_len).astype(np.uint64))
+        stats = {"accumulated": acc, "last": acc, "unimportant": (acc < 1.0 / rs.seq_len).astype(np.uint64)}
         if rs.window:
             stats["window"] = acc
         return stats
@@ -370,8 +370,8 @@ def _request_stats(rs: RequestScores, sums: np.ndarray, rows: np.ndarray | None,
     last = [qi for qi in keep if qi >= rs.n_q - HISTORY_BITS]
     seen = np.array(last)[:, None] + rs.seq_len - rs.n_q + 1  # keys each kept query saw, in all
     visible = np.arange(rs.first, rs.seq_len)[None, :] < seen
-    stats = dict(accumulated=acc, last=by_q[rs.n_q - 1].copy(),
-                 unimportant=unimportance_bits(np.stack([by_q[qi] for qi in last]), visible, seen[:, 0]))
+    stats = {"accumulated": acc, "last": by_q[rs.n_q - 1].copy(),
+             "unimportant": unimportance_bits(np.stack([by_q[qi] for qi in last]), visible, seen[:, 0])}
     if rs.window:
         rows_w = range(max(rs.window - OBSERVATION_WINDOW, 0), rs.window)
         stats["window"] = sum(by_q[qi] for qi in rows_w)
