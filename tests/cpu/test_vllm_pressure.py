@@ -163,3 +163,26 @@ def test_a_queue_longer_than_the_floors_allow_preempts_only_at_the_floors(engine
     assert rounds and pre <= sched.pressure_stats().at_floor - at_floor
     for i, (p, out) in enumerate(zip(prompts, outs)):
         check_against_reference(ref_llama, p, out, RequestTrace.read(d / f"q-{i}.json"))
+
+
+def test_a_hybrid_engine_with_pressure_is_refused_at_construction():
+    """Tiny Gemma 3 (sliding-window groups beside the global one, one shared pool): an engine-level
+    ``trigger: pressure`` fails while the engine is built, naming the hybrid model, before any request."""
+    import os
+
+    from vllm import LLM
+
+    from vtoken.core.config import VTokenConfig
+    from vtoken.models.tiny import tiny_model
+    from vtoken.vllm import engine_kwargs
+    from vtoken.vllm.launch import scoped_env
+
+    kw = engine_kwargs(VTokenConfig(policy="h2o", budget=0.3, trigger="pressure", block_size=32))
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    with scoped_env(**env), pytest.raises(Exception) as e:
+        LLM(model=str(tiny_model("gemma3")), dtype="float32", enforce_eager=True, max_model_len=448, **kw)
+    err = e.value
+    while err is not None and not isinstance(err, ConfigError):
+        err = err.__cause__ or err.__context__
+    assert err is not None and "hybrid model" in str(err) and "trigger 'pressure'" in str(err)
