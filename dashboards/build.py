@@ -54,8 +54,7 @@ def _q(expr: str, legend: str) -> prom.Dataquery:
 
 
 def _thresholds(*steps: tuple[float | None, str]) -> db.ThresholdsConfig:
-    return db.ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps(
-        [Threshold(value=v, color=c) for v, c in steps])
+    return db.ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps([Threshold(value=v, color=c) for v, c in steps])
 
 
 def _panel(kind, title: str, description: str, unit: str, targets: list[prom.Dataquery], span: int = 12):
@@ -63,9 +62,12 @@ def _panel(kind, title: str, description: str, unit: str, targets: list[prom.Dat
     for ref, target in zip("ABCDEFGH", targets):
         panel = panel.with_target(target.ref_id(ref))
     if kind is timeseries:
-        return (panel.legend(cb.VizLegendOptions().display_mode(LegendDisplayMode.LIST)
-                             .placement(LegendPlacement.BOTTOM).show_legend(True))
-                .tooltip(cb.VizTooltipOptions().mode(TooltipDisplayMode.MULTI).sort(SortOrder.DESCENDING)))
+        return panel.legend(
+            cb.VizLegendOptions()
+            .display_mode(LegendDisplayMode.LIST)
+            .placement(LegendPlacement.BOTTOM)
+            .show_legend(True)
+        ).tooltip(cb.VizTooltipOptions().mode(TooltipDisplayMode.MULTI).sort(SortOrder.DESCENDING))
     return panel.reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
 
 
@@ -80,22 +82,50 @@ def _per_replica_rate(metric: names.Metric, by: str = "replica") -> prom.Dataque
 
 def _dashboard(uid: str, title: str, description: str, rows: list[tuple[str, list]]) -> dict:
     util = names.KV_UTILIZATION.name  # template variables list the replicas that export it
-    dash = (db.Dashboard(title).uid(uid).description(description).tags(["vtoken"]).editable().refresh("30s")
-            .time("now-1h", "now").timezone("browser")
-            .with_variable(db.DatasourceVariable("datasource").label("Data source").type("prometheus"))
-            .with_variable(db.QueryVariable("deployment").label("Deployment").datasource(DS)
-                           .query(f"label_values({util}, deployment)")
-                           .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
-                           .multi(True).include_all(True).all_value(".*"))
-            .with_variable(db.QueryVariable("node").label("Node").datasource(DS)
-                           .query(f'label_values({util}{{deployment=~"$deployment"}}, node)')
-                           .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
-                           .multi(True).include_all(True).all_value(".*"))
-            .with_variable(db.QueryVariable("replica").label("Replica").datasource(DS)
-                           .query(f'label_values({util}{{deployment=~"$deployment", node=~"$node"}}, '
-                                  'replica)')
-                           .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
-                           .multi(True).include_all(True).all_value(".*")))
+    dash = (
+        db.Dashboard(title)
+        .uid(uid)
+        .description(description)
+        .tags(["vtoken"])
+        .editable()
+        .refresh("30s")
+        .time("now-1h", "now")
+        .timezone("browser")
+        .with_variable(db.DatasourceVariable("datasource").label("Data source").type("prometheus"))
+        .with_variable(
+            db.QueryVariable("deployment")
+            .label("Deployment")
+            .datasource(DS)
+            .query(f"label_values({util}, deployment)")
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(VariableSort.ALPHABETICAL_ASC)
+            .multi(True)
+            .include_all(True)
+            .all_value(".*")
+        )
+        .with_variable(
+            db.QueryVariable("node")
+            .label("Node")
+            .datasource(DS)
+            .query(f'label_values({util}{{deployment=~"$deployment"}}, node)')
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(VariableSort.ALPHABETICAL_ASC)
+            .multi(True)
+            .include_all(True)
+            .all_value(".*")
+        )
+        .with_variable(
+            db.QueryVariable("replica")
+            .label("Replica")
+            .datasource(DS)
+            .query(f'label_values({util}{{deployment=~"$deployment", node=~"$node"}}, replica)')
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(VariableSort.ALPHABETICAL_ASC)
+            .multi(True)
+            .include_all(True)
+            .all_value(".*")
+        )
+    )
     next_id = 1
     for row_title, panels in rows:
         dash = dash.with_row(db.Row(row_title).id(next_id))
@@ -110,102 +140,223 @@ def kv_dashboard() -> dict:
     held = f"sum({names.HELD_BLOCKS.name}{{{SEL}}})"
     naive = f"sum({names.NAIVE_BLOCKS.name}{{{SEL}}})"
     savings = [
-        _panel(timeseries, "KV blocks: vToken vs Naive-Evict vs packing bound",
-               "Blocks held with repacking, what the paired Naive-Evict accounting would hold for the same "
-               "evictions, the lower bound sum(ceil(live/B)), and the pool; on a hybrid model the blocks of its "
-               "sliding-window layers (vLLM's, never evicted) beside them.", "none",
-               [_q(held, "held (vToken)"), _q(naive, "naive (Naive-Evict)"),
+        _panel(
+            timeseries,
+            "KV blocks: vToken vs Naive-Evict vs packing bound",
+            "Blocks held with repacking, what the paired Naive-Evict accounting would hold for the same "
+            "evictions, the lower bound sum(ceil(live/B)), and the pool; on a hybrid model the blocks of its "
+            "sliding-window layers (vLLM's, never evicted) beside them.",
+            "none",
+            [
+                _q(held, "held (vToken)"),
+                _q(naive, "naive (Naive-Evict)"),
                 _q(f"sum({names.PACKING_BOUND_BLOCKS.name}{{{SEL}}})", "packing bound"),
                 _q(f"sum({names.WINDOW_BLOCKS.name}{{{SEL}}})", "sliding window (hybrid)"),
-                _q(f"sum({names.POOL_BLOCKS.name}{{{SEL}}})", "pool")], span=16),
-        _panel(stat, "Blocks saved vs Naive-Evict", "1 - held / naive over the selected replicas.",
-               "percentunit",
-               [_q(f"1 - {held} / clamp_min({naive}, 1)", "saved")], span=8),
-        _panel(timeseries, "Live tokens and free KV slots",
-               "Live (not evicted) tokens; free slots = (pool - held - window) * B.", "short",
-               [_q(f"sum({names.LIVE_TOKENS.name}{{{SEL}}})", "live tokens"),
-                _q(f"sum({names.FREE_KV_TOKENS.name}{{{SEL}}})", "free KV slots")], span=24),
+                _q(f"sum({names.POOL_BLOCKS.name}{{{SEL}}})", "pool"),
+            ],
+            span=16,
+        ),
+        _panel(
+            stat,
+            "Blocks saved vs Naive-Evict",
+            "1 - held / naive over the selected replicas.",
+            "percentunit",
+            [_q(f"1 - {held} / clamp_min({naive}, 1)", "saved")],
+            span=8,
+        ),
+        _panel(
+            timeseries,
+            "Live tokens and free KV slots",
+            "Live (not evicted) tokens; free slots = (pool - held - window) * B.",
+            "short",
+            [
+                _q(f"sum({names.LIVE_TOKENS.name}{{{SEL}}})", "live tokens"),
+                _q(f"sum({names.FREE_KV_TOKENS.name}{{{SEL}}})", "free KV slots"),
+            ],
+            span=24,
+        ),
     ]
     replicas = [
-        _panel(timeseries, "KV utilization per replica",
-               f"(held + window) / pool; VTokenKVSaturated fires above {names.KV_SATURATED:.0%} for 10 minutes.",
-               "percentunit",
-               [_q(f"{names.KV_UTILIZATION.name}{{{SEL}}}", "{{replica}}")])
-        .min(0).max(1).thresholds(_thresholds((None, "green"), (names.KV_SATURATED, "red"))),
-        _panel(timeseries, "Fragmentation ratio per replica",
-               "1 - live / (held * B): share of held slots without a live token.", "percentunit",
-               [_q(f"{names.FRAGMENTATION_RATIO.name}{{{SEL}}}", "{{replica}}")])
-        .min(0).max(1).thresholds(_thresholds((None, "green"), (names.FRAGMENTATION_MAX, "orange"))),
+        _panel(
+            timeseries,
+            "KV utilization per replica",
+            f"(held + window) / pool; VTokenKVSaturated fires above {names.KV_SATURATED:.0%} for 10 minutes.",
+            "percentunit",
+            [_q(f"{names.KV_UTILIZATION.name}{{{SEL}}}", "{{replica}}")],
+        )
+        .min(0)
+        .max(1)
+        .thresholds(_thresholds((None, "green"), (names.KV_SATURATED, "red"))),
+        _panel(
+            timeseries,
+            "Fragmentation ratio per replica",
+            "1 - live / (held * B): share of held slots without a live token.",
+            "percentunit",
+            [_q(f"{names.FRAGMENTATION_RATIO.name}{{{SEL}}}", "{{replica}}")],
+        )
+        .min(0)
+        .max(1)
+        .thresholds(_thresholds((None, "green"), (names.FRAGMENTATION_MAX, "orange"))),
     ]
     reclamation = [
-        _panel(timeseries, "Reclaimed blocks/s", "Blocks returned to vLLM's pool by vToken.", "short",
-               [_per_replica_rate(names.RECLAIMED_BLOCKS)]),
-        _panel(timeseries, "Repack moves/s", "KV slot moves executed by repack plans.", "short",
-               [_per_replica_rate(names.REPACK_MOVES)]),
-        _panel(timeseries, "Repack latency", "Duration of one repack plan (p50/p95/p99).", "s",
-               _quantiles(names.REPACK_SECONDS)),
-        _panel(timeseries, "Evicted tokens/s by policy", "Tokens the eviction policy removed.", "short",
-               [_per_replica_rate(names.EVICTED_TOKENS, by="policy")]),
-        _panel(timeseries, "KV invariant violations per replica",
-               f"Violations found over the last {names.INVARIANT_WINDOW} (a leaked or miscounted block, a broken token table, "
-               "a rewritten prefix-cached block; the engine log names them); must stay 0. "
-               "VTokenKVInvariantViolated fires on any. Checks/s: how often the replica checked.", "short",
-               [_q(f"sum by (replica) (increase({names.INVARIANT_VIOLATIONS.total}{{{SEL}}}"
-                   f"[{names.INVARIANT_WINDOW}]))",
-                   "violations {{replica}}"),
-                _q(f"sum by (replica) (rate({names.INVARIANT_CHECKS.total}{{{SEL}}}[{RATE}]))",
-                   "checks/s {{replica}}")], span=24),
+        _panel(
+            timeseries,
+            "Reclaimed blocks/s",
+            "Blocks returned to vLLM's pool by vToken.",
+            "short",
+            [_per_replica_rate(names.RECLAIMED_BLOCKS)],
+        ),
+        _panel(
+            timeseries,
+            "Repack moves/s",
+            "KV slot moves executed by repack plans.",
+            "short",
+            [_per_replica_rate(names.REPACK_MOVES)],
+        ),
+        _panel(
+            timeseries,
+            "Repack latency",
+            "Duration of one repack plan (p50/p95/p99).",
+            "s",
+            _quantiles(names.REPACK_SECONDS),
+        ),
+        _panel(
+            timeseries,
+            "Evicted tokens/s by policy",
+            "Tokens the eviction policy removed.",
+            "short",
+            [_per_replica_rate(names.EVICTED_TOKENS, by="policy")],
+        ),
+        _panel(
+            timeseries,
+            "KV invariant violations per replica",
+            f"Violations found over the last {names.INVARIANT_WINDOW} (a leaked or miscounted block, "
+            "a broken token table, a rewritten prefix-cached block; the engine log names them); must stay 0. "
+            "VTokenKVInvariantViolated fires on any. Checks/s: how often the replica checked.",
+            "short",
+            [
+                _q(
+                    f"sum by (replica) (increase({names.INVARIANT_VIOLATIONS.total}{{{SEL}}}"
+                    f"[{names.INVARIANT_WINDOW}]))",
+                    "violations {{replica}}",
+                ),
+                _q(f"sum by (replica) (rate({names.INVARIANT_CHECKS.total}{{{SEL}}}[{RATE}]))", "checks/s {{replica}}"),
+            ],
+            span=24,
+        ),
     ]
     util = names.KV_UTILIZATION.name
     nodes = [
-        _panel(timeseries, "Replicas per node",
-               "Replicas whose metrics Prometheus scrapes, per node and in all: a lost node shows as a dip "
-               "until Serve restarts its replicas elsewhere.", "short",
-               [_q(f"count by (node) ({util}{{{SEL}}})", "{{node}}"), _q(f"count({util}{{{SEL}}})", "all")]),
-        _panel(timeseries, "KV utilization per node", "Mean held / pool over the node's replicas.",
-               "percentunit", [_q(f"avg by (node) ({util}{{{SEL}}})", "{{node}}")]).min(0).max(1),
+        _panel(
+            timeseries,
+            "Replicas per node",
+            "Replicas whose metrics Prometheus scrapes, per node and in all: a lost node shows as a dip "
+            "until Serve restarts its replicas elsewhere.",
+            "short",
+            [_q(f"count by (node) ({util}{{{SEL}}})", "{{node}}"), _q(f"count({util}{{{SEL}}})", "all")],
+        ),
+        _panel(
+            timeseries,
+            "KV utilization per node",
+            "Mean held / pool over the node's replicas.",
+            "percentunit",
+            [_q(f"avg by (node) ({util}{{{SEL}}})", "{{node}}")],
+        )
+        .min(0)
+        .max(1),
     ]
-    return _dashboard("vtoken-kv", "vToken / KV cache", "KV savings and reclamation of vToken replicas.",
-                      [("KV savings", savings), ("Per replica", replicas), ("Per node", nodes),
-                       ("Reclamation", reclamation)])
+    return _dashboard(
+        "vtoken-kv",
+        "vToken / KV cache",
+        "KV savings and reclamation of vToken replicas.",
+        [("KV savings", savings), ("Per replica", replicas), ("Per node", nodes), ("Reclamation", reclamation)],
+    )
 
 
 def sla_dashboard() -> dict:
     met, total = names.SLO_MET.total, names.REQUESTS.total
     attainment = _thresholds((None, "red"), (names.SLO_TARGET, "green"))
     sla = [
-        _panel(stat, "SLA attainment (time range)",
-               f"Finished requests meeting the TTFT and TPOT SLOs; target {names.SLO_TARGET:.0%}.",
-               "percentunit",
-               [_q(f"sum(increase({met}{{{SEL}}}[$__range])) / sum(increase({total}{{{SEL}}}[$__range]))",
-                   "attainment")], span=6).thresholds(attainment),
-        _panel(timeseries, "SLA attainment, overall and per replica", "slo_met / requests.", "percentunit",
-               [_q(f"sum(rate({met}{{{SEL}}}[{RATE}])) / sum(rate({total}{{{SEL}}}[{RATE}]))", "overall"),
-                _q(f"sum by (replica) (rate({met}{{{SEL}}}[{RATE}]))"
-                   f" / sum by (replica) (rate({total}{{{SEL}}}[{RATE}]))", "{{replica}}")], span=18)
-        .min(0).max(1).thresholds(attainment),
+        _panel(
+            stat,
+            "SLA attainment (time range)",
+            f"Finished requests meeting the TTFT and TPOT SLOs; target {names.SLO_TARGET:.0%}.",
+            "percentunit",
+            [_q(f"sum(increase({met}{{{SEL}}}[$__range])) / sum(increase({total}{{{SEL}}}[$__range]))", "attainment")],
+            span=6,
+        ).thresholds(attainment),
+        _panel(
+            timeseries,
+            "SLA attainment, overall and per replica",
+            "slo_met / requests.",
+            "percentunit",
+            [
+                _q(f"sum(rate({met}{{{SEL}}}[{RATE}])) / sum(rate({total}{{{SEL}}}[{RATE}]))", "overall"),
+                _q(
+                    f"sum by (replica) (rate({met}{{{SEL}}}[{RATE}]))"
+                    f" / sum by (replica) (rate({total}{{{SEL}}}[{RATE}]))",
+                    "{{replica}}",
+                ),
+            ],
+            span=18,
+        )
+        .min(0)
+        .max(1)
+        .thresholds(attainment),
     ]
     latency = [
-        _panel(timeseries, "Time to first token", "TTFT of finished requests (p50/p95/p99).", "s",
-               _quantiles(names.TTFT_SECONDS)),
-        _panel(timeseries, "Time per output token", "Mean TPOT of finished requests (p50/p95/p99).", "s",
-               _quantiles(names.TPOT_SECONDS)),
+        _panel(
+            timeseries,
+            "Time to first token",
+            "TTFT of finished requests (p50/p95/p99).",
+            "s",
+            _quantiles(names.TTFT_SECONDS),
+        ),
+        _panel(
+            timeseries,
+            "Time per output token",
+            "Mean TPOT of finished requests (p50/p95/p99).",
+            "s",
+            _quantiles(names.TPOT_SECONDS),
+        ),
     ]
     load = [
-        _panel(timeseries, "Finished requests/s per replica", "Requests judged against the SLO.", "reqps",
-               [_per_replica_rate(names.REQUESTS)]),
-        _panel(timeseries, "Queue per replica",
-               "vLLM's waiting and running requests per engine, and the running-batch limit SLO-aware admission "
-               "sets (slo.admission; absent when off).",
-               "short", [_q(f"sum by (replica) ({m.name}{{{SEL}}})", f"{s} {{{{replica}}}}")
-                         for m, s in ((names.NUM_REQUESTS_WAITING, "waiting"),
-                                      (names.NUM_REQUESTS_RUNNING, "running"),
-                                      (names.ADMISSION_LIMIT, "admission limit"))]),
-        _panel(timeseries, "Finished requests/s per node", "Requests judged against the SLO, per node.",
-               "reqps", [_per_replica_rate(names.REQUESTS, by="node")]),
+        _panel(
+            timeseries,
+            "Finished requests/s per replica",
+            "Requests judged against the SLO.",
+            "reqps",
+            [_per_replica_rate(names.REQUESTS)],
+        ),
+        _panel(
+            timeseries,
+            "Queue per replica",
+            "vLLM's waiting and running requests per engine, and the running-batch limit SLO-aware admission "
+            "sets (slo.admission; absent when off).",
+            "short",
+            [
+                _q(f"sum by (replica) ({m.name}{{{SEL}}})", f"{s} {{{{replica}}}}")
+                for m, s in (
+                    (names.NUM_REQUESTS_WAITING, "waiting"),
+                    (names.NUM_REQUESTS_RUNNING, "running"),
+                    (names.ADMISSION_LIMIT, "admission limit"),
+                )
+            ],
+        ),
+        _panel(
+            timeseries,
+            "Finished requests/s per node",
+            "Requests judged against the SLO, per node.",
+            "reqps",
+            [_per_replica_rate(names.REQUESTS, by="node")],
+        ),
     ]
-    return _dashboard("vtoken-sla", "vToken / SLA", "SLA attainment, latency and load of vToken replicas.",
-                      [("SLA attainment", sla), ("Latency", latency), ("Load", load)])
+    return _dashboard(
+        "vtoken-sla",
+        "vToken / SLA",
+        "SLA attainment, latency and load of vToken replicas.",
+        [("SLA attainment", sla), ("Latency", latency), ("Load", load)],
+    )
 
 
 def dashboards() -> dict[str, dict]:
@@ -219,14 +370,18 @@ def dump(model: dict) -> str:
 
 def panel_queries(model: dict) -> list[tuple[str, str]]:
     """(panel title, PromQL) of every target of every non-row panel."""
-    return [(p["title"], t["expr"]) for p in model["panels"] if p["type"] != "row"
-            for t in p.get("targets", [])]
+    return [(p["title"], t["expr"]) for p in model["panels"] if p["type"] != "row" for t in p.get("targets", [])]
 
 
 def concrete(expr: str, rate: str = "1m", range_: str = "5m", everything: str = ".*") -> str:
     """``expr`` with Grafana's variables replaced as Grafana does with "All" selected (promtool, tests)."""
-    return (expr.replace("$__rate_interval", rate).replace("$__range", range_)
-            .replace("$deployment", everything).replace("$node", everything).replace("$replica", everything))
+    return (
+        expr.replace("$__rate_interval", rate)
+        .replace("$__range", range_)
+        .replace("$deployment", everything)
+        .replace("$node", everything)
+        .replace("$replica", everything)
+    )
 
 
 def main(argv: list[str]) -> int:

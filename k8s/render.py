@@ -68,12 +68,13 @@ REPLICA_GPUS = 1
 TP_VARIANTS = (2,)  # tensor-parallel sizes rendered as variants/rayservice-tp<N>.yaml
 
 HEAD_RESOURCES = {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"cpu": "4", "memory": "8Gi"}}
-WORKER_RESOURCES = {"requests": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"},
-                    "limits": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"}}
+WORKER_RESOURCES = {
+    "requests": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"},
+    "limits": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"},
+}
 # (name, port): Ray GCS, dashboard (KubeRay submits serveConfigV2 through it), Ray client, Serve HTTP
 # (proxy on every node), Ray's own metrics export (KubeRay's default); vToken metrics on workers only.
-HEAD_PORTS = (("gcs-server", 6379), ("dashboard", 8265), ("client", 10001), ("serve", 8000),
-              ("metrics", 8080))
+HEAD_PORTS = (("gcs-server", 6379), ("dashboard", 8265), ("client", 10001), ("serve", 8000), ("metrics", 8080))
 WORKER_PORTS = (("serve", 8000), ("metrics", 8080), (METRICS_PORT_NAME, METRICS_PORT))
 
 
@@ -89,12 +90,18 @@ def serve_config_v2(base: dict, tp: int = 1) -> dict:
     """deploy/serve_config.yaml (parsed) with the two cluster changes of the module docstring (pure); with
     ``tp > 1`` the TP variant's."""
     doc = copy.deepcopy(base)
-    extra = CLUSTER_APP_CONFIG if tp == 1 else _deep_merge(
-        CLUSTER_APP_CONFIG, {"engine": {"tensor_parallel_size": tp}, "deployment": {"gpus_per_rank": REPLICA_GPUS}})
+    extra = (
+        CLUSTER_APP_CONFIG
+        if tp == 1
+        else _deep_merge(
+            CLUSTER_APP_CONFIG, {"engine": {"tensor_parallel_size": tp}, "deployment": {"gpus_per_rank": REPLICA_GPUS}}
+        )
+    )
     for app in doc["applications"]:
         env = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
-        env[CONFIG_ENV] = json.dumps(_deep_merge(json.loads(env.get(CONFIG_ENV, "{}")), extra),
-                                     sort_keys=True, separators=(",", ":"))
+        env[CONFIG_ENV] = json.dumps(
+            _deep_merge(json.loads(env.get(CONFIG_ENV, "{}")), extra), sort_keys=True, separators=(",", ":")
+        )
         for dep in app["deployments"]:
             actor = dep.setdefault("ray_actor_options", {})
             if tp == 1:
@@ -102,7 +109,8 @@ def serve_config_v2(base: dict, tp: int = 1) -> dict:
             else:  # = vtoken.serve.launch.app.replica_bundles for the merged config (checked by the test)
                 rank = {"CPU": 1.0, "GPU": float(REPLICA_GPUS)}
                 dep["placement_group_bundles"] = [{"CPU": float(actor.get("num_cpus", 1))}] + [
-                    dict(rank) for _ in range(tp)]
+                    dict(rank) for _ in range(tp)
+                ]
                 dep["placement_group_strategy"] = "STRICT_PACK"
     return doc
 
@@ -124,20 +132,31 @@ def replica_bounds(serve_doc: dict) -> tuple[int, int, int]:
 
 
 def _container(name: str, image: str, ports, resources: dict) -> dict:
-    env = [{"name": "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "value": PROXY_CALLBACK},
-           {"name": "PYTHONPATH", "value": APP_DIR},  # serve_app:app is imported on the head and workers
-           {"name": "VTOKEN_CACHE_DIR", "value": f"{APP_DIR}/cache"},  # model converted at image build
-           {"name": "VTOKEN_API_KEY", "valueFrom": {"secretKeyRef": {"name": "vtoken-api-key", "key": "key",
-                                                                     "optional": True}}}]
-    return {"name": name, "image": image, "imagePullPolicy": "IfNotPresent", "env": env,
-            "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in ports],
-            "resources": copy.deepcopy(resources),
-            "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]}
+    env = [
+        {"name": "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "value": PROXY_CALLBACK},
+        {"name": "PYTHONPATH", "value": APP_DIR},  # serve_app:app is imported on the head and workers
+        {"name": "VTOKEN_CACHE_DIR", "value": f"{APP_DIR}/cache"},  # model converted at image build
+        {
+            "name": "VTOKEN_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": "vtoken-api-key", "key": "key", "optional": True}},
+        },
+    ]
+    return {
+        "name": name,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "env": env,
+        "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in ports],
+        "resources": copy.deepcopy(resources),
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }
 
 
 def _pod(component: str, container: dict, shm: str, gpu: bool) -> dict:
-    spec = {"containers": [container],
-            "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]}
+    spec = {
+        "containers": [container],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}],
+    }
     if gpu:
         spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     return {"metadata": {"labels": {**LABELS, "app.kubernetes.io/component": component}}, "spec": spec}
@@ -149,7 +168,7 @@ def _scaled(resources: dict, tp: int) -> dict:
     for part in out.values():
         for key, value in part.items():
             num = "".join(ch for ch in value if ch.isdigit())
-            part[key] = str(int(num) * tp) + value[len(num):]
+            part[key] = str(int(num) * tp) + value[len(num) :]
     return out
 
 
@@ -158,68 +177,110 @@ def rayservice(serve_text: str, version: str, tp: int = 1) -> dict:
     serve = serve_config_v2(base, tp)
     lo, start, hi = replica_bounds(serve)
     image = f"{IMAGE}:{version}"
-    head = {"rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},  # no replica on the head
-            "template": _pod("head", _container("ray-head", image, HEAD_PORTS, HEAD_RESOURCES), "2Gi", False)}
-    worker = {"groupName": "gpu", "replicas": start, "minReplicas": lo, "maxReplicas": hi,
-              "rayStartParams": {},
-              "template": _pod(REPLICA_COMPONENT,
-                               _container("ray-worker", image, WORKER_PORTS, _scaled(WORKER_RESOURCES, tp)),
-                               "8Gi", True)}
+    head = {
+        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},  # no replica on the head
+        "template": _pod("head", _container("ray-head", image, HEAD_PORTS, HEAD_RESOURCES), "2Gi", False),
+    }
+    worker = {
+        "groupName": "gpu",
+        "replicas": start,
+        "minReplicas": lo,
+        "maxReplicas": hi,
+        "rayStartParams": {},
+        "template": _pod(
+            REPLICA_COMPONENT, _container("ray-worker", image, WORKER_PORTS, _scaled(WORKER_RESOURCES, tp)), "8Gi", True
+        ),
+    }
     header = "".join(line + "\n" for line in serve_text.splitlines() if line.startswith("#"))
-    header += ("# Rendered by k8s/render.py: + metrics host/port in VTOKEN_SERVE_CONFIG, + num_gpus/replica.\n"
-               if tp == 1 else f"# Rendered by k8s/render.py: TP = {tp} variant (metrics host/port, "
-               f"engine.tensor_parallel_size, placement-group bundles of {tp} GPUs per replica).\n")
-    return {"apiVersion": "ray.io/v1", "kind": "RayService",
-            "metadata": {"name": NAME if tp == 1 else f"{NAME}-tp{tp}", "labels": dict(LABELS)},
-            "spec": {"serveConfigV2": header + yaml.safe_dump(serve, sort_keys=False, width=100),
-                     "rayClusterConfig": {
-                         "rayVersion": RAY_VERSION, "enableInTreeAutoscaling": True,
-                         "autoscalerOptions": {"upscalingMode": "Default", "idleTimeoutSeconds": 60,
-                                               "resources": {"requests": {"cpu": "500m", "memory": "512Mi"},
-                                                             "limits": {"cpu": "500m", "memory": "512Mi"}}},
-                         "headGroupSpec": head, "workerGroupSpecs": [worker]}}}
+    header += (
+        "# Rendered by k8s/render.py: + metrics host/port in VTOKEN_SERVE_CONFIG, + num_gpus/replica.\n"
+        if tp == 1
+        else f"# Rendered by k8s/render.py: TP = {tp} variant (metrics host/port, "
+        f"engine.tensor_parallel_size, placement-group bundles of {tp} GPUs per replica).\n"
+    )
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayService",
+        "metadata": {"name": NAME if tp == 1 else f"{NAME}-tp{tp}", "labels": dict(LABELS)},
+        "spec": {
+            "serveConfigV2": header + yaml.safe_dump(serve, sort_keys=False, width=100),
+            "rayClusterConfig": {
+                "rayVersion": RAY_VERSION,
+                "enableInTreeAutoscaling": True,
+                "autoscalerOptions": {
+                    "upscalingMode": "Default",
+                    "idleTimeoutSeconds": 60,
+                    "resources": {
+                        "requests": {"cpu": "500m", "memory": "512Mi"},
+                        "limits": {"cpu": "500m", "memory": "512Mi"},
+                    },
+                },
+                "headGroupSpec": head,
+                "workerGroupSpecs": [worker],
+            },
+        },
+    }
 
 
 def pod_monitor() -> dict:
-    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
-            "metadata": {"name": NAME, "labels": dict(LABELS)},
-            "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": LABELS["app.kubernetes.io/name"],
-                                                  "app.kubernetes.io/component": REPLICA_COMPONENT}},
-                     "podMetricsEndpoints": [{
-                         "port": METRICS_PORT_NAME, "path": "/metrics", "interval": "15s",
-                         "scrapeTimeout": "10s",
-                         "relabelings": [{"action": "replace", "targetLabel": "job",
-                                          "replacement": SCRAPE_JOB}]}]}}
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": {"name": NAME, "labels": dict(LABELS)},
+        "spec": {
+            "selector": {
+                "matchLabels": {
+                    "app.kubernetes.io/name": LABELS["app.kubernetes.io/name"],
+                    "app.kubernetes.io/component": REPLICA_COMPONENT,
+                }
+            },
+            "podMetricsEndpoints": [
+                {
+                    "port": METRICS_PORT_NAME,
+                    "path": "/metrics",
+                    "interval": "15s",
+                    "scrapeTimeout": "10s",
+                    "relabelings": [{"action": "replace", "targetLabel": "job", "replacement": SCRAPE_JOB}],
+                }
+            ],
+        },
+    }
 
 
 class _Dumper(yaml.SafeDumper):
     pass
 
 
-_Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s,
-                                                              style="|" if "\n" in s else None))
+_Dumper.add_representer(
+    str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
+)
 
 
 def dump(obj: dict, source: str) -> str:
     return f"# Generated by k8s/render.py from {source}; do not edit.\n" + yaml.dump(
-        obj, Dumper=_Dumper, sort_keys=False, width=1000)
+        obj, Dumper=_Dumper, sort_keys=False, width=1000
+    )
 
 
 def render() -> dict[str, str]:
     """File name (in k8s/) -> text (pure apart from reading deploy/serve_config.yaml and pyproject)."""
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-    return {"rayservice.yaml": dump(rayservice(SERVE_CONFIG.read_text(), version),
-                                    "deploy/serve_config.yaml"),
-            "podmonitor.yaml": dump(pod_monitor(), "k8s/render.py"),
-            "prometheusrule.yaml": dump(prometheus_rule(NAME, LABELS), "k8s/rules.py")}
+    return {
+        "rayservice.yaml": dump(rayservice(SERVE_CONFIG.read_text(), version), "deploy/serve_config.yaml"),
+        "podmonitor.yaml": dump(pod_monitor(), "k8s/render.py"),
+        "prometheusrule.yaml": dump(prometheus_rule(NAME, LABELS), "k8s/rules.py"),
+    }
 
 
 def render_variants() -> dict[str, str]:
     """The TP variants outside the kustomization: path (in k8s/) -> text (pure apart from reading)."""
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-    return {f"variants/rayservice-tp{tp}.yaml": dump(rayservice(SERVE_CONFIG.read_text(), version, tp),
-                                                     "deploy/serve_config.yaml")
-            for tp in TP_VARIANTS}
+    return {
+        f"variants/rayservice-tp{tp}.yaml": dump(
+            rayservice(SERVE_CONFIG.read_text(), version, tp), "deploy/serve_config.yaml"
+        )
+        for tp in TP_VARIANTS
+    }
 
 
 def run_promtool(workdir: Path) -> list[subprocess.CompletedProcess]:
@@ -229,8 +290,10 @@ def run_promtool(workdir: Path) -> list[subprocess.CompletedProcess]:
     rules = prometheus_rule(NAME, LABELS)["spec"]
     (workdir / "rules.yaml").write_text(yaml.safe_dump(rules, sort_keys=False, width=1000))
     shutil.copy(OUT / "tests" / "rules_test.yaml", workdir / "rules_test.yaml")
-    return [subprocess.run(["promtool", *cmd], cwd=workdir, capture_output=True, text=True)
-            for cmd in (["check", "rules", "rules.yaml"], ["test", "rules", "rules_test.yaml"])]
+    return [
+        subprocess.run(["promtool", *cmd], cwd=workdir, capture_output=True, text=True)
+        for cmd in (["check", "rules", "rules.yaml"], ["test", "rules", "rules_test.yaml"])
+    ]
 
 
 def main(argv: list[str]) -> int:

@@ -39,8 +39,10 @@ FRAGMENTATION_WHEN_KV_ABOVE = 0.5
 
 def error_ratio(window: str) -> str:
     """Share of finished requests that missed the SLO over ``window`` (NaN without traffic: no alert)."""
-    return (f"1 - sum by ({SLO_BY}) (rate({names.SLO_MET.total}[{window}]))\n"
-            f"  / sum by ({SLO_BY}) (rate({names.REQUESTS.total}[{window}]))")
+    return (
+        f"1 - sum by ({SLO_BY}) (rate({names.SLO_MET.total}[{window}]))\n"
+        f"  / sum by ({SLO_BY}) (rate({names.REQUESTS.total}[{window}]))"
+    )
 
 
 def _threshold(factor: float) -> str:
@@ -48,9 +50,13 @@ def _threshold(factor: float) -> str:
 
 
 def _alert(name: str, expr: str, severity: str, duration: str, summary: str, description: str) -> dict:
-    return {"alert": name, "expr": expr, "for": duration, "labels": {"severity": severity},
-            "annotations": {"summary": summary, "description": description,
-                            "runbook": RUNBOOK.format(anchor=name.lower())}}
+    return {
+        "alert": name,
+        "expr": expr,
+        "for": duration,
+        "labels": {"severity": severity},
+        "annotations": {"summary": summary, "description": description, "runbook": RUNBOOK.format(anchor=name.lower())},
+    }
 
 
 def slo_rules() -> list[dict]:
@@ -58,57 +64,91 @@ def slo_rules() -> list[dict]:
     for name, severity, long, short, factor, duration in BURN_ALERTS:
         limit = _threshold(factor)
         expr = f"(\n  {error_ratio(long)}\n) > {limit}\nand\n(\n  {error_ratio(short)}\n) > {limit}\n"
-        rules.append(_alert(
-            name, expr, severity, duration,
-            "vToken SLO error budget burning {{ $labels.deployment }} ("
-            + f"{factor:g}x over {long} and {short})",
-            "{{ $value | humanizePercentage }} of finished requests of {{ $labels.namespace }}/"
-            "{{ $labels.deployment }} missed the TTFT/TPOT SLO over the last " + long
-            + f"; the objective allows {1 - SLO_TARGET:.0%} (target {SLO_TARGET:.0%})."))
+        rules.append(
+            _alert(
+                name,
+                expr,
+                severity,
+                duration,
+                "vToken SLO error budget burning {{ $labels.deployment }} (" + f"{factor:g}x over {long} and {short})",
+                "{{ $value | humanizePercentage }} of finished requests of {{ $labels.namespace }}/"
+                "{{ $labels.deployment }} missed the TTFT/TPOT SLO over the last "
+                + long
+                + f"; the objective allows {1 - SLO_TARGET:.0%} (target {SLO_TARGET:.0%}).",
+            )
+        )
     return rules
 
 
 def kv_rules() -> list[dict]:
     return [
-        _alert("VTokenKVFragmentationHigh",
-               f"{names.FRAGMENTATION_RATIO.name} > {FRAGMENTATION_MAX}\n"
-               f"and\n{names.KV_UTILIZATION.name} > {FRAGMENTATION_WHEN_KV_ABOVE}\n",
-               "warning", "15m",
-               "vToken KV fragmentation high on replica {{ $labels.replica }}",
-               "{{ $value | humanizePercentage }} of the KV slots held by replica {{ $labels.replica }} "
-               f"(mode {{{{ $labels.mode }}}}) hold no live token while its pool is over "
-               f"{FRAGMENTATION_WHEN_KV_ABOVE:.0%} full."),
-        _alert("VTokenKVSaturated", f"{names.KV_UTILIZATION.name} > {KV_SATURATED}\n", "warning", "10m",
-               "vToken KV cache saturated on replica {{ $labels.replica }}",
-               "Replica {{ $labels.replica }} holds {{ $value | humanizePercentage }} of its KV blocks "
-               "for 10 minutes; new requests queue or preempt."),
-        _alert("VTokenKVInvariantViolated", f"increase({names.INVARIANT_VIOLATIONS.total}[{names.INVARIANT_WINDOW}]) > 0\n",
-               "critical", "0m",
-               "vToken KV invariant violated on replica {{ $labels.replica }}",
-               "Replica {{ $labels.replica }} found {{ $value }} KV invariant violation(s) in the last "
-               f"{names.INVARIANT_WINDOW} (a leaked or miscounted block, a broken token table or a rewritten prefix-cached "
-               "block); its engine log names the requests and blocks."),
+        _alert(
+            "VTokenKVFragmentationHigh",
+            f"{names.FRAGMENTATION_RATIO.name} > {FRAGMENTATION_MAX}\n"
+            f"and\n{names.KV_UTILIZATION.name} > {FRAGMENTATION_WHEN_KV_ABOVE}\n",
+            "warning",
+            "15m",
+            "vToken KV fragmentation high on replica {{ $labels.replica }}",
+            "{{ $value | humanizePercentage }} of the KV slots held by replica {{ $labels.replica }} "
+            f"(mode {{{{ $labels.mode }}}}) hold no live token while its pool is over "
+            f"{FRAGMENTATION_WHEN_KV_ABOVE:.0%} full.",
+        ),
+        _alert(
+            "VTokenKVSaturated",
+            f"{names.KV_UTILIZATION.name} > {KV_SATURATED}\n",
+            "warning",
+            "10m",
+            "vToken KV cache saturated on replica {{ $labels.replica }}",
+            "Replica {{ $labels.replica }} holds {{ $value | humanizePercentage }} of its KV blocks "
+            "for 10 minutes; new requests queue or preempt.",
+        ),
+        _alert(
+            "VTokenKVInvariantViolated",
+            f"increase({names.INVARIANT_VIOLATIONS.total}[{names.INVARIANT_WINDOW}]) > 0\n",
+            "critical",
+            "0m",
+            "vToken KV invariant violated on replica {{ $labels.replica }}",
+            "Replica {{ $labels.replica }} found {{ $value }} KV invariant violation(s) in the last "
+            f"{names.INVARIANT_WINDOW} (a leaked or miscounted block, a broken token table or a rewritten "
+            "prefix-cached block); its engine log names the requests and blocks.",
+        ),
     ]
 
 
 def replica_rules() -> list[dict]:
     target = f'up{{job="{SCRAPE_JOB}", endpoint="{METRICS_PORT_NAME}"}}'
     return [
-        _alert("VTokenReplicaDown", f"{target} == 0\n", "critical", "5m",
-               "vToken replica metrics endpoint down on pod {{ $labels.pod }}",
-               "Prometheus cannot scrape {{ $labels.instance }} "
-               "(pod {{ $labels.namespace }}/{{ $labels.pod }}) "
-               "for 5 minutes: the Serve replica on that GPU worker is dead, restarting or hung."),
-        _alert("VTokenNoReplicas", f"absent({target} == 1)\n", "critical", "5m",
-               "No vToken replica is up",
-               "No vToken replica metrics endpoint has been scraped successfully for 5 minutes."),
+        _alert(
+            "VTokenReplicaDown",
+            f"{target} == 0\n",
+            "critical",
+            "5m",
+            "vToken replica metrics endpoint down on pod {{ $labels.pod }}",
+            "Prometheus cannot scrape {{ $labels.instance }} "
+            "(pod {{ $labels.namespace }}/{{ $labels.pod }}) "
+            "for 5 minutes: the Serve replica on that GPU worker is dead, restarting or hung.",
+        ),
+        _alert(
+            "VTokenNoReplicas",
+            f"absent({target} == 1)\n",
+            "critical",
+            "5m",
+            "No vToken replica is up",
+            "No vToken replica metrics endpoint has been scraped successfully for 5 minutes.",
+        ),
     ]
 
 
 def prometheus_rule(name: str, labels: dict[str, str]) -> dict:
     """The PrometheusRule object (monitoring.coreos.com/v1)."""
-    groups = [{"name": "vtoken.slo", "rules": slo_rules()},
-              {"name": "vtoken.kv", "rules": kv_rules()},
-              {"name": "vtoken.replicas", "rules": replica_rules()}]
-    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
-            "metadata": {"name": name, "labels": dict(labels)}, "spec": {"groups": groups}}
+    groups = [
+        {"name": "vtoken.slo", "rules": slo_rules()},
+        {"name": "vtoken.kv", "rules": kv_rules()},
+        {"name": "vtoken.replicas", "rules": replica_rules()},
+    ]
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": name, "labels": dict(labels)},
+        "spec": {"groups": groups},
+    }

@@ -1,7 +1,8 @@
 """Trace SLO-aware admission step by step, in-process: the served engine's settings without the serving stack.
 
 A diagnostic, not a benchmark: it builds the engine a ``vtoken bench serve`` replica would (``engine_args``
-of that variant's ``ServeAppConfig``, from ``variant_config``, admission on) in this process, feeds it Poisson arrivals of random prompts
+of that variant's ``ServeAppConfig``, from ``variant_config``, admission on) in this process, feeds it Poisson
+arrivals of random prompts
 itself (no HTTP, no Ray), and records after every step what the scheduler saw — so the admission limit's
 course can be read next to the step-time fit and the prefill overhead it was computed from, which the
 served ``timeline`` of ``vtoken bench serve`` does not carry.
@@ -56,9 +57,15 @@ def main(argv: list[str]) -> dict:
     from vtoken.bench.serve_setup import ServeBenchSetup
 
     try:  # a bad mode, policy, budget or a pool too small for the requests, before vLLM is imported
-        setup = ServeBenchSetup(model=args.model, budget=args.budget, pool_blocks=args.pool_blocks,
-                                input_len=args.input_len, output_len=args.output_len, ttft_ms=args.ttft_ms,
-                                tpot_ms=args.tpot_ms)
+        setup = ServeBenchSetup(
+            model=args.model,
+            budget=args.budget,
+            pool_blocks=args.pool_blocks,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            ttft_ms=args.ttft_ms,
+            tpot_ms=args.tpot_ms,
+        )
         cfg = variant_config(setup, args.mode, None if args.mode == "none" else args.policy, admission=True)
     except ValueError as err:  # pydantic's ValidationError is one; exit 2 as argparse does
         print(f"admission_trace.py: error: {err}", file=sys.stderr)
@@ -99,18 +106,36 @@ def main(argv: list[str]) -> dict:
                 done[o.request_id], tokens[o.request_id] = ended, len(o.outputs[0].token_ids)
         model = sched._vt_steptime
         fit = model.fit()
-        steps.append([round(ended, 3), round(time.monotonic() - began, 4), len(sched.running), len(sched.waiting),
-                      sched.max_num_active_reqs, None if fit is None else [round(fit[0], 5), round(fit[1], 5)],
-                      round(model.overhead, 5), round(model.overhead_batch, 3), model.samples])
-    requests = [[round(first[k] - arrivals[int(k)], 3), round((done[k] - first[k]) / max(1, tokens[k] - 1), 4)]
-                for k in sorted(done, key=int)]
+        steps.append(
+            [
+                round(ended, 3),
+                round(time.monotonic() - began, 4),
+                len(sched.running),
+                len(sched.waiting),
+                sched.max_num_active_reqs,
+                None if fit is None else [round(fit[0], 5), round(fit[1], 5)],
+                round(model.overhead, 5),
+                round(model.overhead_batch, 3),
+                model.samples,
+            ]
+        )
+    requests = [
+        [round(first[k] - arrivals[int(k)], 3), round((done[k] - first[k]) / max(1, tokens[k] - 1), 4)]
+        for k in sorted(done, key=int)
+    ]
     met = sum(ttft <= args.ttft_ms / 1000 and tpot <= args.tpot_ms / 1000 for ttft, tpot in requests)
     report = {
         "command": "python " + shlex.join(sys.argv),
-        "summary": {"slo_attainment": met / len(requests), "duration_s": steps[-1][0],
-                    "limit_min_after_20_steps": min((s[4] for s in steps[20:]), default=None),
-                    "ttft_max_s": max(r[0] for r in requests), "tpot_max_s": max(r[1] for r in requests)},
-        "steps": steps, "requests": requests}
+        "summary": {
+            "slo_attainment": met / len(requests),
+            "duration_s": steps[-1][0],
+            "limit_min_after_20_steps": min((s[4] for s in steps[20:]), default=None),
+            "ttft_max_s": max(r[0] for r in requests),
+            "tpot_max_s": max(r[1] for r in requests),
+        },
+        "steps": steps,
+        "requests": requests,
+    }
     with open(args.out, "w") as f:
         json.dump(report, f)
     print(json.dumps(report["summary"]))

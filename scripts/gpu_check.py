@@ -50,6 +50,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from vtoken.kernels import triton_moves, triton_scores  # noqa: E402
 from vtoken.kernels.check import (  # noqa: E402
     Shape,
     check_moves,
@@ -66,7 +67,6 @@ from vtoken.kernels.check import (  # noqa: E402
 from vtoken.kernels.gpu_layout import PagedTorchMover, allocate_kv_caches, layout_for  # noqa: E402
 from vtoken.kernels.scores import RequestScores  # noqa: E402
 from vtoken.kernels.triton_attention import paged_decode, paged_decode_reference  # noqa: E402
-from vtoken.kernels import triton_moves, triton_scores  # noqa: E402
 from vtoken.kernels.triton_moves import TritonSlotMover  # noqa: E402
 from vtoken.kernels.triton_scores import TritonScoreAccumulator  # noqa: E402
 
@@ -74,12 +74,30 @@ FORBIDDEN = ("vllm", "typer", "rich", "ray", "transformers", "pydantic")
 SCORE_TOL = 1e-4
 BUDGET_S = 270.0
 
-FULL = dict(shape=Shape(32, 8, 32, 128, 16, 1024, torch.bfloat16), requests=32,
-            layouts=("flash_attn", "LBHNC", "LHBNC", "BLHNC", "BHLNC"), bw_blocks=4096, bw_moves=4096,
-            decode_requests=32, decode_blocks=64, step_moves=64, repeats=20,
-            large=Shape(2, 8, 32, 64, 16, 196608, torch.bfloat16))
-DRY = dict(shape=Shape(2, 2, 4, 64, 16, 12, torch.float32), requests=3, layouts=("cpu", "LHBNC", "BLHNC"),
-           bw_blocks=12, bw_moves=8, decode_requests=2, decode_blocks=2, step_moves=4, repeats=1, large=None)
+FULL = dict(
+    shape=Shape(32, 8, 32, 128, 16, 1024, torch.bfloat16),
+    requests=32,
+    layouts=("flash_attn", "LBHNC", "LHBNC", "BLHNC", "BHLNC"),
+    bw_blocks=4096,
+    bw_moves=4096,
+    decode_requests=32,
+    decode_blocks=64,
+    step_moves=64,
+    repeats=20,
+    large=Shape(2, 8, 32, 64, 16, 196608, torch.bfloat16),
+)
+DRY = dict(
+    shape=Shape(2, 2, 4, 64, 16, 12, torch.float32),
+    requests=3,
+    layouts=("cpu", "LHBNC", "BLHNC"),
+    bw_blocks=12,
+    bw_moves=8,
+    decode_requests=2,
+    decode_blocks=2,
+    step_moves=4,
+    repeats=1,
+    large=None,
+)
 
 
 def device_generator(device: str, seed: int) -> torch.Generator:
@@ -98,12 +116,13 @@ def warmup(cfg: dict, device: str) -> dict:
     t0 = time.perf_counter()
     mover = TritonSlotMover(lay)  # the runner's capacity (512)
     mover.warmup(caches)
-    TritonScoreAccumulator.warmup(lay, caches[0], shape.q_heads, shape.head_dim, shape.dtype,
-                                  shape.head_dim**-0.5)
+    TritonScoreAccumulator.warmup(lay, caches[0], shape.q_heads, shape.head_dim, shape.dtype, shape.head_dim**-0.5)
     if device == "cuda":
         torch.cuda.synchronize()
-    report = {"warmup_s": time.perf_counter() - t0,
-              "caches_unchanged": all(torch.equal(a, b) for a, b in zip(caches, before))}
+    report = {
+        "warmup_s": time.perf_counter() - t0,
+        "caches_unchanged": all(torch.equal(a, b) for a, b in zip(caches, before)),
+    }
     variants = count()
     rng = np.random.default_rng(6)
     plan = scheduler_plan(rng, cfg["requests"], shape.blocks, shape.block_size)
@@ -113,8 +132,9 @@ def warmup(cfg: dict, device: str) -> dict:
     qgen = device_generator(device, 6)
     for max_queries in (3, 8):  # two steps of different query counts
         specs = score_specs(plan, rng, max_queries)
-        query = torch.randn(specs[-1][1], shape.q_heads, shape.head_dim, generator=qgen, device=device,
-                            dtype=shape.dtype)
+        query = torch.randn(
+            specs[-1][1], shape.q_heads, shape.head_dim, generator=qgen, device=device, dtype=shape.dtype
+        )
         run_scores(TritonScoreAccumulator(lay), caches, specs, query, shape.head_dim**-0.5)
     after = count()
     report["variants_after_warmup"] = variants
@@ -125,8 +145,12 @@ def warmup(cfg: dict, device: str) -> dict:
 
 def checks_pass(row: dict) -> bool:
     """A layout's moves (direct, staged) exact, scores within ``SCORE_TOL``, bits equal but at near-ties."""
-    return bool(row["moves_exact"] and row["staged_moves_exact"] and row["scores_max_abs_err"] <= SCORE_TOL
-                and row["scores_bits_ok"])
+    return bool(
+        row["moves_exact"]
+        and row["staged_moves_exact"]
+        and row["scores_max_abs_err"] <= SCORE_TOL
+        and row["scores_bits_ok"]
+    )
 
 
 def correctness(cfg: dict, device: str) -> dict:
@@ -166,8 +190,7 @@ def bandwidth(cfg: dict, device: str) -> dict:
     """One fixed-capacity move launch over every layer vs a torch copy of the same bytes."""
     shape = dataclasses.replace(cfg["shape"], blocks=cfg["bw_blocks"])
     caches, lay = setup("flash_attn", shape, device, 2)
-    plan = scheduler_plan(np.random.default_rng(2), max(1, shape.blocks // 64), shape.blocks,
-                          shape.block_size)
+    plan = scheduler_plan(np.random.default_rng(2), max(1, shape.blocks // 64), shape.blocks, shape.block_size)
     n = min(cfg["bw_moves"], int(plan.src.numel()))
     src, dst = plan.src[:n].to(device), plan.dst[:n].to(device)
     mover = TritonSlotMover(lay, capacity=n)
@@ -183,13 +206,21 @@ def bandwidth(cfg: dict, device: str) -> dict:
     copy_ms = timed(lambda: b.copy_(a), device, cfg["repeats"])
     ref_ms = timed(lambda: PagedTorchMover(lay).move(caches, src, dst), device, cfg["repeats"])
     copy_gbs = moved / copy_ms / 1e6
-    return {"moves": n, "layers": shape.layers, "bytes_read_plus_written": moved,
-            "direct_launch_ms": direct_ms, "direct_gb_s": moved / direct_ms / 1e6,
-            "staged_launch_ms": staged_ms, "staged_gb_s": moved / staged_ms / 1e6,
-            "move_ms_from_host_plan": move_ms, "copy_ms": copy_ms, "copy_gb_s": copy_gbs,
-            "direct_vs_copy": moved / direct_ms / 1e6 / copy_gbs,
-            "staged_vs_copy": moved / staged_ms / 1e6 / copy_gbs,
-            "torch_reference_ms": ref_ms}
+    return {
+        "moves": n,
+        "layers": shape.layers,
+        "bytes_read_plus_written": moved,
+        "direct_launch_ms": direct_ms,
+        "direct_gb_s": moved / direct_ms / 1e6,
+        "staged_launch_ms": staged_ms,
+        "staged_gb_s": moved / staged_ms / 1e6,
+        "move_ms_from_host_plan": move_ms,
+        "copy_ms": copy_ms,
+        "copy_gb_s": copy_gbs,
+        "direct_vs_copy": moved / direct_ms / 1e6 / copy_gbs,
+        "staged_vs_copy": moved / staged_ms / 1e6 / copy_gbs,
+        "torch_reference_ms": ref_ms,
+    }
 
 
 def decode_setup(cfg: dict, device: str, name: str):
@@ -205,8 +236,14 @@ def decode_setup(cfg: dict, device: str, name: str):
     lens = torch.full(
         (cfg["decode_requests"],), cfg["decode_blocks"] * base.block_size, dtype=torch.int32, device=device
     )
-    q = torch.randn(cfg["decode_requests"], base.q_heads, base.head_dim,
-                    generator=device_generator(device, 4), device=device, dtype=base.dtype)
+    q = torch.randn(
+        cfg["decode_requests"],
+        base.q_heads,
+        base.head_dim,
+        generator=device_generator(device, 4),
+        device=device,
+        dtype=base.dtype,
+    )
     return caches, layout_for(name, caches[0]).to(device), q, table, lens, base.head_dim**-0.5
 
 
@@ -226,8 +263,13 @@ def scores_vs_attention(cfg: dict, device: str) -> dict:
     acc.add_layer(q, None, caches[0], scale)  # builds the step's metadata once
     score_ms = timed(lambda: acc._launch(q, caches[0], scale, acc._meta), device, cfg["repeats"])
     attn_ms = timed(lambda: paged_decode(q, caches[0], lay, table, lens, scale, out), device, cfg["repeats"])
-    return {"requests": int(q.shape[0]), "seq_len": int(lens[0]), "score_kernels_ms_per_layer": score_ms,
-            "paged_attention_ms_per_layer": attn_ms, "score_vs_attention": score_ms / attn_ms}
+    return {
+        "requests": int(q.shape[0]),
+        "seq_len": int(lens[0]),
+        "score_kernels_ms_per_layer": score_ms,
+        "paged_attention_ms_per_layer": attn_ms,
+        "score_vs_attention": score_ms / attn_ms,
+    }
 
 
 def graph_loop(cfg: dict, device: str) -> dict:
@@ -303,8 +345,14 @@ def main(argv: list[str] | None = None) -> int:
         "random_inputs_drawn_on": device,
         "forbidden_modules_loaded": sorted(m for m in sys.modules if m.split(".")[0] in FORBIDDEN),
     }
-    sections = {"warmup": warmup, "correctness": correctness, "large_offsets": large_offsets,
-                "bandwidth": bandwidth, "scores_vs_attention": scores_vs_attention, "graph_loop": graph_loop}
+    sections = {
+        "warmup": warmup,
+        "correctness": correctness,
+        "large_offsets": large_offsets,
+        "bandwidth": bandwidth,
+        "scores_vs_attention": scores_vs_attention,
+        "graph_loop": graph_loop,
+    }
     for name, fn in sections.items():
         if time.perf_counter() - start > BUDGET_S:
             report[name] = {"skipped": f"time budget ({BUDGET_S:.0f} s) spent"}
@@ -316,11 +364,14 @@ def main(argv: list[str] | None = None) -> int:
             report[name] = {"error": f"{type(err).__name__}: {err}"}
         report[name]["seconds"] = round(time.perf_counter() - t0, 2)
     checks, large = report["correctness"], report["large_offsets"]
-    report["ok"] = ("error" not in checks and "skipped" not in checks
-                    and all(row["ok"] for key, row in checks.items() if isinstance(row, dict))
-                    and (large.get("ok", False) if device == "cuda" else "error" not in large)
-                    and report["warmup"].get("ok", False)
-                    and not report["forbidden_modules_loaded"])
+    report["ok"] = (
+        "error" not in checks
+        and "skipped" not in checks
+        and all(row["ok"] for key, row in checks.items() if isinstance(row, dict))
+        and (large.get("ok", False) if device == "cuda" else "error" not in large)
+        and report["warmup"].get("ok", False)
+        and not report["forbidden_modules_loaded"]
+    )
     report["seconds"] = round(time.perf_counter() - start, 2)
     text = json.dumps(report, indent=2, default=str)
     Path(args.out).write_text(text + "\n")

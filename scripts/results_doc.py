@@ -33,14 +33,22 @@ CAPACITY = ["capacity-smollm2.json", "capacity-tiny-llama.json", "capacity-gemma
 RETAINED = ["retained_smollm2.json", "retained_synthetic.json"]
 FLEET = "fleet-256.json"
 # the parity rule's halves (docs/quality.md): text (longgen), tasks (codegen; RULER on the model with context)
-LONGGEN = ["longgen-smollm2-224.json", "longgen-smollm2-224-served-settings.json", "longgen-smollm2-224-policies.json",
-           "longgen-smollm2-1024.json", "longgen-qwen2.5-coder-0.5b-224.json"]
+LONGGEN = [
+    "longgen-smollm2-224.json",
+    "longgen-smollm2-224-served-settings.json",
+    "longgen-smollm2-224-policies.json",
+    "longgen-smollm2-1024.json",
+    "longgen-qwen2.5-coder-0.5b-224.json",
+]
 CODEGEN = ["codegen-qwen2.5-coder-0.5b.json", "codegen-smollm2.json"]
 RULER = "quality-qwen2.5-coder-0.5b-ruler.json"
 POLICY_NAMES = {"h2o": "H2O", "scissorhands": "Scissorhands", "random": "Random", "tova": "TOVA"}
 # a report names its model by the checkpoint path it loaded; its last component → the name the docs use
-MODEL_NAMES = {"smollm2-135m-instruct": "SmolLM2-135M", "tiny-llama-s0-r1": "tiny Llama (2 layers)",
-               "gemma-3-270m": "Gemma 3 270M"}
+MODEL_NAMES = {
+    "smollm2-135m-instruct": "SmolLM2-135M",
+    "tiny-llama-s0-r1": "tiny Llama (2 layers)",
+    "gemma-3-270m": "Gemma 3 270M",
+}
 
 
 def num(x: float, digits: int = 2) -> str:
@@ -101,9 +109,11 @@ def median_cell(values: list[float | None], bounds: list[bool], unit: str = "") 
 
 
 def served_rows(results: Path) -> tuple[str, str]:
-    head = ("| setting | workload (prompt + generated tokens, requests per rate) | KV pool | SLOs (TTFT / TPOT) "
-            "| stock vLLM (req/s) | Naive-Evict (req/s) | repack (req/s) | repack ÷ stock vLLM | "
-            "repack ÷ Naive-Evict | experiment |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    head = (
+        "| setting | workload (prompt + generated tokens, requests per rate) | KV pool | SLOs (TTFT / TPOT) "
+        "| stock vLLM (req/s) | Naive-Evict (req/s) | repack (req/s) | repack ÷ stock vLLM | "
+        "repack ÷ Naive-Evict | experiment |\n|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     rows, sources = [], []
     for name, experiment in SERVED:
         r = load(name, results)
@@ -120,7 +130,8 @@ def served_rows(results: Path) -> tuple[str, str]:
         ratios = []
         for base in ("none", "naive"):
             key = f"repack/{setup['policies'][0]} +admission / " + (
-                "none" if base == "none" else f"naive/{setup['policies'][0]} +admission")
+                "none" if base == "none" else f"naive/{setup['policies'][0]} +admission"
+            )
             summary = r["summary"]["ratios"][key]
             # a ratio is a lower bound where repack met its grid's top (whatever the baseline did)
             bounds = [at_grid_top(rep["repack"]) for rep in by_mode]
@@ -129,18 +140,22 @@ def served_rows(results: Path) -> tuple[str, str]:
             ratios.append(f"**{grid}**; interpolated {interp}")
         shape = f"{setup['input_len']} + {setup['output_len']}, {setup['num_prompts']}"
         slo = f"{num(r['slo']['ttft_ms'] / 1000)} s / {num(r['slo']['tpot_ms'])} ms"
-        rows.append(f"| {policy} {budget} %, {scope} | {shape} | {setup['pool_blocks']} blocks | {slo} | "
-                    f"{' | '.join(cells)} | {' | '.join(ratios)} | [{experiment[:10]}](experiments/{experiment}) |\n")
+        rows.append(
+            f"| {policy} {budget} %, {scope} | {shape} | {setup['pool_blocks']} blocks | {slo} | "
+            f"{' | '.join(cells)} | {' | '.join(ratios)} | [{experiment[:10]}](experiments/{experiment}) |\n"
+        )
         sources.append(source_line(name, r))
     reps = {len(load(n, results)["repeats"]) for n, _ in SERVED}
     target = {load(n, results)["slo"]["attainment_target"] for n, _ in SERVED}
     assert len(reps) == 1 and len(target) == 1, (reps, target)
-    intro = (f"SmolLM2-135M served by `vtoken serve` (Ray Serve, one replica, a fixed KV pool) under "
-             f"`vllm bench serve` (Poisson arrivals); admission on for the evicting modes. Each cell: the highest "
-             f"rate meeting both SLOs for ≥ {num(target.pop() * 100, 0)} % of requests, median (min–max) over "
-             f"{reps.pop()} repeats in one command; ratios within each repeat, then median (min–max), on the grid "
-             f"and interpolated. \"≥\": a lower bound (repack met the grid's top rate). How to read and reproduce "
-             f"them: [serving.md](serving.md#served-path-benchmark--vtoken-bench-serve).\n\n")
+    intro = (
+        f"SmolLM2-135M served by `vtoken serve` (Ray Serve, one replica, a fixed KV pool) under "
+        f"`vllm bench serve` (Poisson arrivals); admission on for the evicting modes. Each cell: the highest "
+        f"rate meeting both SLOs for ≥ {num(target.pop() * 100, 0)} % of requests, median (min–max) over "
+        f"{reps.pop()} repeats in one command; ratios within each repeat, then median (min–max), on the grid "
+        f'and interpolated. "≥": a lower bound (repack met the grid\'s top rate). How to read and reproduce '
+        f"them: [serving.md](serving.md#served-path-benchmark--vtoken-bench-serve).\n\n"
+    )
     return intro + head + "".join(rows), "".join(sources)
 
 
@@ -148,30 +163,46 @@ def served_rows(results: Path) -> tuple[str, str]:
 
 
 def capacity_rows(results: Path) -> tuple[str, str]:
-    head = ("| model | policy, budget | KV pool | prompt + generated tokens | max feasible concurrency, naive → "
-            "repack | burst tokens/s, naive → repack | burst goodput, naive → repack (req/s) |\n"
-            "|---|---|---|---|---|---|---|\n")
+    head = (
+        "| model | policy, budget | KV pool | prompt + generated tokens | max feasible concurrency, naive → "
+        "repack | burst tokens/s, naive → repack | burst goodput, naive → repack (req/s) |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
     rows, sources = [], []
     for name in CAPACITY:
         r = load(name, results)
         naive, repack, ratio = r["modes"]["naive"], r["modes"]["repack"], r["ratios_vs_naive"]["repack"]
         policy = f"{POLICY_NAMES.get(r['policy'], r['policy'])} {num(r['budget'] * 100, 0)} %"
-        conc = (f"{naive['max_feasible_concurrency']} → **{repack['max_feasible_concurrency']}** "
-                f"({num(ratio['max_feasible_concurrency'])}×)")
-        runs = [num(rp["throughput_tok_s"] / nv["throughput_tok_s"])
-                for nv, rp in zip(naive["burst_runs"], repack["burst_runs"], strict=True)]
-        burst = (f"{num(naive['burst']['throughput_tok_s'], 1)} → {num(repack['burst']['throughput_tok_s'], 1)} "
-                 f"({num(ratio['throughput'])}×" + (f"; per interleaved run {', '.join(runs)}×" if len(runs) > 1 else "") + ")")
-        good = (f"{num(naive['burst']['goodput_req_s'], 3)} → {num(repack['burst']['goodput_req_s'], 3)} "
-                f"({num(ratio['goodput'])}×)")
+        conc = (
+            f"{naive['max_feasible_concurrency']} → **{repack['max_feasible_concurrency']}** "
+            f"({num(ratio['max_feasible_concurrency'])}×)"
+        )
+        runs = [
+            num(rp["throughput_tok_s"] / nv["throughput_tok_s"])
+            for nv, rp in zip(naive["burst_runs"], repack["burst_runs"], strict=True)
+        ]
+        burst = (
+            f"{num(naive['burst']['throughput_tok_s'], 1)} → {num(repack['burst']['throughput_tok_s'], 1)} "
+            f"({num(ratio['throughput'])}×"
+            + (f"; per interleaved run {', '.join(runs)}×" if len(runs) > 1 else "")
+            + ")"
+        )
+        good = (
+            f"{num(naive['burst']['goodput_req_s'], 3)} → {num(repack['burst']['goodput_req_s'], 3)} "
+            f"({num(ratio['goodput'])}×)"
+        )
         model = Path(r["model"]).name
-        rows.append(f"| {MODEL_NAMES.get(model, model)} | {policy} | {r['kv_blocks']} blocks of "
-                    f"{r['block_size']} | {r['prompt_len']} + {r['gen_len']} | {conc} | {burst} | {good} |\n")
+        rows.append(
+            f"| {MODEL_NAMES.get(model, model)} | {policy} | {r['kv_blocks']} blocks of "
+            f"{r['block_size']} | {r['prompt_len']} + {r['gen_len']} | {conc} | {burst} | {good} |\n"
+        )
         sources.append(source_line(name, r))
-    intro = ("One in-process vLLM engine with a fixed KV pool, the mode switched per request "
-             "([vllm-integration.md](vllm-integration.md#what-the-reclaimed-blocks-buy--vtoken-bench-capacity)): "
-             "the most requests that run together without preemption, and a burst submitted at once (the lower "
-             "median run of the interleaved runs).\n\n")
+    intro = (
+        "One in-process vLLM engine with a fixed KV pool, the mode switched per request "
+        "([vllm-integration.md](vllm-integration.md#what-the-reclaimed-blocks-buy--vtoken-bench-capacity)): "
+        "the most requests that run together without preemption, and a burst submitted at once (the lower "
+        "median run of the interleaved runs).\n\n"
+    )
     return intro + head + "".join(rows), "".join(sources)
 
 
@@ -179,31 +210,43 @@ def capacity_rows(results: Path) -> tuple[str, str]:
 
 
 def retained_rows(results: Path) -> tuple[str, str]:
-    head = ("| attention | requests, prompt + decode steps | policies | budgets | block sizes | "
-            "repack vs Naive-Evict (retained blocks per request) | KV copies, repack ÷ reuse+repack |\n"
-            "|---|---|---|---|---|---|---|\n")
+    head = (
+        "| attention | requests, prompt + decode steps | policies | budgets | block sizes | "
+        "repack vs Naive-Evict (retained blocks per request) | KV copies, repack ÷ reuse+repack |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
     rows, sources, paper = [], [], None
     for name in RETAINED:
         r = load(name, results)
         cells = r["rows"]
         gains = [c["repack_vs_naive_pct"] for c in cells]
         moves = [c["moves_repack"] / c["moves_reuse_repack"] for c in cells]
-        source = (f"recorded from SmolLM2 (`{r['source']}`)" if str(r.get("source", "")).endswith(".npz")
-                  else "synthetic, calibrated to the recorded traces")
+        source = (
+            f"recorded from SmolLM2 (`{r['source']}`)"
+            if str(r.get("source", "")).endswith(".npz")
+            else "synthetic, calibrated to the recorded traces"
+        )
         pols = ", ".join(dict.fromkeys(POLICY_NAMES.get(c["policy"], c["policy"]) for c in cells))
         budgets = " / ".join(dict.fromkeys(f"{num(c['budget'] * 100, 0)} %" for c in cells))
         blocks = " / ".join(dict.fromkeys(str(c["block_size"]) for c in cells))
-        rows.append(f"| {source} | {r['requests']}, {r['prompt_len']} + {r['gen_len']} | {pols} | {budgets} | "
-                    f"{blocks} | **{pct(max(gains))} … {pct(min(gains))} %** | {num(min(moves))}–"
-                    f"{num(max(moves))}× |\n")
+        rows.append(
+            f"| {source} | {r['requests']}, {r['prompt_len']} + {r['gen_len']} | {pols} | {budgets} | "
+            f"{blocks} | **{pct(max(gains))} … {pct(min(gains))} %** | {num(min(moves))}–"
+            f"{num(max(moves))}× |\n"
+        )
         sources.append(source_line(name, r))
         paper = paper or r.get("paper_range_pct")
-    intro = ("The trace-driven simulator ([simulator.md](simulator.md)): retained KV blocks per request against "
-             "Naive-Evict with the same victims, averaged over decode steps"
-             + (f"; the vToken paper reports {pct(paper[1])} … {pct(paper[0])} %" if paper else "") + ".\n\n")
-    env = ("The retained reports carry no `environment`: they are the pure-numpy simulator over recorded or "
-           "synthetic attention, deterministic, with no engine or device in the figures; the machine that ran "
-           "them is not recorded (both files were last regenerated in commit 4fd563a, 2026-11-29).\n")
+    intro = (
+        "The trace-driven simulator ([simulator.md](simulator.md)): retained KV blocks per request against "
+        "Naive-Evict with the same victims, averaged over decode steps"
+        + (f"; the vToken paper reports {pct(paper[1])} … {pct(paper[0])} %" if paper else "")
+        + ".\n\n"
+    )
+    env = (
+        "The retained reports carry no `environment`: they are the pure-numpy simulator over recorded or "
+        "synthetic attention, deterministic, with no engine or device in the figures; the machine that ran "
+        "them is not recorded (both files were last regenerated in commit 4fd563a, 2026-11-29).\n"
+    )
     return intro + head + "".join(rows), "".join(sources) + "\n" + env
 
 
@@ -216,21 +259,27 @@ def fleet_rows(results: Path) -> tuple[str, str]:
     lines = []
     for n in need:
         naive, repack = n["naive"]["min_fixed_replicas_meeting_slo"], n["repack"]["min_fixed_replicas_meeting_slo"]
-        lines.append(f"- Replicas needed for {num(n['rate_req_s'], 0)} req/s (load {num(n['load'])}) at "
-                     f"{num(n['slo_target'] * 100, 0)} % SLO attainment, fixed fleet, `kv` router: naive "
-                     f"**{naive}**, repack **{repack}** ({num(naive / repack, 1)}× fewer).\n")
+        lines.append(
+            f"- Replicas needed for {num(n['rate_req_s'], 0)} req/s (load {num(n['load'])}) at "
+            f"{num(n['slo_target'] * 100, 0)} % SLO attainment, fixed fleet, `kv` router: naive "
+            f"**{naive}**, repack **{repack}** ({num(naive / repack, 1)}× fewer).\n"
+        )
     runs = {(x["mode"], x["router"], x["load"]): x for x in r["runs"]}
     for load_ in sorted({x["load"] for x in r["runs"]}):
         a, b = runs.get(("naive", "kv", load_)), runs.get(("repack", "kv", load_))
         if a and b and load_ == 1.0:
-            lines.append(f"- At the naive fleet's nominal capacity (load {num(load_)}, {num(a['rate_req_s'], 0)} "
-                         f"req/s), `kv` router: SLO attainment naive {num(a['slo_attainment'], 3)}, repack "
-                         f"**{num(b['slo_attainment'], 3)}**; goodput {num(a['goodput_req_s'], 1)} against "
-                         f"**{num(b['goodput_req_s'], 1)}** req/s.\n")
+            lines.append(
+                f"- At the naive fleet's nominal capacity (load {num(load_)}, {num(a['rate_req_s'], 0)} "
+                f"req/s), `kv` router: SLO attainment naive {num(a['slo_attainment'], 3)}, repack "
+                f"**{num(b['slo_attainment'], 3)}**; goodput {num(a['goodput_req_s'], 1)} against "
+                f"**{num(b['goodput_req_s'], 1)}** req/s.\n"
+            )
     slo = r["slo"]
-    intro = (f"A discrete-event simulation of {r['replicas']} replicas running the project's router and autoscaler "
-             f"code ([fleet.md](fleet.md)); engine step times measured on this machine; SLO TTFT ≤ "
-             f"{num(slo['ttft_s'])} s, TPOT ≤ {num(slo['tpot_s'])} s.\n\n")
+    intro = (
+        f"A discrete-event simulation of {r['replicas']} replicas running the project's router and autoscaler "
+        f"code ([fleet.md](fleet.md)); engine step times measured on this machine; SLO TTFT ≤ "
+        f"{num(slo['ttft_s'])} s, TPOT ≤ {num(slo['tpot_s'])} s.\n\n"
+    )
     return intro + "".join(lines), source_line(FLEET, r)
 
 
@@ -243,12 +292,17 @@ def quality_rows(results: Path) -> tuple[str, str]:
     longgen = [load(n, results) for n in LONGGEN]
     codegen = [load(n, results) for n in CODEGEN]
     ruler = load(RULER, results)
-    body = ("Judged by the parity rule stated before measuring ([quality.md](quality.md#the-parity-rule-and-the-"
-            "long-generation-yardstick-vtoken-bench-longgen)): a setting is at parity when the text half and, on "
-            "every task, the task half hold.\n\n### Text: human-written continuations, eviction after every "
-            "token\n\n" + text_table(longgen) + "\n### Tasks: HumanEval, code the model writes\n\n"
-            + task_table(codegen) + "\n### Tasks: RULER at 1k and 2k tokens on the model that uses its context"
-            "\n\n" + ruler_table(ruler))
+    body = (
+        "Judged by the parity rule stated before measuring ([quality.md](quality.md#the-parity-rule-and-the-"
+        "long-generation-yardstick-vtoken-bench-longgen)): a setting is at parity when the text half and, on "
+        "every task, the task half hold.\n\n### Text: human-written continuations, eviction after every "
+        "token\n\n"
+        + text_table(longgen)
+        + "\n### Tasks: HumanEval, code the model writes\n\n"
+        + task_table(codegen)
+        + "\n### Tasks: RULER at 1k and 2k tokens on the model that uses its context"
+        "\n\n" + ruler_table(ruler)
+    )
     sources = "".join(source_line(n, r) for n, r in zip([*LONGGEN, *CODEGEN, RULER], [*longgen, *codegen, ruler]))
     return body, sources
 
@@ -257,8 +311,7 @@ def render(results: Path = ROOT / "docs/results", existing: str | None = None) -
     """docs/results.md's text from the reports under ``results`` (``existing``: unused, kept for the callers)."""
     parts = [
         "# Current results\n\n",
-        "<!-- Generated by scripts/results_doc.py from docs/results/*.json; edit the script, not this file "
-        "-->\n\n",
+        "<!-- Generated by scripts/results_doc.py from docs/results/*.json; edit the script, not this file -->\n\n",
         "The figures vToken stands on today, each read from its JSON under [results/](results/) with the command "
         "that wrote it (the report's `command`; `--out` names where it was first written). How each benchmark "
         "works and what its variants mean: [serving.md](serving.md), [vllm-integration.md](vllm-integration.md), "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 from vtoken.bench.cli import bench_app
@@ -36,14 +38,14 @@ def policies() -> None:
     for name in policy_names():
         cls = get_policy_class(name)
         path = inspect.getsourcefile(cls)
-        lines = len(open(path).read().splitlines())
+        lines = len(Path(path).read_text().splitlines())
         doc = (cls.__doc__ or "").strip().splitlines()[0]
         typer.echo(f"{name:14s} {lines:5d}  {'vtoken/policies/' + path.rsplit('/', 1)[-1]:28s} {doc}")
 
 
 @app.command("settings")
 def settings(
-    table: str = typer.Option("engine", help="engine (additional_config[\"vtoken\"]) | serve (the vtoken.* keys)"),
+    table: str = typer.Option("engine", help='engine (additional_config["vtoken"]) | serve (the vtoken.* keys)'),
     write: bool = typer.Option(False, "--write", help="regenerate the tables in the docs that include them"),
     check: bool = typer.Option(False, "--check", help="exit 1 when a doc's table is not the generated one"),
 ) -> None:
@@ -69,8 +71,7 @@ def settings(
             if write:
                 path.write_text(sync(text, tables))
     for name in stale:
-        typer.echo(f"{name}: {'regenerated' if write else 'settings table differs from `vtoken settings`'}",
-                   err=True)
+        typer.echo(f"{name}: {'regenerated' if write else 'settings table differs from `vtoken settings`'}", err=True)
     if check and stale and not write:
         raise typer.Exit(1)
 

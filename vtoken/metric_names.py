@@ -84,87 +84,157 @@ class Metric:
 
 
 # ------------------------------------------------ vToken KV gauges (read from the latest KVSnapshot)
-LIVE_TOKENS = Metric("vtoken:live_tokens", GAUGE, "Live (not evicted) tokens held in the KV cache",
-                     "tokens", ("mode",))
+LIVE_TOKENS = Metric("vtoken:live_tokens", GAUGE, "Live (not evicted) tokens held in the KV cache", "tokens", ("mode",))
 HELD_BLOCKS = Metric("vtoken:held_blocks", GAUGE, "KV blocks held by requests", "blocks", ("mode",))
-PACKING_BOUND_BLOCKS = Metric("vtoken:packing_bound_blocks", GAUGE, "Sum over requests of ceil(live/B)",
-                              "blocks", ("mode",))
-NAIVE_BLOCKS = Metric("vtoken:naive_blocks", GAUGE, "Blocks the paired Naive-Evict accounting would hold",
-                      "blocks", ("mode",))
-POOL_BLOCKS = Metric("vtoken:pool_blocks", GAUGE, "KV blocks in the pool (without vLLM's null block)",
-                     "blocks", ("mode",))
-WINDOW_BLOCKS = Metric("vtoken:window_blocks", GAUGE,
-                       "KV blocks held in a hybrid model's sliding-window groups (vLLM's; 0 on other models)",
-                       "blocks", ("mode",))
-FREE_KV_TOKENS = Metric("vtoken:free_kv_tokens", GAUGE,
-                        "Free KV slots after reclamation: (pool - held - window) * B", "tokens", ("mode",))
-FRAGMENTATION_RATIO = Metric("vtoken:fragmentation_ratio", GAUGE, "1 - live / (held * B)", "ratio",
-                             ("mode",))
+PACKING_BOUND_BLOCKS = Metric(
+    "vtoken:packing_bound_blocks", GAUGE, "Sum over requests of ceil(live/B)", "blocks", ("mode",)
+)
+NAIVE_BLOCKS = Metric(
+    "vtoken:naive_blocks", GAUGE, "Blocks the paired Naive-Evict accounting would hold", "blocks", ("mode",)
+)
+POOL_BLOCKS = Metric(
+    "vtoken:pool_blocks", GAUGE, "KV blocks in the pool (without vLLM's null block)", "blocks", ("mode",)
+)
+WINDOW_BLOCKS = Metric(
+    "vtoken:window_blocks",
+    GAUGE,
+    "KV blocks held in a hybrid model's sliding-window groups (vLLM's; 0 on other models)",
+    "blocks",
+    ("mode",),
+)
+FREE_KV_TOKENS = Metric(
+    "vtoken:free_kv_tokens", GAUGE, "Free KV slots after reclamation: (pool - held - window) * B", "tokens", ("mode",)
+)
+FRAGMENTATION_RATIO = Metric("vtoken:fragmentation_ratio", GAUGE, "1 - live / (held * B)", "ratio", ("mode",))
 KV_UTILIZATION = Metric("vtoken:kv_utilization", GAUGE, "(held + window) / pool", "ratio", ("mode",))
-ADMISSION_LIMIT = Metric("vtoken:admission_limit", GAUGE,
-                         "Running-batch limit SLO-aware admission holds the engine to (absent when admission is off)",
-                         "requests", ("mode",))
-STATS_AGE_SECONDS = Metric("vtoken:stats_age_seconds", GAUGE,
-                           "Seconds since the engine step these KV numbers come from", "seconds", ("mode",))
+ADMISSION_LIMIT = Metric(
+    "vtoken:admission_limit",
+    GAUGE,
+    "Running-batch limit SLO-aware admission holds the engine to (absent when admission is off)",
+    "requests",
+    ("mode",),
+)
+STATS_AGE_SECONDS = Metric(
+    "vtoken:stats_age_seconds", GAUGE, "Seconds since the engine step these KV numbers come from", "seconds", ("mode",)
+)
 
 # ------------------------------------------ vToken cumulative counters (read from the latest KVSnapshot)
-EVICTED_TOKENS = Metric("vtoken:evicted_tokens", COUNTER, "Tokens evicted by the policy", "tokens",
-                        ("policy",))
-RECLAIMED_BLOCKS = Metric("vtoken:reclaimed_blocks", COUNTER, "Blocks returned to the pool by vToken",
-                          "blocks")
+EVICTED_TOKENS = Metric("vtoken:evicted_tokens", COUNTER, "Tokens evicted by the policy", "tokens", ("policy",))
+RECLAIMED_BLOCKS = Metric("vtoken:reclaimed_blocks", COUNTER, "Blocks returned to the pool by vToken", "blocks")
 REPACK_MOVES = Metric("vtoken:repack_moves", COUNTER, "KV slot moves executed by repacks", "moves")
 REPACK_PLANS = Metric("vtoken:repack_plans", COUNTER, "Repack plans executed", "plans")
-COW_BLOCKS = Metric("vtoken:cow_blocks", COUNTER,
-                    "Prefix-cached blocks replaced by a copy instead of rewritten (left in the prefix cache)", "blocks")
-COW_MOVES = Metric("vtoken:cow_moves", COUNTER, "KV slot copies made to keep prefix-cached blocks intact "
-                   "(included in repack_moves)", "moves")
-COW_FALLBACKS = Metric("vtoken:cow_fallbacks", COUNTER,
-                       "Prefix-cached blocks un-hashed and rewritten in place (no free replacement block)", "blocks")
-INVARIANT_CHECKS = Metric("vtoken:invariant_checks", COUNTER,
-                          "KV invariant checks run (when the engine goes idle and every invariant_period steps)", "checks")
-INVARIANT_VIOLATIONS = Metric("vtoken:invariant_violations", COUNTER,
-                              "KV invariant violations found: a leaked or miscounted block, a broken token table, "
-                              "a rewritten prefix-cached block (the engine log names them)", "violations")
+COW_BLOCKS = Metric(
+    "vtoken:cow_blocks",
+    COUNTER,
+    "Prefix-cached blocks replaced by a copy instead of rewritten (left in the prefix cache)",
+    "blocks",
+)
+COW_MOVES = Metric(
+    "vtoken:cow_moves",
+    COUNTER,
+    "KV slot copies made to keep prefix-cached blocks intact (included in repack_moves)",
+    "moves",
+)
+COW_FALLBACKS = Metric(
+    "vtoken:cow_fallbacks",
+    COUNTER,
+    "Prefix-cached blocks un-hashed and rewritten in place (no free replacement block)",
+    "blocks",
+)
+INVARIANT_CHECKS = Metric(
+    "vtoken:invariant_checks",
+    COUNTER,
+    "KV invariant checks run (when the engine goes idle and every invariant_period steps)",
+    "checks",
+)
+INVARIANT_VIOLATIONS = Metric(
+    "vtoken:invariant_violations",
+    COUNTER,
+    "KV invariant violations found: a leaked or miscounted block, a broken token table, "
+    "a rewritten prefix-cached block (the engine log names them)",
+    "violations",
+)
 INVARIANT_SECONDS = Metric("vtoken:invariant_seconds", COUNTER, "Time spent checking KV invariants", "seconds")
 
 # --------------------------------------------- vToken SLA series (updated once per finished request)
 REQUESTS = Metric("vtoken:requests", COUNTER, "Finished requests judged against the SLO", "requests")
 SLO_MET = Metric("vtoken:slo_met", COUNTER, "Finished requests that met both TTFT and TPOT SLOs", "requests")
-TTFT_SECONDS = Metric("vtoken:ttft_seconds", HISTOGRAM, "Time to first token of finished requests",
-                      "seconds")
-TPOT_SECONDS = Metric("vtoken:tpot_seconds", HISTOGRAM, "Mean time per output token of finished requests",
-                      "seconds")
+TTFT_SECONDS = Metric("vtoken:ttft_seconds", HISTOGRAM, "Time to first token of finished requests", "seconds")
+TPOT_SECONDS = Metric("vtoken:tpot_seconds", HISTOGRAM, "Mean time per output token of finished requests", "seconds")
 E2E_SECONDS = Metric("vtoken:e2e_seconds", HISTOGRAM, "End-to-end latency of finished requests", "seconds")
-REPACK_SECONDS = Metric("vtoken:repack_seconds", HISTOGRAM, "Duration of one repack plan (interval mean)",
-                        "seconds")
-ROUTING_STATS_POLLS = Metric("vtoken:routing_stats_polls", COUNTER,
-                             "Polls of record_routing_stats answered (Serve feeding the KV-aware router)", "polls")
+REPACK_SECONDS = Metric("vtoken:repack_seconds", HISTOGRAM, "Duration of one repack plan (interval mean)", "seconds")
+ROUTING_STATS_POLLS = Metric(
+    "vtoken:routing_stats_polls",
+    COUNTER,
+    "Polls of record_routing_stats answered (Serve feeding the KV-aware router)",
+    "polls",
+)
 
-KV_GAUGES = (LIVE_TOKENS, HELD_BLOCKS, PACKING_BOUND_BLOCKS, NAIVE_BLOCKS, POOL_BLOCKS, WINDOW_BLOCKS,
-             FREE_KV_TOKENS, FRAGMENTATION_RATIO, KV_UTILIZATION, STATS_AGE_SECONDS, ADMISSION_LIMIT)
-KV_COUNTERS = (EVICTED_TOKENS, RECLAIMED_BLOCKS, REPACK_MOVES, REPACK_PLANS, COW_BLOCKS, COW_MOVES, COW_FALLBACKS,
-               INVARIANT_CHECKS, INVARIANT_VIOLATIONS, INVARIANT_SECONDS)
+KV_GAUGES = (
+    LIVE_TOKENS,
+    HELD_BLOCKS,
+    PACKING_BOUND_BLOCKS,
+    NAIVE_BLOCKS,
+    POOL_BLOCKS,
+    WINDOW_BLOCKS,
+    FREE_KV_TOKENS,
+    FRAGMENTATION_RATIO,
+    KV_UTILIZATION,
+    STATS_AGE_SECONDS,
+    ADMISSION_LIMIT,
+)
+KV_COUNTERS = (
+    EVICTED_TOKENS,
+    RECLAIMED_BLOCKS,
+    REPACK_MOVES,
+    REPACK_PLANS,
+    COW_BLOCKS,
+    COW_MOVES,
+    COW_FALLBACKS,
+    INVARIANT_CHECKS,
+    INVARIANT_VIOLATIONS,
+    INVARIANT_SECONDS,
+)
 SLA_METRICS = (REQUESTS, SLO_MET, TTFT_SECONDS, TPOT_SECONDS, E2E_SECONDS, REPACK_SECONDS, ROUTING_STATS_POLLS)
 VTOKEN_METRICS = KV_GAUGES + KV_COUNTERS + SLA_METRICS  # everything a replica exports, exposition order
 
 # ---------------------------------- vLLM-owned series the router, autoscaler and dashboards read
-NUM_REQUESTS_WAITING = Metric("vllm:num_requests_waiting", GAUGE,
-                              "Number of requests waiting to be processed.", "requests",
-                              ("model_name", "engine"))
-NUM_REQUESTS_RUNNING = Metric("vllm:num_requests_running", GAUGE,
-                              "Number of requests in model execution batches.", "requests",
-                              ("model_name", "engine"))
-PREFIX_CACHE_QUERIES = Metric("vllm:prefix_cache_queries", COUNTER,
-                              "Prefix cache queries, in terms of number of queried tokens.", "tokens",
-                              ("model_name", "engine"))
-PREFIX_CACHE_HITS = Metric("vllm:prefix_cache_hits", COUNTER,
-                           "Prefix cache hits, in terms of number of cached tokens.", "tokens",
-                           ("model_name", "engine"))
-NUM_PREEMPTIONS = Metric("vllm:num_preemptions", COUNTER,
-                          "Cumulative number of preemption from the engine.", "requests",
-                          ("model_name", "engine"))
-VLLM_METRICS = (NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS,
-                NUM_PREEMPTIONS)
+NUM_REQUESTS_WAITING = Metric(
+    "vllm:num_requests_waiting",
+    GAUGE,
+    "Number of requests waiting to be processed.",
+    "requests",
+    ("model_name", "engine"),
+)
+NUM_REQUESTS_RUNNING = Metric(
+    "vllm:num_requests_running",
+    GAUGE,
+    "Number of requests in model execution batches.",
+    "requests",
+    ("model_name", "engine"),
+)
+PREFIX_CACHE_QUERIES = Metric(
+    "vllm:prefix_cache_queries",
+    COUNTER,
+    "Prefix cache queries, in terms of number of queried tokens.",
+    "tokens",
+    ("model_name", "engine"),
+)
+PREFIX_CACHE_HITS = Metric(
+    "vllm:prefix_cache_hits",
+    COUNTER,
+    "Prefix cache hits, in terms of number of cached tokens.",
+    "tokens",
+    ("model_name", "engine"),
+)
+NUM_PREEMPTIONS = Metric(
+    "vllm:num_preemptions",
+    COUNTER,
+    "Cumulative number of preemption from the engine.",
+    "requests",
+    ("model_name", "engine"),
+)
+VLLM_METRICS = (NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, NUM_PREEMPTIONS)
 
 ALL_METRICS = VTOKEN_METRICS + VLLM_METRICS
 

@@ -8,7 +8,7 @@ import importlib.util
 import re
 import shutil
 import subprocess
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import jsonschema
@@ -34,7 +34,9 @@ def load_yaml(path: Path):
 
 # ----------------------------------------------------------------------------------- CRD -> JSON Schema
 _OBJECT_META = {
-    "type": "object", "additionalProperties": False, "required": ["name"],
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name"],
     "properties": {
         "name": {"type": "string", "maxLength": 63, "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
         "namespace": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
@@ -74,8 +76,12 @@ def structural_to_jsonschema(node, strict: bool = True):
         out.setdefault("anyOf", [{"type": "integer"}, {"type": "string"}])
     if node.get("nullable") and "type" in out:
         out["type"] = [out["type"], "null"]
-    if (strict and "properties" in out and "additionalProperties" not in out
-            and not node.get("x-kubernetes-preserve-unknown-fields")):
+    if (
+        strict
+        and "properties" in out
+        and "additionalProperties" not in out
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     if node.get("x-kubernetes-list-type") == "set":
         out["uniqueItems"] = True
@@ -90,8 +96,7 @@ def _list_map_keys(validator, keys, instance, schema):
         return
     seen = set()
     for item in instance:
-        key = (tuple(item.get(k, default) for k, default in keys.items()) if isinstance(item, dict)
-               else (item,))
+        key = tuple(item.get(k, default) for k, default in keys.items()) if isinstance(item, dict) else (item,)
         if key in seen:
             yield jsonschema.ValidationError(f"duplicate entry for list-map keys {list(keys)}: {key}")
         seen.add(key)
@@ -100,15 +105,14 @@ def _list_map_keys(validator, keys, instance, schema):
 _Validator = jsonschema.validators.extend(jsonschema.Draft7Validator, {"listMapKeys": _list_map_keys})
 
 
-@lru_cache(maxsize=None)
+@cache
 def crd_validator(file_name: str, version: str = "v1"):
     """A validator for one served version of the CRD in k8s/schemas/ (apiVersion/kind/metadata strict)."""
     crd = load_yaml(SCHEMAS / file_name)
     (ver,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
     schema = structural_to_jsonschema(ver["schema"]["openAPIV3Schema"])
     group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
-    schema["properties"].update(apiVersion={"const": f"{group}/{version}"}, kind={"const": kind},
-                                metadata=_OBJECT_META)
+    schema["properties"].update(apiVersion={"const": f"{group}/{version}"}, kind={"const": kind}, metadata=_OBJECT_META)
     schema["required"] = sorted(set(schema.get("required", [])) | {"apiVersion", "kind", "metadata", "spec"})
     schema.get("properties", {}).pop("status", None)
     _Validator.check_schema(schema)
@@ -116,8 +120,10 @@ def crd_validator(file_name: str, version: str = "v1"):
 
 
 def schema_errors(file_name: str, obj: dict) -> list[str]:
-    return [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
-            for e in crd_validator(file_name).iter_errors(obj)]
+    return [
+        f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+        for e in crd_validator(file_name).iter_errors(obj)
+    ]
 
 
 # ------------------------------------------------------------------------------------ exported names
@@ -136,12 +142,24 @@ def exposition_families() -> tuple:
     from vtoken.serve.telemetry.stats import StatsSink
 
     sink = StatsSink()
-    metrics = ReplicaMetrics(sink, SloTargets.from_ms(1000, 100), "h2o", "repack", REPLICA_LABELS,
-                             include_process_registry=False)
-    sink.put(KVSnapshot(live_tokens=96, held_blocks=4, packing_bound_blocks=3, naive_blocks=6, pool_blocks=63,
-                        block_size=32, num_running=1, admission_limit=5,
-                        counters=ReclaimCounters(evicted_tokens=12, reclaimed_blocks=3, repack_moves=9,
-                                                 repack_seconds=0.004, repack_plans=2)))
+    metrics = ReplicaMetrics(
+        sink, SloTargets.from_ms(1000, 100), "h2o", "repack", REPLICA_LABELS, include_process_registry=False
+    )
+    sink.put(
+        KVSnapshot(
+            live_tokens=96,
+            held_blocks=4,
+            packing_bound_blocks=3,
+            naive_blocks=6,
+            pool_blocks=63,
+            block_size=32,
+            num_running=1,
+            admission_limit=5,
+            counters=ReclaimCounters(
+                evicted_tokens=12, reclaimed_blocks=3, repack_moves=9, repack_seconds=0.004, repack_plans=2
+            ),
+        )
+    )
     sink.finished(RequestLatency(0.2, 0.05, 1.0, 10, "length"))
     return tuple(text_string_to_metric_families(generate_latest(metrics.view).decode()))
 
@@ -205,8 +223,10 @@ def promtool() -> str:
     """Path of promtool; FAILS (does not skip) when missing: the rule and PromQL checks need it."""
     path = shutil.which("promtool")
     if path is None:
-        pytest.fail("promtool not found on PATH: install the Debian package 'prometheus' "
-                    "(scripts/install-system-deps.sh) — the alert and dashboard PromQL checks need it")
+        pytest.fail(
+            "promtool not found on PATH: install the Debian package 'prometheus' "
+            "(scripts/install-system-deps.sh) — the alert and dashboard PromQL checks need it"
+        )
     return path
 
 
@@ -214,5 +234,4 @@ def promtool_check_exprs(exprs: list[str], workdir: Path) -> subprocess.Complete
     """``promtool check rules`` on one recording rule per expression (promtool parses the PromQL)."""
     rules = [{"record": f"check:expr_{i}", "expr": e} for i, e in enumerate(exprs)]
     (workdir / "exprs.yaml").write_text(yaml.safe_dump({"groups": [{"name": "exprs", "rules": rules}]}))
-    return subprocess.run([promtool(), "check", "rules", "exprs.yaml"], cwd=workdir, capture_output=True,
-                          text=True)
+    return subprocess.run([promtool(), "check", "rules", "exprs.yaml"], cwd=workdir, capture_output=True, text=True)

@@ -220,8 +220,9 @@ class PrometheusServer:
     manager; temp storage removed on exit). With ``sd_files`` it finds its targets in those Prometheus
     ``file_sd`` JSON files instead (re-read when they change), as configured in docs/operations.md."""
 
-    def __init__(self, targets: list[str], port: int, scrape_interval: str = "1s",
-                 sd_files: list[str] | None = None) -> None:
+    def __init__(
+        self, targets: list[str], port: int, scrape_interval: str = "1s", sd_files: list[str] | None = None
+    ) -> None:
         self.targets, self.port, self.scrape_interval = targets, port, scrape_interval
         self.sd_files = sd_files
         self.url = f"http://127.0.0.1:{port}"
@@ -233,9 +234,16 @@ class PrometheusServer:
         self.tmp = Path(tempfile.mkdtemp(prefix="vtoken-prom-"))
         config = {
             "global": {"scrape_interval": self.scrape_interval, "evaluation_interval": self.scrape_interval},
-            "scrape_configs": [{"job_name": "vtoken", **(
-                {"file_sd_configs": [{"files": self.sd_files, "refresh_interval": "5s"}]} if self.sd_files
-                else {"static_configs": [{"targets": self.targets}]})}],
+            "scrape_configs": [
+                {
+                    "job_name": "vtoken",
+                    **(
+                        {"file_sd_configs": [{"files": self.sd_files, "refresh_interval": "5s"}]}
+                        if self.sd_files
+                        else {"static_configs": [{"targets": self.targets}]}
+                    ),
+                }
+            ],
         }
         (self.tmp / "prometheus.yml").write_text(json.dumps(config))  # JSON is valid YAML
         self.log = open(self.tmp / "prometheus.log", "w")
@@ -269,8 +277,11 @@ class PrometheusServer:
 
     def query_range(self, promql: str, start: float, end: float, step: float = 1.0) -> list[dict]:
         """``[{"metric", "values": [[t, "v"], ...]}]`` of ``promql`` between two Unix times."""
-        r = httpx.get(f"{self.url}/api/v1/query_range",
-                      params={"query": promql, "start": start, "end": end, "step": step}, timeout=30)
+        r = httpx.get(
+            f"{self.url}/api/v1/query_range",
+            params={"query": promql, "start": start, "end": end, "step": step},
+            timeout=30,
+        )
         r.raise_for_status()
         return r.json()["data"]["result"]
 
@@ -324,8 +335,9 @@ class LocalServe:
     def __enter__(self) -> LocalServe:
         import re
 
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=self.env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env, start_new_session=True
+        )
         deadline = time.monotonic() + self.start_s
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()

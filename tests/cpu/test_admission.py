@@ -124,8 +124,14 @@ def test_overhead_shrinks_below_the_measured_batch_and_is_not_scaled_up_above_it
 
 
 @settings(max_examples=200, deadline=None)
-@given(a=st.floats(0.0, 0.2), b=st.floats(0.0, 0.05), o=st.floats(0.0, 0.3), batch=st.floats(1.0, 32.0),
-       limit=st.floats(0.01, 0.5), max_n=st.integers(1, 64))
+@given(
+    a=st.floats(0.0, 0.2),
+    b=st.floats(0.0, 0.05),
+    o=st.floats(0.0, 0.3),
+    batch=st.floats(1.0, 32.0),
+    limit=st.floats(0.01, 0.5),
+    max_n=st.integers(1, 64),
+)
 @example(a=0.125, b=9.711415346016531e-239, o=9.711415346016531e-239, batch=2.0, limit=0.125, max_n=2)  # CI
 def test_overhead_cap_lies_between_the_constant_and_the_per_request_charge(a, b, o, batch, limit, max_n):
     cap = cap_with_overhead(a, b, o, batch, limit, max_n)
@@ -150,9 +156,17 @@ def test_a_burst_of_prefills_lowers_the_cap_to_a_batch_that_meets_the_target_not
     assert m.cap(16) == 3
     assert cap_for(m.fit()[0] + m.overhead, m.fit()[1], 0.3 * HEADROOM, 16) == 1  # the constant charge
 
+
 @settings(max_examples=60, deadline=None)
-@given(a=st.floats(0.001, 0.1), b=st.floats(0.0, 0.02), t1=st.floats(0.001, 0.5), t2=st.floats(0.001, 0.5),
-       max_n=st.integers(1, 64), o1=st.floats(0.0, 0.1), o2=st.floats(0.0, 0.1))
+@given(
+    a=st.floats(0.001, 0.1),
+    b=st.floats(0.0, 0.02),
+    t1=st.floats(0.001, 0.5),
+    t2=st.floats(0.001, 0.5),
+    max_n=st.integers(1, 64),
+    o1=st.floats(0.0, 0.1),
+    o2=st.floats(0.0, 0.1),
+)
 def test_cap_monotone_in_target_and_overhead_and_within_bounds(a, b, t1, t2, max_n, o1, o2):
     lo, hi = sorted((t1, t2))
     ns = list(range(1, 13))

@@ -24,8 +24,22 @@ def vtoken(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(600)
 def test_capacity_repack_fits_more_concurrent_requests_than_naive_in_the_same_pool(tmp_path):
     out = tmp_path / "cap.json"
-    run = vtoken("bench", "capacity", "--kv-blocks", "24", "--prompt-len", "64", "--gen-len", "32",
-                 "--requests", "8", "--repeats", "1", "--out", str(out))
+    run = vtoken(
+        "bench",
+        "capacity",
+        "--kv-blocks",
+        "24",
+        "--prompt-len",
+        "64",
+        "--gen-len",
+        "32",
+        "--requests",
+        "8",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert json.loads(run.stdout) == report and report["command"].startswith("vtoken bench capacity")
@@ -53,9 +67,26 @@ def test_capacity_on_a_hybrid_model_counts_the_whole_pool(tmp_path):
     report names the groups, and repack still fits more requests than naive though every request also holds
     its sliding-window blocks, which no mode evicts."""
     out = tmp_path / "cap.json"
-    run = vtoken("bench", "capacity", "--model", "tiny-gemma3", "--kv-blocks", "64", "--prompt-len", "256",
-                 "--gen-len", "96", "--requests", "2", "--repeats", "1", "--modes", "naive,repack",
-                 "--out", str(out))
+    run = vtoken(
+        "bench",
+        "capacity",
+        "--model",
+        "tiny-gemma3",
+        "--kv-blocks",
+        "64",
+        "--prompt-len",
+        "256",
+        "--gen-len",
+        "96",
+        "--requests",
+        "2",
+        "--repeats",
+        "1",
+        "--modes",
+        "naive,repack",
+        "--out",
+        str(out),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     groups = sorted((g["kind"], g.get("window")) for g in report["kv_cache_groups"])
@@ -79,8 +110,17 @@ def test_sla_attainment_counts_requests_meeting_both_slos():
     unfinished one misses); goodput = those requests per second of the burst."""
     from vtoken.bench.capacity import Outcome, goodput_row
 
-    out = Outcome(requests=6, finished=5, peak_running=5, mean_running=4.0, preemptions=1, wall_s=2.0,
-                  generated_tokens=50, ttft_s=(0.5, 1.0, 2.5, 0.2, 0.3), tpot_s=(0.05, 0.1, 0.01, 0.2, 0.09))
+    out = Outcome(
+        requests=6,
+        finished=5,
+        peak_running=5,
+        mean_running=4.0,
+        preemptions=1,
+        wall_s=2.0,
+        generated_tokens=50,
+        ttft_s=(0.5, 1.0, 2.5, 0.2, 0.3),
+        tpot_s=(0.05, 0.1, 0.01, 0.2, 0.09),
+    )
     # request by request: meets both, meets both (at the limits), TTFT misses, TPOT misses, meets both;
     # the sixth never finished
     row = goodput_row(out, ttft_slo=1.0, tpot_slo=0.1)
@@ -110,7 +150,9 @@ def test_capacity_bad_input_exits_2_naming_the_value(args, named):
     assert run.stdout == ""
 
 
-@pytest.mark.parametrize("command", [["bench", "overhead"], ["bench", "prefix"], ["verify", "--model", "tiny-llama", "--json"]])
+@pytest.mark.parametrize(
+    "command", [["bench", "overhead"], ["bench", "prefix"], ["verify", "--model", "tiny-llama", "--json"]]
+)
 def test_engine_commands_refuse_a_block_size_the_cpu_backend_cannot_run(command):
     run = vtoken(*command, "--block-size", "16", timeout=120)
     assert run.returncode == 2 and "multiple of 32 on vLLM's CPU backend, got 16" in run.stderr, run.stderr[-2000:]
@@ -121,9 +163,26 @@ def test_overhead_with_attention_policies_pairs_naive_and_repack_per_policy_in_o
     """``--policy scissorhands --policy h2o``: the hooks engine scores, each policy runs every evicting variant
     (``mode/policy``) in the same run, naive and repack take the same decisions, and no score-collection rows
     (they compare against the query-free policy, not run here)."""
-    run = vtoken("bench", "overhead", "--model", "tiny-llama", "--policy", "scissorhands", "--policy", "h2o",
-                 "--batch", "2", "--prompt-len", "64", "--gen-len", "8", "--repeats", "1",
-                 "--out", str(tmp_path / "o.json"))
+    run = vtoken(
+        "bench",
+        "overhead",
+        "--model",
+        "tiny-llama",
+        "--policy",
+        "scissorhands",
+        "--policy",
+        "h2o",
+        "--batch",
+        "2",
+        "--prompt-len",
+        "64",
+        "--gen-len",
+        "8",
+        "--repeats",
+        "1",
+        "--out",
+        str(tmp_path / "o.json"),
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout)
     assert report == json.loads((tmp_path / "o.json").read_text())
@@ -154,9 +213,28 @@ def test_overhead_compares_several_policies_only_among_attention_policies():
 
 
 def test_retained_grid_prints_json_with_the_command(tmp_path):
-    run = vtoken("bench", "retained", "--policies", "h2o,random", "--budgets", "0.2", "--block-sizes", "16",
-                 "--prompt-len", "96", "--gen-len", "32", "--requests", "4", "--sinks", "2", "--recent", "8",
-                 "--out", str(tmp_path / "r.json"))
+    run = vtoken(
+        "bench",
+        "retained",
+        "--policies",
+        "h2o,random",
+        "--budgets",
+        "0.2",
+        "--block-sizes",
+        "16",
+        "--prompt-len",
+        "96",
+        "--gen-len",
+        "32",
+        "--requests",
+        "4",
+        "--sinks",
+        "2",
+        "--recent",
+        "8",
+        "--out",
+        str(tmp_path / "r.json"),
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout)
     assert json.loads((tmp_path / "r.json").read_text()) == report
@@ -166,14 +244,23 @@ def test_retained_grid_prints_json_with_the_command(tmp_path):
     for row, policy in zip(report["rows"], ("h2o", "random"), strict=True):
         # each row is the simulation its cell describes (the block counts themselves are checked against
         # the pool in tests/cpu/test_sim.py::test_blocks_taken_from_the_pool_follow_the_live_set)
-        sim, _ = run_simulation(SimConfig.of(policy=policy, budget="0.2", block_size=16, prompt_len=96, gen_len=32,
-                                             requests=4, sinks=2, recent=8))
+        sim, _ = run_simulation(
+            SimConfig.of(
+                policy=policy, budget="0.2", block_size=16, prompt_len=96, gen_len=32, requests=4, sinks=2, recent=8
+            )
+        )
         m = sim["modes"]
         assert (row["policy"], row["budget"], row["block_size"]) == (policy, 0.2, 16)
-        assert row == {**row, "none": m["none"]["retained_blocks_mean"], "naive": m["naive"]["retained_blocks_mean"],
-                       "repack": m["repack"]["retained_blocks_mean"], "packing_bound": sim["packing_bound_mean"],
-                       "repack_vs_naive_pct": m["repack"]["vs_naive_pct"], "moves_repack": m["repack"]["moves_total"],
-                       "moves_reuse_repack": m["reuse+repack"]["moves_total"]}
+        assert row == {
+            **row,
+            "none": m["none"]["retained_blocks_mean"],
+            "naive": m["naive"]["retained_blocks_mean"],
+            "repack": m["repack"]["retained_blocks_mean"],
+            "packing_bound": sim["packing_bound_mean"],
+            "repack_vs_naive_pct": m["repack"]["vs_naive_pct"],
+            "moves_repack": m["repack"]["moves_total"],
+            "moves_reuse_repack": m["reuse+repack"]["moves_total"],
+        }
         assert row["naive"] > row["repack"]  # measured: at 20 % the survivors stay scattered
     from vtoken.bench.retained import REPORT_KEYS
 
@@ -187,8 +274,15 @@ def test_serve_report_has_exactly_its_report_keys():
     from vtoken.bench.serve_bench import REPORT_KEYS, _report
     from vtoken.bench.serve_setup import ServeBenchSetup
 
-    variant = {"mode": "repack", "policy": "h2o", "admission": False, "runs": [], "max_rate_at_target": 0.3,
-               "rate_at_target_interpolated": 0.32, "peak_running": 4}
+    variant = {
+        "mode": "repack",
+        "policy": "h2o",
+        "admission": False,
+        "runs": [],
+        "max_rate_at_target": 0.3,
+        "rate_at_target_interpolated": 0.32,
+        "peak_running": 4,
+    }
     report = _report(ServeBenchSetup(), "/models/m", [[variant]], 0.0)
     assert set(report) == REPORT_KEYS and report["repeats_done"] == 1
     assert set(report["setup"]) == set(ServeBenchSetup.__dataclass_fields__)
@@ -204,14 +298,24 @@ def test_quality_report_has_exactly_its_report_keys(monkeypatch):
         def run(setup, tokenizer, pts, on_phase):
             row = {key: 1.0, "retained_blocks_mean": 2.0, "packing_bound_mean": 1.5}
             return {"cases" if key == "accuracy" else "windows": [], "points": {pt.key: row for pt in pts}}
+
         return run
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(lambda *a, **k: None))
     monkeypatch.setattr(quality, "run_retrieval", task("accuracy"))
     monkeypatch.setattr(quality, "run_language_modelling", task("perplexity"))
-    setup = quality.QualitySetup(model="m", policies=("h2o",), budgets=(0.2,), granularities=("token",),
-                                 depths=(0.5,), per_depth=1, context_tokens=64, windows=1, window_tokens=64,
-                                 chunk=16)
+    setup = quality.QualitySetup(
+        model="m",
+        policies=("h2o",),
+        budgets=(0.2,),
+        granularities=("token",),
+        depths=(0.5,),
+        per_depth=1,
+        context_tokens=64,
+        windows=1,
+        window_tokens=64,
+        chunk=16,
+    )
     report = quality.run_quality(setup)
     assert set(report) == quality.REPORT_KEYS
     assert set(report["setup"]) == set(quality.QualitySetup.__dataclass_fields__) - {"model"}
@@ -222,16 +326,16 @@ def test_capacity_report_has_exactly_its_report_keys(monkeypatch):
     from vtoken.bench import capacity
 
     def run_batch(llm, setup, mode, count, tag, stop_on_preemption):
-        return capacity.Outcome(count, count, count, float(count), 0, 1.0, count * setup.gen_len,
-                                (0.1,) * count, (0.01,) * count)
+        return capacity.Outcome(
+            count, count, count, float(count), 0, 1.0, count * setup.gen_len, (0.1,) * count, (0.01,) * count
+        )
 
     monkeypatch.setattr(capacity, "build_engine", lambda setup: None)
     monkeypatch.setattr(capacity, "kv_cache_groups", lambda llm: [{"kind": "full", "layers": 2}])
     monkeypatch.setattr(capacity, "close", lambda llm: None)
     monkeypatch.setattr(capacity, "run_batch", run_batch)
     setup = capacity.CapacitySetup(model="m", kv_blocks=8, prompt_len=8, gen_len=4, max_seqs=4)
-    report = capacity.run_capacity(setup, ("naive", "repack"), requests=2, ttft_slo=1.0, tpot_slo=0.1,
-                                   repeats=1)
+    report = capacity.run_capacity(setup, ("naive", "repack"), requests=2, ttft_slo=1.0, tpot_slo=0.1, repeats=1)
     assert set(report) == capacity.REPORT_KEYS
     assert report["modes"]["repack"]["max_feasible_concurrency"] == 4
 
@@ -257,14 +361,16 @@ def test_overhead_report_has_its_report_keys(monkeypatch, policies):
         return [0.01 + 0.001 * len(tag)] * 2
 
     monkeypatch.setattr(vtoken.models.default, "resolve_model", lambda model: "/models/m")
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
-                        staticmethod(lambda *a, **k: SimpleNamespace(vocab_size=100)))
+    monkeypatch.setattr(
+        transformers.AutoConfig, "from_pretrained", staticmethod(lambda *a, **k: SimpleNamespace(vocab_size=100))
+    )
     monkeypatch.setattr(overhead, "_engine", lambda *a, **k: llm)
     monkeypatch.setattr(overhead, "_decode_steps", steps)
     report = overhead.run_overhead("m", overhead.BASE, 2, 8, 3, 1, policies=policies)
     one = len(policies) == 1
-    assert set(report) == (overhead.REPORT_KEYS | {"policy" if one else "policies"}
-                           | (overhead.SCORE_COLLECTION_KEYS if one else set()))
+    assert set(report) == (
+        overhead.REPORT_KEYS | {"policy" if one else "policies"} | (overhead.SCORE_COLLECTION_KEYS if one else set())
+    )
 
 
 def test_kernels_report_has_exactly_its_report_keys():
@@ -305,8 +411,25 @@ def test_fleet_report_has_exactly_its_report_keys():
     from vtoken.serve.telemetry.sla import SloTargets
 
     steps = Path(__file__).resolve().parents[2] / "docs" / "results" / "fleet-steps.json"
-    report = run_fleet(2, [0.5], ["kv"], ["naive"], 6.0, 2.0, 32, 4, BASE, steps, False, "tiny-llama", 1.0, 0.5,
-                       SloTargets(2.0, 0.2), (4,), echo=lambda *a: None)
+    report = run_fleet(
+        2,
+        [0.5],
+        ["kv"],
+        ["naive"],
+        6.0,
+        2.0,
+        32,
+        4,
+        BASE,
+        steps,
+        False,
+        "tiny-llama",
+        1.0,
+        0.5,
+        SloTargets(2.0, 0.2),
+        (4,),
+        echo=lambda *a: None,
+    )
     assert set(report) == REPORT_KEYS
     assert set(report["replicas_needed"]["naive"]["autoscaler"]) == AUTOSCALER_KEYS
 
@@ -336,14 +459,23 @@ def bench_keys() -> dict[str, tuple[frozenset, bool]]:
     from vtoken.bench.longgen import codegen
     from vtoken.bench.longgen import report as longgen_report
 
-    return {"serve": (serve_bench.REPORT_KEYS, True), "quality": (quality.REPORT_KEYS, True),
-            "overhead": (overhead.REPORT_KEYS, True), "capacity": (capacity.REPORT_KEYS, True),
-            "prefix": (prefix.REPORT_KEYS, True), "fleet-steps": (fleet_steps.REPORT_KEYS, True),
-            "fleet": (fleet.REPORT_KEYS, False), "retained": (retained.REPORT_KEYS, False),
-            "sim-scale": (sim_scale.REPORT_KEYS, False), "kernels": (kernels.REPORT_KEYS, False),
-            "soak": (soak.REPORT_KEYS, True), "yardstick": (yardstick_plot.REPORT_KEYS, False),
-            "longgen": (longgen_report.REPORT_KEYS, True), "codegen": (codegen.REPORT_KEYS, True),
-            "score-host": (score_host.REPORT_KEYS, False)}
+    return {
+        "serve": (serve_bench.REPORT_KEYS, True),
+        "quality": (quality.REPORT_KEYS, True),
+        "overhead": (overhead.REPORT_KEYS, True),
+        "capacity": (capacity.REPORT_KEYS, True),
+        "prefix": (prefix.REPORT_KEYS, True),
+        "fleet-steps": (fleet_steps.REPORT_KEYS, True),
+        "fleet": (fleet.REPORT_KEYS, False),
+        "retained": (retained.REPORT_KEYS, False),
+        "sim-scale": (sim_scale.REPORT_KEYS, False),
+        "kernels": (kernels.REPORT_KEYS, False),
+        "soak": (soak.REPORT_KEYS, True),
+        "yardstick": (yardstick_plot.REPORT_KEYS, False),
+        "longgen": (longgen_report.REPORT_KEYS, True),
+        "codegen": (codegen.REPORT_KEYS, True),
+        "score-host": (score_host.REPORT_KEYS, False),
+    }
 
 
 def bench_of(words: list[str], report: dict) -> str:
@@ -393,8 +525,11 @@ def result_problems(name: str, report: dict) -> list[str]:
     parts = parse_vtoken(report["command"])  # --out may name another file (written elsewhere, copied)
     if "superseded" in report:
         old = report["superseded"]
-        out = [] if isinstance(old, dict) and set(old) == {"why", "reproduce"} else [
-            f"{name}: superseded must be {{why, reproduce}}, got {old!r}"]
+        out = (
+            []
+            if isinstance(old, dict) and set(old) == {"why", "reproduce"}
+            else [f"{name}: superseded must be {{why, reproduce}}, got {old!r}"]
+        )
         why = old.get("why") if isinstance(old, dict) else None
         if not (isinstance(why, str) and why.strip() and "\n" not in why):
             out.append(f"{name}: superseded.why must be one sentence, got {why!r}")

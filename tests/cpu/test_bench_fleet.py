@@ -32,8 +32,23 @@ def run_cli(*args: str):
 @pytest.mark.timeout(300)
 def test_small_fleet_json_contract(tmp_path):
     out = tmp_path / "fleet.json"
-    r = run_cli("--replicas", "6", "--loads", "0.6,1.3", "--duration", "14", "--warmup", "4",
-                "--decision-sizes", "8,32", "--steps", str(STEPS), "--json", "--out", str(out))
+    r = run_cli(
+        "--replicas",
+        "6",
+        "--loads",
+        "0.6,1.3",
+        "--duration",
+        "14",
+        "--warmup",
+        "4",
+        "--decision-sizes",
+        "8,32",
+        "--steps",
+        str(STEPS),
+        "--json",
+        "--out",
+        str(out),
+    )
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     assert report == json.loads(out.read_text())
@@ -111,10 +126,23 @@ def test_autoscaling_in_the_simulation_is_the_projects_decide():
 
     step, _ = load_steps(STEPS)
     profiles = kv_profiles(WORKLOAD, requests=4)["naive"]
-    spec = FleetSpec(8, 64, 16, 32, step, WORKLOAD, profiles, SloTargets(2.0, 0.2), duration_s=60,
-                     warmup_s=10,
-                     autoscale=autoscaling.ScalingParams(), min_replicas=1, initial_replicas=1, startup_s=5,
-                     upscale_delay_s=1)
+    spec = FleetSpec(
+        8,
+        64,
+        16,
+        32,
+        step,
+        WORKLOAD,
+        profiles,
+        SloTargets(2.0, 0.2),
+        duration_s=60,
+        warmup_s=10,
+        autoscale=autoscaling.ScalingParams(),
+        min_replicas=1,
+        initial_replicas=1,
+        startup_s=5,
+        upscale_delay_s=1,
+    )
     run = simulate(spec, make_router("kv"), rate=6.0)
     trace = run["replicas_trace_1s"]
     assert trace[0] == 1 and max(trace) > 1  # KV pressure on one replica made decide() add replicas
@@ -134,8 +162,7 @@ LONG = fleet_model.RequestClass(prompt=200, gen=21, weight=1.0)  # 20 decode ste
 BIG_PROMPT = fleet_model.RequestClass(prompt=1300, gen=11, weight=1.0)  # its prefill outlasts a tick
 
 
-def kat_spec(schedule, classes, replicas=1, max_seqs=4, slo=(1.0, 1.0), duration_s=1.0, warmup_s=0.0,
-             drain_s=5.0):
+def kat_spec(schedule, classes, replicas=1, max_seqs=4, slo=(1.0, 1.0), duration_s=1.0, warmup_s=0.0, drain_s=5.0):
     """A fleet serving ``schedule`` ((arrival s, class index), ...) with flat KV use: 8 blocks of a
     64-block pool per request, so no preemption and no admission short of blocks."""
     from vtoken.bench.fleet_model import KVProfile
@@ -145,9 +172,21 @@ def kat_spec(schedule, classes, replicas=1, max_seqs=4, slo=(1.0, 1.0), duration
 
     step = StepModel(base_s=0.010, per_seq_s=0.015, per_token_s=0.0001)
     profiles = [KVProfile(-(-c.prompt // 32), np.full(c.gen, 8.0), np.full(c.gen, 100.0)) for c in classes]
-    return FleetSpec(replicas, 64, max_seqs, 32, step, tuple(classes), profiles, SloTargets(*slo),
-                     duration_s=duration_s, warmup_s=warmup_s, drain_s=drain_s, tick_s=0.1,
-                     schedule=tuple(schedule))
+    return FleetSpec(
+        replicas,
+        64,
+        max_seqs,
+        32,
+        step,
+        tuple(classes),
+        profiles,
+        SloTargets(*slo),
+        duration_s=duration_s,
+        warmup_s=warmup_s,
+        drain_s=drain_s,
+        tick_s=0.1,
+        schedule=tuple(schedule),
+    )
 
 
 def kat_run(spec, router: str = "round_robin", **slo) -> dict:
@@ -155,8 +194,7 @@ def kat_run(spec, router: str = "round_robin", **slo) -> dict:
     from vtoken.serve.telemetry.sla import SloTargets
 
     if slo:
-        spec = replace(spec, slo=SloTargets(slo.get("ttft_s", spec.slo.ttft_s),
-                                            slo.get("tpot_s", spec.slo.tpot_s)))
+        spec = replace(spec, slo=SloTargets(slo.get("ttft_s", spec.slo.ttft_s), slo.get("tpot_s", spec.slo.tpot_s)))
     return fleet_sim.simulate(spec, make_router(router), rate=1.0)
 
 
@@ -286,11 +324,20 @@ def test_replicas_needed_is_the_smallest_fleet_that_serves_a_burst_without_queue
 
     spec = kat_spec([(0.5, 0)] * 5, [SHORT], replicas=3, max_seqs=1, slo=(0.1, 0.05), drain_s=3.0)
     assert [kat_run(replace(spec, replicas=n), "kv")["slo_attainment"] for n in (2, 3, 4, 5, 6)] == [
-        0.4, 0.6, 0.8, 1.0, 1.0]  # 2 replicas: 2 first, 2 second, 1 third in line (TTFT 0.630)
+        0.4,
+        0.6,
+        0.8,
+        1.0,
+        1.0,
+    ]  # 2 replicas: 2 first, 2 second, 1 third in line (TTFT 0.630)
     need = replicas_needed(spec, 1.0, 0.99, echo=lambda _: None)
     assert need["min_fixed_replicas_meeting_slo"] == 5
     assert need["slo_probes"] == {"3": 0.6, "4": 0.8, "5": 1.0, "6": 1.0}
     assert need["autoscaler"]["replicas_at_end_of_arrivals"] == 1
     # a burst of 7 is more than twice the fleet's 3 can serve at this SLO: no fixed fleet found
-    assert replicas_needed(replace(spec, schedule=((0.5, 0),) * 7), 1.0, 0.99, echo=lambda _: None)[
-        "min_fixed_replicas_meeting_slo"] is None
+    assert (
+        replicas_needed(replace(spec, schedule=((0.5, 0),) * 7), 1.0, 0.99, echo=lambda _: None)[
+            "min_fixed_replicas_meeting_slo"
+        ]
+        is None
+    )

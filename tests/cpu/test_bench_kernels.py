@@ -19,8 +19,24 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 VTOKEN = str(Path(sys.executable).with_name("vtoken"))
-SHAPE = ["--layers", "2", "--kv-heads", "2", "--q-heads", "4", "--head-dim", "64", "--block-size", "16",
-         "--blocks", "24", "--requests", "4", "--seed", "0"]
+SHAPE = [
+    "--layers",
+    "2",
+    "--kv-heads",
+    "2",
+    "--q-heads",
+    "4",
+    "--head-dim",
+    "64",
+    "--block-size",
+    "16",
+    "--blocks",
+    "24",
+    "--requests",
+    "4",
+    "--seed",
+    "0",
+]
 
 
 def run(args: list[str], interpret: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -32,8 +48,23 @@ def run(args: list[str], interpret: bool = True, timeout: int = 600) -> subproce
 @pytest.mark.parametrize("backend,layout", [("triton", "flash_attn"), ("torch", "cpu")])
 def test_bench_kernels_reports_exact_moves_and_close_scores(tmp_path, backend, layout):
     out = tmp_path / "k.json"
-    proc = run([VTOKEN, "bench", "kernels", "--backend", backend, "--device", "cpu", "--layout", layout,
-                *SHAPE, "--json", "--out", str(out)])
+    proc = run(
+        [
+            VTOKEN,
+            "bench",
+            "kernels",
+            "--backend",
+            backend,
+            "--device",
+            "cpu",
+            "--layout",
+            layout,
+            *SHAPE,
+            "--json",
+            "--out",
+            str(out),
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report == json.loads(out.read_text())
@@ -64,11 +95,34 @@ def test_bench_kernels_runs_the_lhbnc_layout_and_counts_bit_mismatches():
 
 @pytest.mark.slow
 def test_bench_kernels_refuses_bad_values_naming_them():
-    proc = run([VTOKEN, "bench", "kernels", "--backend", "cutlass", "--layout", "NHDX", "--dtype", "int8",
-                "--q-heads", "3", "--blocks", "0", "--device", "tpu"])
+    proc = run(
+        [
+            VTOKEN,
+            "bench",
+            "kernels",
+            "--backend",
+            "cutlass",
+            "--layout",
+            "NHDX",
+            "--dtype",
+            "int8",
+            "--q-heads",
+            "3",
+            "--blocks",
+            "0",
+            "--device",
+            "tpu",
+        ]
+    )
     assert proc.returncode == 2 and proc.stdout == ""
-    for named in ("--backend 'cutlass'", "--layout 'NHDX'", "--dtype 'int8'", "--q-heads 3", "--blocks 0",
-                  "--device 'tpu'"):
+    for named in (
+        "--backend 'cutlass'",
+        "--layout 'NHDX'",
+        "--dtype 'int8'",
+        "--q-heads 3",
+        "--blocks 0",
+        "--device 'tpu'",
+    ):
         assert named in proc.stderr, (named, proc.stderr)
     proc = run([VTOKEN, "bench", "kernels", "--device", "cuda"])  # this machine has no GPU
     assert proc.returncode == 2 and "--device 'cuda'" in proc.stderr
@@ -100,10 +154,12 @@ def test_gpu_check_dry_run_exercises_every_section(tmp_path):
 
 def test_gpu_check_imports_only_the_kernel_modules():
     """Importing the script's module pulls none of vLLM, typer, rich, ray, transformers, pydantic."""
-    code = ("import runpy, sys; runpy.run_path('scripts/gpu_check.py', run_name='not_main'); "
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('vllm', 'typer', 'rich', 'ray', 'transformers', 'pydantic')); "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import runpy, sys; runpy.run_path('scripts/gpu_check.py', run_name='not_main'); "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('vllm', 'typer', 'rich', 'ray', 'transformers', 'pydantic')); "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     proc = run([sys.executable, "-c", code], interpret=False, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
 

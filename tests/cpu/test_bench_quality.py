@@ -29,9 +29,12 @@ def test_prompt_logprobs_under_eviction_between_chunks_equal_the_masked_referenc
     rng = np.random.default_rng(3)
     prompt = rng.integers(3, 500, 160).tolist()  # the tiny models have a vocabulary of about 512
     llm = start_engine(str(tiny_llama), 32, str(tmp_path), max_model_len=256, max_num_batched_tokens=32)
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
-                            extra_args={"vtoken": {"policy": "h2o", "budget": 0.3, "mode": "repack",
-                                                   "trace_id": "lm"}})
+    params = SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        prompt_logprobs=0,
+        extra_args={"vtoken": {"policy": "h2o", "budget": 0.3, "mode": "repack", "trace_id": "lm"}},
+    )
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     del llm
     trace = RequestTrace.read(tmp_path / "lm.json")
@@ -46,8 +49,10 @@ def test_prompt_logprobs_under_eviction_between_chunks_equal_the_masked_referenc
     # evicted keys move the reference's log-probabilities far more than that, so a wrong mask fails it
     full = masked_logprobs(load_reference_model(str(tiny_llama)), prompt, np.tri(n, dtype=bool))
     unmasked = np.array([float(full[q - 1, prompt[q]]) for q in range(1, n)])
-    print(f"\n[lm] max |engine - masked ref| {np.max(np.abs(got - want)):.2e}, "
-          f"max |unmasked - masked ref| {np.max(np.abs(unmasked - want)):.2e}")
+    print(
+        f"\n[lm] max |engine - masked ref| {np.max(np.abs(got - want)):.2e}, "
+        f"max |unmasked - masked ref| {np.max(np.abs(unmasked - want)):.2e}"
+    )
     assert np.max(np.abs(unmasked - want)) > 0.05
     assert np.max(np.abs(got - want)) < 1e-3
 
@@ -106,10 +111,28 @@ def test_a_base_model_without_a_chat_template_gets_plain_prompts_with_its_bos(de
 def test_quality_command_reports_full_cache_and_points(default_model, tmp_path):
     out, png, ruler_png = tmp_path / "q.json", tmp_path / "q.png", tmp_path / "r.png"
     run = subprocess.run(
-        [VTOKEN, "bench", "quality", "--quick", "--policies", "h2o", "--budgets", "0.2",
-         "--granularities", "token,block", "--json", "--out", str(out),
-         "--plot", str(png), "--plot-ruler", str(ruler_png)],
-        capture_output=True, text=True, timeout=900,
+        [
+            VTOKEN,
+            "bench",
+            "quality",
+            "--quick",
+            "--policies",
+            "h2o",
+            "--budgets",
+            "0.2",
+            "--granularities",
+            "token,block",
+            "--json",
+            "--out",
+            str(out),
+            "--plot",
+            str(png),
+            "--plot-ruler",
+            str(ruler_png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)
@@ -121,7 +144,8 @@ def test_quality_command_reports_full_cache_and_points(default_model, tmp_path):
     # the default score_layers (keys "…@1": their traces found); every layer ("all", no suffix): unit-tested
     # in test_score_layers.py — each point is a SmolLM2 evaluation, so the command runs the two the docs show
     assert {(p["policy"], p["granularity"], p["budget"], p["score_layers"]) for p in report["points"]} == {
-        ("h2o", g, 0.2, DEFAULT_SCORE_LAYERS) for g in ("token", "block")}
+        ("h2o", g, 0.2, DEFAULT_SCORE_LAYERS) for g in ("token", "block")
+    }
     lm_full, rt_full = full["language_modelling"], full["retrieval"]
     assert lm_full["evicted_tokens"] == rt_full["evicted_tokens"] == 0
     assert full["perplexity"] == lm_full["perplexity"] and full["accuracy"] == rt_full["accuracy"]
@@ -174,17 +198,25 @@ def test_quality_command_reports_full_cache_and_points(default_model, tmp_path):
 
 
 def test_quality_bad_input_exits_2_naming_the_value():
-    for args, named in ((["--policies", "lru"], "lru"), (["--granularities", "page"], "page"),
-                        (["--budgets", "2.5"], "2.5"), (["--chunk", "4"], "--chunk 4"),
-                        (["--tasks", "niah_x"], "'niah_x'"), (["--lengths", "100"], "--lengths '100'"),
-                        (["--lengths", "1k"], "--lengths '1k'"),
-                        (["--keep-masses", "1.5"], "1.5"), (["--keep-masses", "0.9", "--policies", "knorm"], "knorm"),
-                        (["--score-pools", "x"], "--score-pools 'x'"), (["--score-pools", "-2"], "-2"),
-                        (["--score-pools", "3", "--policies", "knorm"], "knorm"),
-                        (["--score-pools", "3", "--keep-masses", "0.9"], "keep_mass"),
-                        (["--tasks", "none", "--fidelity-prompts", "0", "--plot-ruler", "x.png"], "--plot-ruler")):
-        run = subprocess.run([VTOKEN, "bench", "quality", "--quick", *args], capture_output=True, text=True,
-                             timeout=120)
+    for args, named in (
+        (["--policies", "lru"], "lru"),
+        (["--granularities", "page"], "page"),
+        (["--budgets", "2.5"], "2.5"),
+        (["--chunk", "4"], "--chunk 4"),
+        (["--tasks", "niah_x"], "'niah_x'"),
+        (["--lengths", "100"], "--lengths '100'"),
+        (["--lengths", "1k"], "--lengths '1k'"),
+        (["--keep-masses", "1.5"], "1.5"),
+        (["--keep-masses", "0.9", "--policies", "knorm"], "knorm"),
+        (["--score-pools", "x"], "--score-pools 'x'"),
+        (["--score-pools", "-2"], "-2"),
+        (["--score-pools", "3", "--policies", "knorm"], "knorm"),
+        (["--score-pools", "3", "--keep-masses", "0.9"], "keep_mass"),
+        (["--tasks", "none", "--fidelity-prompts", "0", "--plot-ruler", "x.png"], "--plot-ruler"),
+    ):
+        run = subprocess.run(
+            [VTOKEN, "bench", "quality", "--quick", *args], capture_output=True, text=True, timeout=120
+        )
         assert run.returncode == 2 and named in run.stderr and "Traceback" not in run.stderr, run.stderr[-800:]
 
 
@@ -207,7 +239,8 @@ def test_the_committed_sweep_covers_every_policy_and_budget_and_the_docs_show_it
     assert {p["policy"] for p in points} == swept
     assert {p["budget"] for p in points} == {0.1, 0.2, 0.3, 0.4, 0.5}
     assert {(p["policy"], p["budget"], p["granularity"]) for p in points} == {
-        (name, b, g) for name in swept for b in (0.1, 0.2, 0.3, 0.4, 0.5) for g in ("token", "block")}
+        (name, b, g) for name in swept for b in (0.1, 0.2, 0.3, 0.4, 0.5) for g in ("token", "block")
+    }
     sweep_doc = (root / "docs/experiments/2026-11-30-quality-sweep-every-policy.md").read_text()
     assert "`rkv` (R-KV) was registered after this sweep" in sweep_doc
     full = report["full_cache"]

@@ -31,8 +31,13 @@ VTOKEN = [sys.executable, "-m", "vtoken.cli"]
 
 def test_variants_run_none_once_and_every_policy_for_the_evicting_modes():
     s = ServeBenchSetup(modes=("none", "naive", "repack"), policies=("h2o", "random"))
-    assert s.variants() == [("none", None, False), ("naive", "h2o", False), ("naive", "random", False),
-                            ("repack", "h2o", False), ("repack", "random", False)]
+    assert s.variants() == [
+        ("none", None, False),
+        ("naive", "h2o", False),
+        ("naive", "random", False),
+        ("repack", "h2o", False),
+        ("repack", "random", False),
+    ]
     ab = ServeBenchSetup(modes=("repack",), policies=("tova",), admission=(True, False))
     assert ab.variants() == [("repack", "tova", False), ("repack", "tova", True)]  # the A/B: off, then on
 
@@ -42,10 +47,13 @@ def test_none_is_stock_vllm_and_admission_on_it_is_its_own_variant():
     on = ServeBenchSetup(model="tiny-llama", modes=("none", "repack"), policies=("h2o",), admission=(True,))
     # the control: stock vLLM with the same admission cap runs whenever the evicting variants use admission
     assert on.variants() == [("none", None, False), ("none", None, True), ("repack", "h2o", True)]
-    s = ServeBenchSetup(model="tiny-llama", modes=("none", "repack"), policies=("h2o",),
-                        admission=(True, False))
-    assert s.variants() == [("none", None, False), ("none", None, True), ("repack", "h2o", False),
-                            ("repack", "h2o", True)]
+    s = ServeBenchSetup(model="tiny-llama", modes=("none", "repack"), policies=("h2o",), admission=(True, False))
+    assert s.variants() == [
+        ("none", None, False),
+        ("none", None, True),
+        ("repack", "h2o", False),
+        ("repack", "h2o", True),
+    ]
     from vtoken.serve.replica.engine import engine_args
 
     stock = engine_args(variant_config(s, "none", None, False), "model")
@@ -55,8 +63,17 @@ def test_none_is_stock_vllm_and_admission_on_it_is_its_own_variant():
 
 
 def test_each_server_gets_the_fixed_pool_its_mode_and_room_for_the_longest_request():
-    s = ServeBenchSetup(model="tiny-llama", pool_blocks=40, input_len=100, output_len=20, dataset="chat",
-                        prefix_len=50, ttft_ms=9000, tpot_ms=250, extra=("router.stats_period_s=0.25",))
+    s = ServeBenchSetup(
+        model="tiny-llama",
+        pool_blocks=40,
+        input_len=100,
+        output_len=20,
+        dataset="chat",
+        prefix_len=50,
+        ttft_ms=9000,
+        tpot_ms=250,
+        extra=("router.stats_period_s=0.25",),
+    )
     c = variant_config(s, "repack", "h2o", metrics_port=9999)
     assert (c.engine.kv_cache_blocks, c.vtoken.mode, c.metrics.port) == (40, "repack", 9999)
     assert (c.slo.ttft_ms, c.slo.tpot_ms) == (9000, 250)  # admission and vtoken:slo_met judge what the client does
@@ -77,8 +94,9 @@ def test_the_bench_evicts_over_every_token_unless_its_command_says_otherwise():
     s = ServeBenchSetup(model="tiny-llama", pool_blocks=40, input_len=100, output_len=20)
     assert variant_config(s, "repack", "h2o").vtoken.scope is Scope.ALL
     assert variant_config(s, "naive", "h2o").vtoken.scope is Scope.ALL
-    told = ServeBenchSetup(model="tiny-llama", pool_blocks=40, input_len=100, output_len=20,
-                           extra=("vtoken.scope=generated",))
+    told = ServeBenchSetup(
+        model="tiny-llama", pool_blocks=40, input_len=100, output_len=20, extra=("vtoken.scope=generated",)
+    )
     assert variant_config(told, "repack", "h2o").vtoken.scope is Scope.GENERATED
 
 
@@ -98,15 +116,17 @@ def test_a_hybrid_models_server_gets_the_longest_length_its_pool_holds_in_every_
     assert c.engine.max_model_len == 608 and shape.need(608) == 80 < shape.need(609)
     assert variant_config(s, "none", None).engine.max_model_len == 79 * 32  # without the shape: one group
     with pytest.raises(ValueError, match="--pool-blocks 20 cannot hold the longest request"):
-        variant_config(ServeBenchSetup(model="tiny-gemma3", pool_blocks=20, input_len=64, output_len=64),
-                       "none", None, shape=shape)
+        variant_config(
+            ServeBenchSetup(model="tiny-gemma3", pool_blocks=20, input_len=64, output_len=64), "none", None, shape=shape
+        )
 
 
 def test_chat_requests_fit_the_server_limits_at_the_widest_draw():
     """chat draws prompt and output lengths ±CHAT_RANGE_RATIO: the server must take the longest output
     (9 of 12 requests got 400 when limits.max_tokens was the mean output length)."""
-    s = ServeBenchSetup(model="tiny-llama", pool_blocks=128, input_len=64, output_len=64, dataset="chat",
-                        prefix_len=256)
+    s = ServeBenchSetup(
+        model="tiny-llama", pool_blocks=128, input_len=64, output_len=64, dataset="chat", prefix_len=256
+    )
     c = variant_config(s, "repack", "h2o")
     widest_out = math.ceil(64 * (1 + CHAT_RANGE_RATIO))
     assert c.limits.max_tokens == widest_out == s.longest_output()
@@ -127,9 +147,17 @@ def test_client_command_states_the_slos_rate_and_dataset():
 
 def test_a_run_counts_failed_requests_as_missing_the_slo():
     s = ServeBenchSetup(num_prompts=10)
-    result = {"duration": 8.0, "completed": 8, "request_throughput": 1.0, "request_goodput": 0.75,
-              "output_throughput": 30.0, "median_ttft_ms": 120.0, "p99_ttft_ms": 900.0,
-              "median_tpot_ms": 50.0, "p99_tpot_ms": 80.0}
+    result = {
+        "duration": 8.0,
+        "completed": 8,
+        "request_throughput": 1.0,
+        "request_goodput": 0.75,
+        "output_throughput": 30.0,
+        "median_ttft_ms": 120.0,
+        "p99_ttft_ms": 900.0,
+        "median_tpot_ms": 50.0,
+        "p99_tpot_ms": 80.0,
+    }
     run = run_summary(result, s, 1.25, peak=5)
     assert (run["completed"], run["failed"], run["slo_attainment"]) == (8, 2, 0.6)  # 6 of 10 sent met it
     assert (run["ttft_p50_ms"], run["tpot_p99_ms"], run["peak_running"]) == (120.0, 80.0, 5)
@@ -167,13 +195,15 @@ def test_replica_metrics_read_the_peak_batch_the_prefix_cache_growth_and_the_pre
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
             running, hits, queries = next(scrapes, last)
-            body = (f'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name="m"}} '
-                    f"{running}\nvllm:num_requests_waiting 7\n"
-                    f'vtoken:admission_limit{{mode="repack"}} {9 - running}\n'
-                    f'vllm:prefix_cache_hits_total{{engine="0"}} {hits}\n'
-                    f'vllm:prefix_cache_queries_total{{engine="0"}} {queries}\n'
-                    f'vllm:num_preemptions_total{{engine="0"}} {3 + hits // 100}\n'  # 4, 4, 6
-                    f'vllm:num_preemptions_created{{engine="0"}} 1.7e9\n').encode()
+            body = (
+                f'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name="m"}} '
+                f"{running}\nvllm:num_requests_waiting 7\n"
+                f'vtoken:admission_limit{{mode="repack"}} {9 - running}\n'
+                f'vllm:prefix_cache_hits_total{{engine="0"}} {hits}\n'
+                f'vllm:prefix_cache_queries_total{{engine="0"}} {queries}\n'
+                f'vllm:num_preemptions_total{{engine="0"}} {3 + hits // 100}\n'  # 4, 4, 6
+                f'vllm:num_preemptions_created{{engine="0"}} 1.7e9\n'
+            ).encode()
             self.send_response(200)
             self.end_headers()
             self.wfile.write(body)
@@ -198,27 +228,39 @@ def test_replica_metrics_read_the_peak_batch_the_prefix_cache_growth_and_the_pre
     assert times == sorted(times) and 0 <= times[0] < 0.6
     result = {"duration": 1.0, "completed": 1, "request_goodput": 1.0}
     counters = (seen.prefix_hits, seen.prefix_queries)
-    run = run_summary(result, ServeBenchSetup(num_prompts=1), 1.0, seen.peak, counters, seen.limit_low,
-                      seen.preemptions, seen.timeline)
+    run = run_summary(
+        result,
+        ServeBenchSetup(num_prompts=1),
+        1.0,
+        seen.peak,
+        counters,
+        seen.limit_low,
+        seen.preemptions,
+        seen.timeline,
+    )
     assert run["prefix_cache_hit_rate"] == round(256 / 300, 4) and run["admission_limit_min"] == 5
     assert run["timeline"] == seen.timeline
     assert run["preemptions"] == 2
 
 
-@pytest.mark.parametrize(("args", "named"), [
-    (["--modes", "bogus"], "bogus"),
-    (["--policies", "nope"], "nope"),
-    (["--rates", "0,1"], "--rates"),
-    (["--dataset", "sharegpt"], "sharegpt"),
-    (["--pool-blocks", "4"], "--pool-blocks 4"),
-    (["--set", "engine.nope=1"], "engine.nope"),
-    (["--admission", "maybe"], "--admission"),
-    (["--stop-after-misses", "-1"], "--stop-after-misses"),
-    (["--repeats", "0"], "--repeats"),
-])
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--modes", "bogus"], "bogus"),
+        (["--policies", "nope"], "nope"),
+        (["--rates", "0,1"], "--rates"),
+        (["--dataset", "sharegpt"], "sharegpt"),
+        (["--pool-blocks", "4"], "--pool-blocks 4"),
+        (["--set", "engine.nope=1"], "engine.nope"),
+        (["--admission", "maybe"], "--admission"),
+        (["--stop-after-misses", "-1"], "--stop-after-misses"),
+        (["--repeats", "0"], "--repeats"),
+    ],
+)
 def test_bad_input_exits_2_naming_the_value_before_any_server_starts(args, named):
-    out = subprocess.run([*VTOKEN, "bench", "serve", "--model", "tiny-llama", *args], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [*VTOKEN, "bench", "serve", "--model", "tiny-llama", *args], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2 and named in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert out.stdout == ""
 
@@ -245,8 +287,7 @@ from vtoken.bench import serve_bench
 serve_bench.server_command = lambda config, port: [sys.executable, "-c", {STAND_IN_SERVER!r}, {str(pid_file)!r}]
 serve_bench.run_serve_bench(serve_bench.ServeBenchSetup(model="tiny-llama", modes=("none",)))
 """
-    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not pid_file.exists() or not pid_file.read_text():
         assert bench.poll() is None and time.monotonic() < deadline, bench.communicate()[1][-2000:]
@@ -275,10 +316,40 @@ serve_bench.run_serve_bench(serve_bench.ServeBenchSetup(model="tiny-llama", mode
 @pytest.mark.timeout(900)
 def test_command_serves_one_mode_through_vllm_bench_serve_and_reports_json(tmp_path):
     out_file = tmp_path / "serve.json"
-    cmd = [*VTOKEN, "bench", "serve", "--model", "tiny-llama", "--modes", "repack", "--policies", "random",
-           "--budget", "0.5", "--pool-blocks", "40", "--rates", "2,1000", "--num-prompts", "6",
-           "--input-len", "64", "--output-len", "256", "--ttft-ms", "120000", "--tpot-ms", "20000", "--json",
-           "--out", str(out_file), "--plot", str(tmp_path / "serve.png"), "--admission", "on"]
+    cmd = [
+        *VTOKEN,
+        "bench",
+        "serve",
+        "--model",
+        "tiny-llama",
+        "--modes",
+        "repack",
+        "--policies",
+        "random",
+        "--budget",
+        "0.5",
+        "--pool-blocks",
+        "40",
+        "--rates",
+        "2,1000",
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "64",
+        "--output-len",
+        "256",
+        "--ttft-ms",
+        "120000",
+        "--tpot-ms",
+        "20000",
+        "--json",
+        "--out",
+        str(out_file),
+        "--plot",
+        str(tmp_path / "serve.png"),
+        "--admission",
+        "on",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=880)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
@@ -311,9 +382,34 @@ def test_command_serves_a_hybrid_model_on_a_pool_sized_per_group(tmp_path):
     """`vtoken bench serve` on the tiny Gemma 3 (4 KV cache groups): its server's max_model_len is what the
     pool holds in every group, so the engine starts and every request completes with H2O evicting (before,
     the server got 79 x 32 tokens and vLLM refused to start it)."""
-    cmd = [*VTOKEN, "bench", "serve", "--model", "tiny-gemma3", "--modes", "repack", "--policies", "h2o",
-           "--budget", "0.5", "--pool-blocks", "80", "--rates", "1000", "--num-prompts", "4", "--input-len",
-           "64", "--output-len", "64", "--ttft-ms", "120000", "--tpot-ms", "20000", "--json"]
+    cmd = [
+        *VTOKEN,
+        "bench",
+        "serve",
+        "--model",
+        "tiny-gemma3",
+        "--modes",
+        "repack",
+        "--policies",
+        "h2o",
+        "--budget",
+        "0.5",
+        "--pool-blocks",
+        "80",
+        "--rates",
+        "1000",
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "64",
+        "--output-len",
+        "64",
+        "--ttft-ms",
+        "120000",
+        "--tpot-ms",
+        "20000",
+        "--json",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=880)
     assert out.returncode == 0, out.stderr[-3000:]
     (variant,) = json.loads(out.stdout)["variants"]
@@ -322,22 +418,37 @@ def test_command_serves_a_hybrid_model_on_a_pool_sized_per_group(tmp_path):
 
 
 def _variant(mode, policy, admission, rate, interpolated):
-    return {"mode": mode, "policy": policy, "admission": admission, "max_rate_at_target": rate,
-            "rate_at_target_interpolated": interpolated}
+    return {
+        "mode": mode,
+        "policy": policy,
+        "admission": admission,
+        "max_rate_at_target": rate,
+        "rate_at_target_interpolated": interpolated,
+    }
 
 
 def test_repeats_are_summarised_as_medians_of_ratios_computed_within_each_repeat():
     """Known answer: the docstring's example (serve_summary.py), plus a repeat where naive met no rate."""
     from vtoken.bench.serve_summary import headline, summarize
 
-    table = [(0.20, 0.15, 0.30), (0.25, 0.20, 0.30), (0.20, 0.20, 0.35), (0.20, None, 0.30),
-             (0.2, 0.15, None)]
-    repeats = [[_variant("none", None, False, n, n), _variant("naive", "h2o", False, v, v),
-                _variant("repack", "h2o", False, r, r and r + 0.01)] for n, v, r in table]
+    table = [(0.20, 0.15, 0.30), (0.25, 0.20, 0.30), (0.20, 0.20, 0.35), (0.20, None, 0.30), (0.2, 0.15, None)]
+    repeats = [
+        [
+            _variant("none", None, False, n, n),
+            _variant("naive", "h2o", False, v, v),
+            _variant("repack", "h2o", False, r, r and r + 0.01),
+        ]
+        for n, v, r in table
+    ]
     got = summarize(repeats)
     assert got["repeats"] == 5
     assert got["variants"]["none"]["max_rate_at_target"] == {
-        "median": 0.2, "min": 0.2, "max": 0.25, "n": 5, "values": [0.2, 0.25, 0.2, 0.2, 0.2]}
+        "median": 0.2,
+        "min": 0.2,
+        "max": 0.25,
+        "n": 5,
+        "values": [0.2, 0.25, 0.2, 0.2, 0.2],
+    }
     stock = got["ratios"]["repack/h2o / none"]
     # the last repeat: repack met no rate, a loss (0), not left out
     assert stock["baseline"] == "stock"
@@ -368,8 +479,10 @@ def test_a_variant_that_met_the_grid_top_makes_its_ratios_lower_bounds():
     got = summarize(repeats)
     stock = got["ratios"]["repack/h2o +admission / none"]
     assert stock["max_rate_at_target"]["values"] == [2.4, 2.4, 2.0] and stock["lower_bounds"] == 2
-    assert "repack/h2o +admission / none: 2.4× (min 2, max 2.4; 3 of 3 repeats; 2 a lower bound: met the " \
-           "grid's top)" in headline(got)
+    assert (
+        "repack/h2o +admission / none: 2.4× (min 2, max 2.4; 3 of 3 repeats; 2 a lower bound: met the "
+        "grid's top)" in headline(got)
+    )
     every = summarize(repeats[:2])
     assert "repack/h2o +admission / none: ≥ 2.4× (min 2.4, max 2.4; 2 of 2 repeats)" in headline(every)
 
@@ -385,8 +498,14 @@ def test_an_admission_variant_is_also_compared_with_stock_under_the_same_cap():
     from vtoken.bench.serve_summary import summarize
 
     def v(mode, policy, admission, rate):
-        return {"mode": mode, "policy": policy, "admission": admission, "max_rate_at_target": rate,
-                "rate_at_target_interpolated": rate, "runs": [{"rate": 1.0}]}
+        return {
+            "mode": mode,
+            "policy": policy,
+            "admission": admission,
+            "max_rate_at_target": rate,
+            "rate_at_target_interpolated": rate,
+            "runs": [{"rate": 1.0}],
+        }
 
     rep = [v("none", None, False, 0.5), v("none", None, True, 0.8), v("repack", "h2o", True, 1.0)]
     ratios = summarize([rep])["ratios"]
@@ -410,7 +529,10 @@ def test_bad_burst_settings_are_refused_by_name():
 
     from vtoken.cli import app
 
-    for args, needle in ((["--burstiness", "0"], "--burstiness 0.0"), (["--range-ratio", "1.5"], "--range-ratio 1.5"),
-                         (["--dataset", "chat", "--range-ratio", "0.5"], "chat sets its own")):
+    for args, needle in (
+        (["--burstiness", "0"], "--burstiness 0.0"),
+        (["--range-ratio", "1.5"], "--range-ratio 1.5"),
+        (["--dataset", "chat", "--range-ratio", "0.5"], "chat sets its own"),
+    ):
         res = CliRunner().invoke(app, ["bench", "serve", "--model", "tiny-llama", *args])
         assert res.exit_code != 0 and needle in res.output, (args, res.output)

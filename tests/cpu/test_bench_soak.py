@@ -34,14 +34,21 @@ def req(stream: bool, n: int = 1, abort_after=None, timeout=None) -> SoakRequest
     return SoakRequest(0, {"prompt": "x", "stream": stream, "n": n, "max_tokens": 4}, abort_after, timeout)
 
 
-@pytest.mark.parametrize("case,response,expected", [
-    ("plain ok", httpx.Response(200, json={"choices": [{"text": "a", "finish_reason": "length"}]}), COMPLETED),
-    ("plain n=2 one unfinished", httpx.Response(200, json={"choices": [{"text": "a", "finish_reason": "stop"},
-                                                                       {"text": "b", "finish_reason": None}]}),
-     UNACCOUNTED),
-    ("clean 503", httpx.Response(503, json={"error": {"code": 503, "message": "replica died"}}), ERROR),
-    ("html 502", httpx.Response(502, text="<html>bad gateway</html>"), UNACCOUNTED),
-])
+@pytest.mark.parametrize(
+    "case,response,expected",
+    [
+        ("plain ok", httpx.Response(200, json={"choices": [{"text": "a", "finish_reason": "length"}]}), COMPLETED),
+        (
+            "plain n=2 one unfinished",
+            httpx.Response(
+                200, json={"choices": [{"text": "a", "finish_reason": "stop"}, {"text": "b", "finish_reason": None}]}
+            ),
+            UNACCOUNTED,
+        ),
+        ("clean 503", httpx.Response(503, json={"error": {"code": 503, "message": "replica died"}}), ERROR),
+        ("html 502", httpx.Response(502, text="<html>bad gateway</html>"), UNACCOUNTED),
+    ],
+)
 def test_plain_outcomes(case, response, expected):
     n = 2 if "n=2" in case else 1
     out = send(_client(lambda request: response), "http://t/v1/completions", req(False, n), 5)
@@ -49,8 +56,11 @@ def test_plain_outcomes(case, response, expected):
 
 
 def test_stream_outcomes():
-    done = _sse({"choices": [{"index": 0, "text": "a", "finish_reason": None}]},
-                {"choices": [{"index": 0, "text": "b", "finish_reason": "length"}]}, "[DONE]")
+    done = _sse(
+        {"choices": [{"index": 0, "text": "a", "finish_reason": None}]},
+        {"choices": [{"index": 0, "text": "b", "finish_reason": "length"}]},
+        "[DONE]",
+    )
     ok = send(_client(lambda r: httpx.Response(200, content=done)), "http://t", req(True), 5)
     assert ok.outcome == COMPLETED and ok.texts == ["ab"]
     cut = _sse({"choices": [{"index": 0, "text": "a", "finish_reason": None}]})  # no [DONE]: never ended
@@ -58,8 +68,10 @@ def test_stream_outcomes():
     err = _sse({"choices": [{"index": 0, "text": "a", "finish_reason": None}]}, {"error": {"code": 503}})
     assert send(_client(lambda r: httpx.Response(200, content=err)), "http://t", req(True), 5).outcome == ERROR
     many = _sse(*[{"choices": [{"index": 0, "text": "a", "finish_reason": None}]}] * 5, "[DONE]")
-    assert send(_client(lambda r: httpx.Response(200, content=many)), "http://t", req(True, abort_after=2),
-                5).outcome == ABORTED
+    assert (
+        send(_client(lambda r: httpx.Response(200, content=many)), "http://t", req(True, abort_after=2), 5).outcome
+        == ABORTED
+    )
 
 
 def test_timeouts_are_aborts_only_when_the_client_meant_them():
@@ -81,8 +93,10 @@ def test_short_soak_accounts_for_every_request_and_leaves_nothing_behind():
     from vtoken.bench.soak import SoakSetup, run_soak
 
     report = run_soak(SoakSetup(duration_s=45, concurrency=4, seed=0, pool_blocks=40))  # 40: two long requests preempt
-    print(f"\n[soak] {report['requests']} requests {report['outcomes']} killed {report['killed_replica']} "
-          f"preemptions {report['preemptions']} replay {report['replay']['compared']} in {report['seconds']} s")
+    print(
+        f"\n[soak] {report['requests']} requests {report['outcomes']} killed {report['killed_replica']} "
+        f"preemptions {report['preemptions']} replay {report['replay']['compared']} in {report['seconds']} s"
+    )
     assert report["checks"] and all(report["checks"].values()), (report["checks"], report["unaccounted"])
     assert sum(report["outcomes"].values()) == report["requests"] > 0
     assert report["outcomes"][ABORTED] > 0 and report["replay"]["compared"] > 0

@@ -95,8 +95,9 @@ def test_first_divergence_and_top1_agreement():
     point = [{1: lp(0.6), 2: lp(0.4)}, {4: lp(0.9), 3: lp(0.1)}]
     r = teacher_forced(full, point)
     assert r["top1_agreement"] == 0.5
-    want = (0.7 * math.log(0.7 / 0.6) + 0.3 * math.log(0.3 / 0.4) + 0.6 * math.log(0.6 / 0.1)
-            + 0.4 * math.log(0.4 / 0.9)) / 2
+    want = (
+        0.7 * math.log(0.7 / 0.6) + 0.3 * math.log(0.3 / 0.4) + 0.6 * math.log(0.6 / 0.1) + 0.4 * math.log(0.4 / 0.9)
+    ) / 2
     assert r["kl_lower_bound"] == pytest.approx(want)
     assert teacher_forced(full, full)["kl_lower_bound"] == pytest.approx(0.0, abs=1e-12)
 
@@ -124,18 +125,36 @@ def test_the_parity_budget_is_the_smallest_with_every_larger_one_at_parity_too()
     from vtoken.bench.quality import parity_budgets
 
     def point(policy, budget, parity, fidelity=True, granularity="token"):
-        return {"policy": policy, "granularity": granularity, "score_layers": 1, "budget": budget,
-                "ruler": {"at_parity": parity}, "fidelity": {"keeps_fidelity": fidelity}}
+        return {
+            "policy": policy,
+            "granularity": granularity,
+            "score_layers": 1,
+            "budget": budget,
+            "ruler": {"at_parity": parity},
+            "fidelity": {"keeps_fidelity": fidelity},
+        }
 
-    pts = [point("h2o", 0.5, True), point("h2o", 0.3, True), point("h2o", 0.1, True), point("h2o", 0.2, False),
-           point("tova", 0.5, False), point("tova", 0.2, True),
-           point("snapkv", 0.5, True), point("snapkv", 0.2, True, fidelity=False),
-           point("h2o", 96, True), point("h2o", 0.5, True, granularity="block"),
-           {**point("knorm", 0.5, True), "ruler": {}}]  # no RULER task ran: no claim
+    pts = [
+        point("h2o", 0.5, True),
+        point("h2o", 0.3, True),
+        point("h2o", 0.1, True),
+        point("h2o", 0.2, False),
+        point("tova", 0.5, False),
+        point("tova", 0.2, True),
+        point("snapkv", 0.5, True),
+        point("snapkv", 0.2, True, fidelity=False),
+        point("h2o", 96, True),
+        point("h2o", 0.5, True, granularity="block"),
+        {**point("knorm", 0.5, True), "ruler": {}},
+    ]  # no RULER task ran: no claim
     got = {(r["policy"], r["granularity"], r["budget_kind"]): r["parity_budget"] for r in parity_budgets(pts)}
-    assert got == {("h2o", "token", "fraction"): 0.3,  # 0.1 is at parity, but 0.2 is not: noise, not a setting
-                   ("tova", "token", "fraction"): None, ("snapkv", "token", "fraction"): 0.5,
-                   ("h2o", "token", "tokens"): 96, ("h2o", "block", "fraction"): 0.5}
+    assert got == {
+        ("h2o", "token", "fraction"): 0.3,  # 0.1 is at parity, but 0.2 is not: noise, not a setting
+        ("tova", "token", "fraction"): None,
+        ("snapkv", "token", "fraction"): 0.5,
+        ("h2o", "token", "tokens"): 96,
+        ("h2o", "block", "fraction"): 0.5,
+    }
     assert parity_budgets([{**point("h2o", 0.5, True), "fidelity": None}])[0]["parity_budget"] == 0.5
     # the adaptive budget is a setting of its own: its points never mix with the fixed budget's
     masses = parity_budgets([{**point("h2o", 1.0, True), "keep_mass": 0.9}, point("h2o", 1.0, False)])
@@ -149,13 +168,21 @@ def test_the_ruler_task_half_pairs_samples_with_the_full_cache():
     from vtoken.bench.ruler import task_rule
 
     full = {"niah@1024": {"per_sample": [True] * 50}, "vt@1024": {"per_sample": [True] * 25 + [False] * 25}}
-    same = {"niah@1024": {"per_sample": [True] * 50}, "vt@1024": {"per_sample": [True] * 25 + [False] * 25},
-            "at_parity": True}
-    assert task_rule(same, full) == {"niah@1024": {"difference": 0.0, "lower95": 0.0, "task_ok": True},
-                                     "vt@1024": {"difference": 0.0, "lower95": 0.0, "task_ok": True}, "at_parity": True}
+    same = {
+        "niah@1024": {"per_sample": [True] * 50},
+        "vt@1024": {"per_sample": [True] * 25 + [False] * 25},
+        "at_parity": True,
+    }
+    assert task_rule(same, full) == {
+        "niah@1024": {"difference": 0.0, "lower95": 0.0, "task_ok": True},
+        "vt@1024": {"difference": 0.0, "lower95": 0.0, "task_ok": True},
+        "at_parity": True,
+    }
     # the same solved count on other samples is not parity: 10 lost and 10 gained
-    swapped = {"niah@1024": {"per_sample": [True] * 50},
-               "vt@1024": {"per_sample": [True] * 15 + [False] * 10 + [True] * 10 + [False] * 15}}
+    swapped = {
+        "niah@1024": {"per_sample": [True] * 50},
+        "vt@1024": {"per_sample": [True] * 15 + [False] * 10 + [True] * 10 + [False] * 15},
+    }
     verdict = task_rule(swapped, full)
     assert verdict["vt@1024"]["difference"] == 0.0 and not verdict["vt@1024"]["task_ok"]
     assert not verdict["at_parity"] and verdict["niah@1024"]["task_ok"]

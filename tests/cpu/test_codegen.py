@@ -50,8 +50,13 @@ def test_a_wrong_answer_and_an_endless_loop_fail(problems):
 # ---------------------------------------------------------------- the report (pure)
 def _judged(full: list[bool], point: list[bool]) -> dict:
     def run(passed, evicted):
-        return {"passed": passed, "text": [str(p) for p in passed], "tokens": [40] * len(passed),
-                "evicted": [evicted] * len(passed), "held": [3.0] * len(passed)}
+        return {
+            "passed": passed,
+            "text": [str(p) for p in passed],
+            "tokens": [40] * len(passed),
+            "evicted": [evicted] * len(passed),
+            "held": [3.0] * len(passed),
+        }
 
     return {FULL_LABEL: run(full, 0), "p": run(point, 5)}
 
@@ -107,8 +112,14 @@ def test_the_task_half_rejects_decode_only_h2o_on_the_model_that_solves_problems
 def test_codegen_on_the_engine_judges_each_point_against_the_full_cache(default_model):
     from vtoken.bench.longgen.codegen import run_codegen
 
-    setup = CodegenSetup(model=str(default_model), points=(("tight", VTokenConfig(budget=0.1, recent=4)),),
-                         problems=6, max_tokens=64, max_num_seqs=16, kv_space_gib=1)
+    setup = CodegenSetup(
+        model=str(default_model),
+        points=(("tight", VTokenConfig(budget=0.1, recent=4)),),
+        problems=6,
+        max_tokens=64,
+        max_num_seqs=16,
+        kv_space_gib=1,
+    )
     judged = run_codegen(setup)
     assert judged[FULL_LABEL]["evicted"] == [0] * 6
     assert sum(judged["tight"]["evicted"]) > 0

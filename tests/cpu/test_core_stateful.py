@@ -9,6 +9,7 @@ Each mode runs ≥ 25,000 operations (≥ 10⁵ in total), counted and asserted.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -121,10 +122,8 @@ class ManagerMachine(RuleBasedStateMachine):
     def step(self, data) -> None:
         self._count()
         rid = self._rid(data)
-        try:
+        with contextlib.suppress(PoolExhausted):
             self.m.step(rid, 1)
-        except PoolExhausted:
-            pass
         self.pending.pop(rid, None)
 
     @precondition(lambda self: self.m.tables)

@@ -56,9 +56,22 @@ def simulate(t: TokenTable, victims, frozen, reuse: bool, extra_blocks: int = 0)
     values = [mem.get(int(s), FREE) for s in src]  # gather every source, then scatter
     for d, v in zip(dst.tolist(), values):
         mem[d] = v
-    return SimpleNamespace(t=t, plan=plan, placed=placed, keep=keep, frozen=frozen, old_row=old_row,
-                           new_row=new_row, replaced=replaced, cow=cow, src=src, dst=dst, mem=mem, before=before,
-                           decision=decision)
+    return SimpleNamespace(
+        t=t,
+        plan=plan,
+        placed=placed,
+        keep=keep,
+        frozen=frozen,
+        old_row=old_row,
+        new_row=new_row,
+        replaced=replaced,
+        cow=cow,
+        src=src,
+        dst=dst,
+        mem=mem,
+        before=before,
+        decision=decision,
+    )
 
 
 def check(r) -> None:
@@ -82,8 +95,11 @@ def check(r) -> None:
     assert len(set(r.dst.tolist())) == r.dst.size
     # copies == the lower bound: every live token whose physical address changed, once
     old_phys = {int(tok): p for p, tok in r.before.items() if tok != NO_TOKEN}
-    changed = sum(1 for s in range(t.live) if s not in placed
-                  and int(physical_slots(r.new_row, [s], B)[0]) != old_phys[int(t.token_at[s])])
+    changed = sum(
+        1
+        for s in range(t.live)
+        if s not in placed and int(physical_slots(r.new_row, [s], B)[0]) != old_phys[int(t.token_at[s])]
+    )
     assert r.src.size == r.cow.lower_bound == r.plan.lower_bound + r.cow.num_copies == changed
     # the packing bound is unchanged: the row keeps the plan's blocks
     assert r.keep == min(r.plan.keep_blocks, r.old_row.size)

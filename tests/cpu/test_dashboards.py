@@ -22,8 +22,7 @@ MODELS = build.dashboards()
 
 
 def all_queries() -> list[tuple[str, str, str]]:
-    return [(name, title, expr) for name, model in MODELS.items()
-            for title, expr in build.panel_queries(model)]
+    return [(name, title, expr) for name, model in MODELS.items() for title, expr in build.panel_queries(model)]
 
 
 def test_committed_json_is_the_generated_json_and_generation_is_deterministic():
@@ -57,26 +56,46 @@ def test_every_panel_has_promql_on_exported_metrics_filtered_by_deployment_and_r
 
 
 def test_dashboards_cover_the_kv_and_sla_series_and_share_the_alert_thresholds():
-    names = {name: set().union(*(set(s.name for s in selectors(build.concrete(e)))
-                                 for _, e in build.panel_queries(model))) for name, model in MODELS.items()}
-    assert {"vtoken:held_blocks", "vtoken:naive_blocks", "vtoken:packing_bound_blocks",
-            "vtoken:fragmentation_ratio", "vtoken:kv_utilization", "vtoken:reclaimed_blocks_total",
-            "vtoken:repack_moves_total",
-            "vtoken:repack_seconds_bucket", "vtoken:evicted_tokens_total",
-            "vtoken:invariant_violations_total", "vtoken:invariant_checks_total"} <= names["vtoken-kv.json"]
-    assert {"vtoken:slo_met_total", "vtoken:requests_total", "vtoken:ttft_seconds_bucket",
-            "vtoken:tpot_seconds_bucket", "vllm:num_requests_waiting"} <= names["vtoken-sla.json"]
+    names = {
+        name: set().union(*(set(s.name for s in selectors(build.concrete(e))) for _, e in build.panel_queries(model)))
+        for name, model in MODELS.items()
+    }
+    assert {
+        "vtoken:held_blocks",
+        "vtoken:naive_blocks",
+        "vtoken:packing_bound_blocks",
+        "vtoken:fragmentation_ratio",
+        "vtoken:kv_utilization",
+        "vtoken:reclaimed_blocks_total",
+        "vtoken:repack_moves_total",
+        "vtoken:repack_seconds_bucket",
+        "vtoken:evicted_tokens_total",
+        "vtoken:invariant_violations_total",
+        "vtoken:invariant_checks_total",
+    } <= names["vtoken-kv.json"]
+    assert {
+        "vtoken:slo_met_total",
+        "vtoken:requests_total",
+        "vtoken:ttft_seconds_bucket",
+        "vtoken:tpot_seconds_bucket",
+        "vllm:num_requests_waiting",
+    } <= names["vtoken-sla.json"]
     quantiles = [e for _, _, e in all_queries() if "histogram_quantile" in e]
     found = {float(q) for e in quantiles for q in re.findall(r"histogram_quantile\(([\d.]+)", e)}
     assert found == {0.5, 0.95, 0.99}
     # the panel thresholds and the alert expressions use the thresholds declared in vtoken/metric_names.py
-    steps = {p["title"]: {s["value"] for s in p["fieldConfig"]["defaults"]["thresholds"]["steps"]} - {None}
-             for model in MODELS.values() for p in model["panels"]
-             if "thresholds" in p.get("fieldConfig", {}).get("defaults", {})}
-    assert steps == {"KV utilization per replica": {mn.KV_SATURATED},
-                     "Fragmentation ratio per replica": {mn.FRAGMENTATION_MAX},
-                     "SLA attainment (time range)": {mn.SLO_TARGET},
-                     "SLA attainment, overall and per replica": {mn.SLO_TARGET}}
+    steps = {
+        p["title"]: {s["value"] for s in p["fieldConfig"]["defaults"]["thresholds"]["steps"]} - {None}
+        for model in MODELS.values()
+        for p in model["panels"]
+        if "thresholds" in p.get("fieldConfig", {}).get("defaults", {})
+    }
+    assert steps == {
+        "KV utilization per replica": {mn.KV_SATURATED},
+        "Fragmentation ratio per replica": {mn.FRAGMENTATION_MAX},
+        "SLA attainment (time range)": {mn.SLO_TARGET},
+        "SLA attainment, overall and per replica": {mn.SLO_TARGET},
+    }
     exprs = {r["alert"]: r["expr"] for r in rules.kv_rules()}
     assert f"{mn.KV_UTILIZATION.name} > {mn.KV_SATURATED}\n" == exprs["VTokenKVSaturated"]
     fragmentation = f"{mn.FRAGMENTATION_RATIO.name} > {mn.FRAGMENTATION_MAX}\n"
@@ -107,8 +126,9 @@ class Replica:
 
         labels = {"application": "vtoken", "deployment": "VTokenReplica", "replica": name, "node": node}
         self.sink = StatsSink(pool_blocks=63)
-        self.metrics = ReplicaMetrics(self.sink, SloTargets.from_ms(1000, 100), "h2o", "repack", labels,
-                                      include_process_registry=False)
+        self.metrics = ReplicaMetrics(
+            self.sink, SloTargets.from_ms(1000, 100), "h2o", "repack", labels, include_process_registry=False
+        )
         vllm = CollectorRegistry()
         Gauge("vllm:num_requests_waiting", "stand-in", registry=vllm).set(2)
         Gauge("vllm:num_requests_running", "stand-in", registry=vllm).set(3)
@@ -123,11 +143,25 @@ class Replica:
         from vtoken.serve.telemetry.sla import RequestLatency
 
         i = self.step = self.step + 1
-        self.sink.put(KVSnapshot(live_tokens=90 + i % 7, held_blocks=4, packing_bound_blocks=3,
-                                 naive_blocks=6, pool_blocks=63, block_size=32, num_running=1, admission_limit=8,
-                                 counters=ReclaimCounters(evicted_tokens=10 * i, reclaimed_blocks=i,
-                                                          repack_moves=5 * i, repack_seconds=0.001 * i,
-                                                          repack_plans=i)))
+        self.sink.put(
+            KVSnapshot(
+                live_tokens=90 + i % 7,
+                held_blocks=4,
+                packing_bound_blocks=3,
+                naive_blocks=6,
+                pool_blocks=63,
+                block_size=32,
+                num_running=1,
+                admission_limit=8,
+                counters=ReclaimCounters(
+                    evicted_tokens=10 * i,
+                    reclaimed_blocks=i,
+                    repack_moves=5 * i,
+                    repack_seconds=0.001 * i,
+                    repack_plans=i,
+                ),
+            )
+        )
         self.sink.finished(RequestLatency(0.2 if i % 3 else 3.0, 0.05, 1.0, 10, "length"))
 
 
@@ -154,9 +188,15 @@ def test_every_panel_returns_data_from_prometheus_scraping_the_replica_exporter(
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and len(prom.query("vtoken:kv_utilization[10s]")) < 2:
                 time.sleep(1)
-            wait_for(lambda: len(points := prom.query("count_over_time(vtoken:kv_utilization[1m])")) >= 2
-                     and all(float(p["value"][1]) >= 4 for p in points),
-                     "four scrapes of every replica, so rate() over 1m has points", 60, 0.5)
+            wait_for(
+                lambda: (
+                    len(points := prom.query("count_over_time(vtoken:kv_utilization[1m])")) >= 2
+                    and all(float(p["value"][1]) >= 4 for p in points)
+                ),
+                "four scrapes of every replica, so rate() over 1m has points",
+                60,
+                0.5,
+            )
             empty = []
             for name, title, expr in all_queries():
                 result = prom.query(build.concrete(expr, rate="1m", range_="1m"))
@@ -165,8 +205,7 @@ def test_every_panel_returns_data_from_prometheus_scraping_the_replica_exporter(
                     empty.append(f"{name} / {title}: {expr}")
             assert empty == [], "panels without data:\n" + "\n".join(empty)
             for var in ("deployment", "node", "replica"):
-                r = httpx.get(f"{prom.url}/api/v1/label/{var}/values",
-                              params={"match[]": "vtoken:kv_utilization"})
+                r = httpx.get(f"{prom.url}/api/v1/label/{var}/values", params={"match[]": "vtoken:kv_utilization"})
                 assert len(r.json()["data"]) == {"deployment": 1, "node": 2, "replica": 2}[var]
             util = mn.KV_UTILIZATION.name
             per_node = prom.query(build.concrete(f"count by (node) ({util}{{{build.SEL}}})"))

@@ -59,8 +59,13 @@ def documented_commands() -> list[tuple[str, str]]:
 
 
 COMMANDS = documented_commands()
-SERVE = [(f, c) for f, c in COMMANDS if c.split()[1] == "serve" and not {"show-config", "build-config"} & set(
-    c.split()) and not any(u in c.split() for u in USER_FILES)]
+SERVE = [
+    (f, c)
+    for f, c in COMMANDS
+    if c.split()[1] == "serve"
+    and not {"show-config", "build-config"} & set(c.split())
+    and not any(u in c.split() for u in USER_FILES)
+]
 OTHERS = [(f, c) for f, c in COMMANDS if c.split()[1] in ("bench", "verify", "simulate")]
 
 
@@ -72,8 +77,7 @@ def test_the_docs_show_commands_to_check():
 def test_documented_serve_command_validates(doc, command):
     args = shlex.split(command)[1:]
     args = [a for a in args if a not in ("--dry-run",)]
-    out = subprocess.run([*VTOKEN, *args, "show-config"], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT)
+    out = subprocess.run([*VTOKEN, *args, "show-config"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, f"{doc}: `{command}` is refused:\n{out.stderr[-1500:]}"
 
 

@@ -2,7 +2,8 @@
 
 Code and docs cite the design as ``docs/architecture.md §N`` (e.g. "(docs/architecture.md §4)"). Every
 such N must be a ``## N. …`` heading of docs/architecture.md, and nothing may cite the old design file
-outside the repository (its upper-case name ``ARCHITECTURE`` followed by ``§N``). Scans vtoken/, tests/, docs/, dashboards/, k8s/
+outside the repository (its upper-case name ``ARCHITECTURE`` followed by ``§N``). Scans vtoken/, tests/, docs/,
+dashboards/, k8s/
 (*.py, *.md), README.md and serve_app.py. Pure file reading, well under a second.
 """
 
@@ -45,7 +46,9 @@ def problems(text: str, sections: set[int], where: str = "<text>") -> list[str]:
     for lineno, line in enumerate(text.splitlines(), 1):
         for m in REFERENCE.finditer(line):
             if int(m.group(1)) not in sections:
-                out.append(f"{where}:{lineno}: '{m.group(0)}' but docs/architecture.md has no '## {m.group(1)}.' heading")
+                out.append(
+                    f"{where}:{lineno}: '{m.group(0)}' but docs/architecture.md has no '## {m.group(1)}.' heading"
+                )
         if EXTERNAL.search(line):
             out.append(f"{where}:{lineno}: cites the external design file: {line.strip()[:100]}")
     return out
@@ -73,7 +76,7 @@ SECTIONS = section_numbers("# t\n\n## 1. Problem\n## 2. Layers\n## 4. Invariants
 
 
 def test_heading_parser_takes_only_numbered_level_two_headings():
-    assert SECTIONS == {1, 2, 4}
+    assert {1, 2, 4} == SECTIONS
 
 
 @pytest.mark.parametrize(
@@ -140,10 +143,32 @@ def test_support_matrix_names_existing_tests_and_one_column_per_row():
 
 def test_support_matrix_lists_every_feature_of_issue_11():
     features = " ".join(r["feature"].lower() for r in support_rows(SUPPORT.read_text()))
-    for f in ("gqa", "mqa", "head dim", "bfloat16", "fp8", "sliding-window", "alibi", "soft-capping", "sinks",
-              "mla", "pooling", "lora", "structured output", "prompt logprobs", "n > 1", "beam search",
-              "speculative decoding", "prefix caching", "chunked prefill", "preemption", "tensor parallelism",
-              "pipeline parallelism", "async scheduling", "cuda graphs"):
+    for f in (
+        "gqa",
+        "mqa",
+        "head dim",
+        "bfloat16",
+        "fp8",
+        "sliding-window",
+        "alibi",
+        "soft-capping",
+        "sinks",
+        "mla",
+        "pooling",
+        "lora",
+        "structured output",
+        "prompt logprobs",
+        "n > 1",
+        "beam search",
+        "speculative decoding",
+        "prefix caching",
+        "chunked prefill",
+        "preemption",
+        "tensor parallelism",
+        "pipeline parallelism",
+        "async scheduling",
+        "cuda graphs",
+    ):
         assert f in features, f
 
 

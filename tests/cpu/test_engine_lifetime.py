@@ -7,6 +7,7 @@ replica is SIGKILLed alone (not its process group). Checked by process, not by l
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -22,8 +23,9 @@ EXIT_BOUND_S = POLL_PERIOD_S + 5.0  # a poll period, then SIGTERM's default acti
 
 # the child says when vLLM's plugin call returned (it shares the replica's stdout); both then sleep until
 # the test kills them (the test's `finally` SIGKILLs whatever is left)
-CHILD = ("import time; from vtoken.vllm.plugin import register; register(); print('registered', flush=True); "
-         "time.sleep(120)")
+CHILD = (
+    "import time; from vtoken.vllm.plugin import register; register(); print('registered', flush=True); time.sleep(120)"
+)
 REPLICA = f"""
 import subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", {CHILD!r}])
@@ -41,8 +43,9 @@ def _start(env_value: str | None) -> tuple[subprocess.Popen, int]:
     env = {k: v for k, v in os.environ.items() if k != EXIT_WITH_PARENT_ENV}
     if env_value is not None:
         env[EXIT_WITH_PARENT_ENV] = env_value
-    replica = subprocess.Popen([sys.executable, "-c", REPLICA], stdout=subprocess.PIPE, text=True, env=env,
-                               start_new_session=True)
+    replica = subprocess.Popen(
+        [sys.executable, "-c", REPLICA], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     child = int(replica.stdout.readline())
     assert replica.stdout.readline().strip() == "registered"  # the watchdog (if asked) is running
     assert _alive(child)
@@ -64,10 +67,8 @@ def test_engine_process_exits_when_its_replica_is_sigkilled_alone(asked):
             assert _alive(child)
     finally:
         for pid in (child, replica.pid):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def test_watchdog_is_off_unless_asked_and_started_once(monkeypatch):

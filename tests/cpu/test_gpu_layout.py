@@ -89,9 +89,7 @@ def test_flashinfer_layout_choice_in_vllm_source():
     text = (Path(spec.origin).parent / "v1/attention/backends/flashinfer.py").read_text()
     method = text[text.index("def supported_kv_cache_layouts") :][:600]
     assert "capability.major == 10" in method and "(KVCacheLayout.LBHNC, KVCacheLayout.BLHNC)" in method
-    assert (
-        "return super().supported_kv_cache_layouts()" in method and BACKEND_LAYOUTS["flashinfer"] == "LBNHC"
-    )
+    assert "return super().supported_kv_cache_layouts()" in method and BACKEND_LAYOUTS["flashinfer"] == "LBNHC"
 
 
 def _write_tokens(views, hd, slots, seed):
@@ -144,8 +142,9 @@ def test_cpu_paged_layout_is_the_token_layout():
     other = [v.clone() for v in views]
     layout = layout_for("cpu", views[0])
     token_layout = TokenLayout.cpu_vec(BS, hd)
-    assert torch.equal(read_kv(views[0], layout, torch.arange(40))[0],
-                       cpu_read_kv(views[0], token_layout, torch.arange(40))[0])
+    assert torch.equal(
+        read_kv(views[0], layout, torch.arange(40))[0], cpu_read_kv(views[0], token_layout, torch.arange(40))[0]
+    )
     plan = scheduler_plan(np.random.default_rng(4), 3, NB, BS)
     PagedTorchMover(layout).move(views, plan.src, plan.dst)
     TorchSlotMover(token_layout).move(other, plan.src, plan.dst)
@@ -158,14 +157,9 @@ def test_paged_score_reference_equals_the_production_one_on_cpu():
     fill_random(views, 5)
     q = torch.randn(3, 4, hd, generator=torch.Generator().manual_seed(6))
     outs = []
-    for acc in (ScoreAccumulator(TokenLayout.cpu_vec(BS, hd)),
-                PagedScoreAccumulator(layout_for("cpu", views[0]))):
-        acc.requests["a"] = RequestScores(
-            0, 2, 40, torch.tensor([4, 1, 3]), want_attention=True, want_key_norm=False
-        )
-        acc.requests["b"] = RequestScores(
-            2, 3, 9, torch.tensor([0]), want_attention=True, want_key_norm=False
-        )
+    for acc in (ScoreAccumulator(TokenLayout.cpu_vec(BS, hd)), PagedScoreAccumulator(layout_for("cpu", views[0]))):
+        acc.requests["a"] = RequestScores(0, 2, 40, torch.tensor([4, 1, 3]), want_attention=True, want_key_norm=False)
+        acc.requests["b"] = RequestScores(2, 3, 9, torch.tensor([0]), want_attention=True, want_key_norm=False)
         for view in views:
             acc.add_layer(q, None, view, 0.2)
         outs.append(acc.finish())

@@ -56,8 +56,9 @@ def test_paired_runs_pass_when_equal_or_parting_at_a_near_tie_only():
 
 
 def _trace(evicted_round: list[int]) -> RequestTrace:
-    t = RequestTrace(request_id="r", trace_id=None, policy="h2o", mode="repack", budget="0.3", block_size=32,
-                     prompt_len=4)
+    t = RequestTrace(
+        request_id="r", trace_id=None, policy="h2o", mode="repack", budget="0.3", block_size=32, prompt_len=4
+    )
     ep = t.new_epoch(0)
     ep.place(0, len(evicted_round), 0)
     ep.evict(np.flatnonzero(np.asarray(evicted_round) != NEVER), 0)
@@ -73,8 +74,9 @@ def test_evicted_sets_are_compared_round_by_round_up_to_the_divergence():
 
 
 def test_the_divergence_is_located_in_trace_rounds():
-    t = RequestTrace(request_id="r", trace_id=None, policy="h2o", mode="repack", budget="0.3", block_size=32,
-                     prompt_len=4)
+    t = RequestTrace(
+        request_id="r", trace_id=None, policy="h2o", mode="repack", budget="0.3", block_size=32, prompt_len=4
+    )
     ep = t.new_epoch(0)
     ep.place(0, 4, 0)  # the prompt in round 0, then one generated token per round
     for k in range(3):

@@ -112,9 +112,13 @@ def test_decode_time_eviction_equals_pruning_the_kv_cache(setup) -> None:
             for layer in cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, keep], layer.values[:, :, keep]
             alive = np.append(alive[keep], q)
-            out = model(input_ids=torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[q]]),
-                        attention_mask=additive_mask(np.ones((1, len(alive)), bool)),
-                        past_key_values=cache, use_cache=True)
+            out = model(
+                input_ids=torch.tensor([[tokens[-1]]]),
+                position_ids=torch.tensor([[q]]),
+                attention_mask=additive_mask(np.ones((1, len(alive)), bool)),
+                past_key_values=cache,
+                use_cache=True,
+            )
     trace = LiveTrace(prompt, tokens, live)
     ref = score_trace(model, trace)
     np.testing.assert_allclose(ref.token_logprobs, lps, atol=1e-5, rtol=0)
@@ -130,13 +134,16 @@ def test_live_trace_validation() -> None:
         LiveTrace([1, 2], [7], [np.array([0, 1, 2])])  # a future key
     trace = LiveTrace([1, 2, 3], [7, 8, 9], [np.array([1, 2]), np.array([0, 3]), np.array([2, 4])])
     vis = trace.visibility()
-    expected = np.array([
-        [1, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0],
-        [0, 1, 1, 0, 0],  # step 0: the prefill's last row, key 0 evicted by the trace
-        [1, 0, 0, 1, 0],
-        [0, 0, 1, 0, 1],
-    ], dtype=bool)
+    expected = np.array(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [0, 1, 1, 0, 0],  # step 0: the prefill's last row, key 0 evicted by the trace
+            [1, 0, 0, 1, 0],
+            [0, 0, 1, 0, 1],
+        ],
+        dtype=bool,
+    )
     np.testing.assert_array_equal(vis, expected)
     assert trace.input_ids() == [1, 2, 3, 7, 8]
 

@@ -18,8 +18,11 @@ from ops_support import ROOT, exported_names, load_module, promtool, schema_erro
 render = load_module(ROOT / "k8s" / "render.py")
 rules = load_module(ROOT / "k8s" / "rules.py")
 K8S = ROOT / "k8s"
-RAYSERVICE, PODMONITOR, RULE = "ray.io_rayservices.yaml", "monitoring.coreos.com_podmonitors.yaml", \
-    "monitoring.coreos.com_prometheusrules.yaml"
+RAYSERVICE, PODMONITOR, RULE = (
+    "ray.io_rayservices.yaml",
+    "monitoring.coreos.com_podmonitors.yaml",
+    "monitoring.coreos.com_prometheusrules.yaml",
+)
 
 
 def manifest(name: str) -> dict:
@@ -86,8 +89,10 @@ def test_serve_deployment_options_agree_with_the_code_for_the_cluster_config():
     assert dep["name"] == opts["name"] and dep["max_ongoing_requests"] == opts["max_ongoing_requests"]
     if "autoscaling_config" in opts:
         auto = opts["autoscaling_config"]
-        assert (dep["autoscaling_config"]["min_replicas"], dep["autoscaling_config"]["max_replicas"]) == \
-            (auto.min_replicas, auto.max_replicas)
+        assert (dep["autoscaling_config"]["min_replicas"], dep["autoscaling_config"]["max_replicas"]) == (
+            auto.min_replicas,
+            auto.max_replicas,
+        )
     else:
         assert dep["num_replicas"] == opts["num_replicas"]
     router = dep["request_router_config"]
@@ -98,8 +103,11 @@ def test_cluster_shape_gpu_workers_autoscaling_and_importable_modules():
     rs = manifest("rayservice.yaml")
     cluster = rs["spec"]["rayClusterConfig"]
     head, worker = groups(rs)
-    serve_pin = next(d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-                     ["optional-dependencies"]["serve"] if d.startswith("ray["))
+    serve_pin = next(
+        d
+        for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serve"]
+        if d.startswith("ray[")
+    )
     import ray
 
     assert cluster["enableInTreeAutoscaling"] is True
@@ -120,17 +128,23 @@ def test_cluster_shape_gpu_workers_autoscaling_and_importable_modules():
         assert wanted.items() <= env.items(), c["name"]
     dep = serve_v2()["applications"][0]["deployments"][0]
     policy = [dep["autoscaling_config"]["policy"]["policy_function"]] if "autoscaling_config" in dep else []
-    for path in (wanted["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"],
-                 dep["request_router_config"]["request_router_class"], *policy):
+    for path in (
+        wanted["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"],
+        dep["request_router_config"]["request_router_class"],
+        *policy,
+    ):
         module, attr = path.split(":")
         assert hasattr(importlib.import_module(module), attr), path
 
 
-@pytest.mark.parametrize("deployment, bounds", [
-    ({"autoscaling_config": {"min_replicas": 2, "initial_replicas": 3, "max_replicas": 5}}, (2, 3, 5)),
-    ({"autoscaling_config": {"min_replicas": 1, "initial_replicas": None, "max_replicas": 4}}, (1, 1, 4)),
-    ({"num_replicas": 3}, (3, 3, 3)),
-])
+@pytest.mark.parametrize(
+    "deployment, bounds",
+    [
+        ({"autoscaling_config": {"min_replicas": 2, "initial_replicas": 3, "max_replicas": 5}}, (2, 3, 5)),
+        ({"autoscaling_config": {"min_replicas": 1, "initial_replicas": None, "max_replicas": 4}}, (1, 1, 4)),
+        ({"num_replicas": 3}, (3, 3, 3)),
+    ],
+)
 def test_gpu_worker_bounds_follow_the_serve_deployment(deployment, bounds):
     base = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
     dep = base["applications"][0]["deployments"][0]
@@ -141,8 +155,7 @@ def test_gpu_worker_bounds_follow_the_serve_deployment(deployment, bounds):
 
 
 def test_manifests_validate_against_the_crds():
-    for name, crd in (("rayservice.yaml", RAYSERVICE), ("podmonitor.yaml", PODMONITOR),
-                      ("prometheusrule.yaml", RULE)):
+    for name, crd in (("rayservice.yaml", RAYSERVICE), ("podmonitor.yaml", PODMONITOR), ("prometheusrule.yaml", RULE)):
         assert schema_errors(crd, manifest(name)) == [], name
 
 
@@ -157,8 +170,13 @@ def test_crd_validation_rejects_typical_mistakes():
     wc["ports"].append({"name": "dup", "containerPort": render.METRICS_PORT})  # same (port, TCP) twice
     del worker["groupName"]
     errors = "\n".join(schema_errors(RAYSERVICE, rs))
-    for needle in ("enableInTreeAutoscalling", "is not of type 'string'", "8 cores", "duplicate entry",
-                   "'groupName' is a required property"):
+    for needle in (
+        "enableInTreeAutoscalling",
+        "is not of type 'string'",
+        "8 cores",
+        "duplicate entry",
+        "'groupName' is a required property",
+    ):
         assert needle in errors, needle
     pm = manifest("podmonitor.yaml")
     pm["spec"]["podMetricsEndpoints"][0]["interval"] = "15 seconds"
@@ -214,8 +232,10 @@ def test_every_alert_is_unit_tested_firing_and_silent():
 def test_alerts_use_only_exported_metrics_and_have_runbooks():
     exported = exported_names()
     docs = (ROOT / "docs" / "operations.md").read_text()
-    anchors = {re.sub(r"[^a-z0-9 -]", "", h.strip().lower()).replace(" ", "-")
-               for h in re.findall(r"^#+ (.+)$", docs, flags=re.M)}
+    anchors = {
+        re.sub(r"[^a-z0-9 -]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^#+ (.+)$", docs, flags=re.M)
+    }
     assert len(alerts()) >= 5
     for alert in alerts():
         for sel in selectors(alert["expr"]):
@@ -239,8 +259,7 @@ def test_kustomization_lists_every_manifest_and_builds():
     assert image["name"] == render.IMAGE and image["newTag"] == version
     tool = shutil.which("kustomize") or shutil.which("kubectl")
     if tool is None:
-        pytest.fail("neither kustomize nor kubectl on PATH: install one (Debian: kubernetes-client) "
-                    "to build k8s/")
+        pytest.fail("neither kustomize nor kubectl on PATH: install one (Debian: kubernetes-client) to build k8s/")
     cmd = [tool, "build", str(K8S)] if tool.endswith("kustomize") else [tool, "kustomize", str(K8S)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -15,8 +15,7 @@ from vtoken.kernels.check import NEAR_TIE_RTOL, BitsComparison, compare_unimport
 
 TIE = 0.25  # 4 visible keys
 # row 0 (older query: bit 1), row 1 (newest: bit 0); key 0 is a near-tie in row 0, key 1 in row 1
-PROBS = np.array([[TIE * (1 - 1e-6), 0.10, 0.40, 0.25],
-                  [0.10, TIE * (1 + 1e-5), 0.40, 0.25]])
+PROBS = np.array([[TIE * (1 - 1e-6), 0.10, 0.40, 0.25], [0.10, TIE * (1 + 1e-5), 0.40, 0.25]])
 VISIBLE = np.ones_like(PROBS, dtype=bool)
 
 
@@ -59,8 +58,9 @@ def test_the_tolerance_is_relative_to_each_rows_threshold():
     """Causal rows: the older query sees 3 keys (threshold 1/3), the newest 4 (1/4). A probability just
     outside NEAR_TIE_RTOL of its own row's threshold is far; a key the row cannot see is never a tie."""
     visible = np.array([[True, True, True, False], [True, True, True, True]])
-    probs = np.array([[(1 / 3) * (1 + 0.5 * NEAR_TIE_RTOL), (1 / 3) * (1 - 2 * NEAR_TIE_RTOL), 0.3, 0.0],
-                      [0.25, 0.25, 0.25, 0.25]])
+    probs = np.array(
+        [[(1 / 3) * (1 + 0.5 * NEAR_TIE_RTOL), (1 / 3) * (1 - 2 * NEAR_TIE_RTOL), 0.3, 0.0], [0.25, 0.25, 0.25, 0.25]]
+    )
     ref = unimportance_bits(probs, visible)
     assert compare_unimportance_bits(_flip(ref, 0, 1), ref, probs, visible).ok
     assert not compare_unimportance_bits(_flip(ref, 1, 1), ref, probs, visible).ok

@@ -6,12 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from vllm import _custom_ops as ops  # noqa: E402 (no importorskip: a broken vLLM must fail, not skip)
 
 from vtoken.kernels.layout import TokenLayout, probe_layout, split_kv_cache
 from vtoken.kernels.moves import TorchSlotMover, read_kv
 from vtoken.kernels.scores import RequestScores, ScoreAccumulator, attention_probs
-
-from vllm import _custom_ops as ops  # noqa: E402 (no importorskip: a broken vLLM must fail, not skip)
 
 
 def _writer(isa: str = "vec"):
@@ -94,14 +93,38 @@ def test_moved_cache_feeds_vllm_attention_kernel_exactly():
     qsl = torch.tensor([0, 1], dtype=torch.int32)
     block_table = torch.arange(4, dtype=torch.int32)[None]
     meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=heads, num_kv_heads=nkv, head_dim=hd, seq_lens=seq_lens, dtype=torch.float32,
-        query_start_loc=qsl, causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=False,
-        dynamic_causal=None, kv_cache_dtype="auto",
+        num_reqs=1,
+        num_heads=heads,
+        num_kv_heads=nkv,
+        head_dim=hd,
+        seq_lens=seq_lens,
+        dtype=torch.float32,
+        query_start_loc=qsl,
+        causal=True,
+        sliding_window_size=-1,
+        isa="vec",
+        enable_kv_split=False,
+        dynamic_causal=None,
+        kv_cache_dtype="auto",
     )
     ops.cpu_attention_with_kv_cache(
-        query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl, seq_lens=seq_lens,
-        scale=hd**-0.5, causal=True, alibi_slopes=None, sliding_window=-1, block_table=block_table,
-        softcap=0.0, scheduler_metadata=meta, s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0,
+        query=q,
+        key_cache=kc,
+        value_cache=vc,
+        output=out,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        scale=hd**-0.5,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=block_table,
+        softcap=0.0,
+        scheduler_metadata=meta,
+        s_aux=None,
+        dynamic_causal=None,
+        k_scale=1.0,
+        v_scale=1.0,
         kv_cache_dtype="auto",
     )
     kk = k[keep].repeat_interleave(heads // nkv, dim=1)  # [live, H, D]
@@ -120,8 +143,12 @@ def test_attention_probs_gqa_and_causal():
     assert torch.allclose(p.sum(-1), torch.ones(3))
     assert torch.all(p[0, 3:] == 0) and torch.all(p[1, 4:] == 0) and torch.all(p[2] > 0)
     # reference: per head, then mean
-    ref = torch.stack([torch.softmax((q[:, h] @ k[:, h // 2].T) * 0.5 + torch.triu(torch.full((3, 5), -1e30), 3), -1)
-                       for h in range(4)]).mean(0)
+    ref = torch.stack(
+        [
+            torch.softmax((q[:, h] @ k[:, h // 2].T) * 0.5 + torch.triu(torch.full((3, 5), -1e30), 3), -1)
+            for h in range(4)
+        ]
+    ).mean(0)
     assert torch.allclose(p, ref, atol=1e-6)
 
 
@@ -130,8 +157,9 @@ def test_score_accumulator_reads_the_row_through_the_block_table():
     cache, k, _ = _filled_cache(4, nkv, bs, hd, list(range(96, 128)) + list(range(32, 64)), seed=5)
     layout = probe_layout(_writer(), bs, nkv, hd, torch.float32)
     acc = ScoreAccumulator(layout)
-    acc.requests["r"] = RequestScores(q_start=0, q_end=1, seq_len=40, block_row=torch.tensor([3, 1]),
-                                      want_attention=True, want_key_norm=True)
+    acc.requests["r"] = RequestScores(
+        q_start=0, q_end=1, seq_len=40, block_row=torch.tensor([3, 1]), want_attention=True, want_key_norm=True
+    )
     q = torch.randn(1, 2, hd)
     key = torch.randn(1, nkv, hd)
     acc.add_layer(q, key, cache, 0.1)
@@ -158,7 +186,9 @@ def test_score_accumulator_decode_batch_equals_one_by_one():
         acc = ScoreAccumulator(layout)
         for name, q0, q1, n, row in specs:
             if name in names:
-                acc.requests[name] = RequestScores(q0, q1, n, torch.tensor(row), want_attention=True, want_key_norm=False)
+                acc.requests[name] = RequestScores(
+                    q0, q1, n, torch.tensor(row), want_attention=True, want_key_norm=False
+                )
         acc.add_layer(q, None, cache, 0.2)
         acc.add_layer(q * 0.5, None, cache, 0.2)
         return acc.finish()

@@ -126,8 +126,9 @@ def test_committed_summaries_recompute_from_their_windows(path):
     full = report["full_cache"]["per_window_nll"]
     assert len(full) == len(report["windows"]) == report["setup"]["windows"]
     for point in report["points"]:
-        rows = [dict(zip(("nll", "top1", "kl"), v)) for v in zip(*(point["per_window"][k]
-                                                                  for k in ("nll", "top1", "kl")))]
+        rows = [
+            dict(zip(("nll", "top1", "kl"), v)) for v in zip(*(point["per_window"][k] for k in ("nll", "top1", "kl")))
+        ]
         again = summarize(rows, full)
         assert set(point) == POINT_KEYS
         for key in ("perplexity_ratio", "perplexity_ratio_ci95", "verdict"):
@@ -146,8 +147,15 @@ def small_yardstick(default_model):
     from vtoken.bench.longgen.texts import digests
 
     points = (parse_point("scope=generated,budget=0.1"), parse_point("default"))
-    setup = LonggenSetup(model=str(default_model), points=points, prompt_tokens=32, continuation_tokens=96,
-                         windows=12, max_num_seqs=24, kv_space_gib=1)
+    setup = LonggenSetup(
+        model=str(default_model),
+        points=points,
+        prompt_tokens=32,
+        continuation_tokens=96,
+        windows=12,
+        max_num_seqs=24,
+        kv_space_gib=1,
+    )
     from transformers import AutoTokenizer
 
     docs = documents()
@@ -181,11 +189,19 @@ def test_the_report_has_exactly_its_keys():
 
     wins = [SimpleNamespace(name=f"w{i}") for i in range(3)]
     full = {w.name: {"nll": np.array([2.0, 3.0]), "top1": np.array([5, 6])} for w in wins}
-    point = {w.name: {"nll": np.array([2.1, 3.0]), "top1": np.array([5, 7]), "kl": np.array([0.1, 0.0]),
-                      "held_blocks": 2.0, "evicted": 1, "engine_logprob_diff": 1e-5} for w in wins}
+    point = {
+        w.name: {
+            "nll": np.array([2.1, 3.0]),
+            "top1": np.array([5, 7]),
+            "kl": np.array([0.1, 0.0]),
+            "held_blocks": 2.0,
+            "evicted": 1,
+            "engine_logprob_diff": 1e-5,
+        }
+        for w in wins
+    }
     setup = LonggenSetup(model="m", points=(parse_point("budget=0.5"),), windows=3)
-    report = build_report(setup, wins, {"full": full, "points": {"budget=0.5": point}}, {}, "vtoken bench longgen",
-                          1.0)
+    report = build_report(setup, wins, {"full": full, "points": {"budget=0.5": point}}, {}, "vtoken bench longgen", 1.0)
     assert set(report) == REPORT_KEYS and set(report["points"][0]) == POINT_KEYS
     p = report["points"][0]
     assert p["top1_agreement"] == 0.5 and p["perplexity_ratio"] == pytest.approx(math.exp(0.05), abs=1e-4)

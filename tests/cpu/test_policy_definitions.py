@@ -26,8 +26,16 @@ def feed(table: TokenTable, probs: np.ndarray) -> None:
     q, k = probs.shape
     visible = np.arange(k)[None, :] <= np.arange(table.seen - q, table.seen)[:, None]
     assert np.allclose(probs.sum(axis=1), 1.0) and not np.any(probs[~visible])
-    observe(table, StepScores(np.arange(k), q, accumulated=probs.sum(axis=0), last=probs[-1],
-                              unimportant=unimportance_bits(probs, visible)))
+    observe(
+        table,
+        StepScores(
+            np.arange(k),
+            q,
+            accumulated=probs.sum(axis=0),
+            last=probs[-1],
+            unimportant=unimportance_bits(probs, visible),
+        ),
+    )
 
 
 def prefill(n: int, key_norm: np.ndarray | None = None) -> TokenTable:
@@ -104,9 +112,13 @@ def scissored() -> TokenTable:
     ("history", "evict", "expected"),
     [
         # last 4 queries: counts 1 4 2 1 0 1 -> token 1, then 2, then the oldest of the ties at 1 (token 0)
-        (4, 1, [1]), (4, 2, [1, 2]), (4, 3, [0, 1, 2]),
+        (4, 1, [1]),
+        (4, 2, [1, 2]),
+        (4, 3, [0, 1, 2]),
         # all 6 queries: counts 2 4 2 3 0 1 -> token 1, then 3, then the oldest of 0 and 2
-        (6, 2, [1, 3]), (6, 3, [0, 1, 3]), (32, 2, [1, 3]),
+        (6, 2, [1, 3]),
+        (6, 3, [0, 1, 3]),
+        (32, 2, [1, 3]),
     ],
 )
 def test_scissorhands_counts_unimportance_within_its_history(history, evict, expected):
@@ -213,8 +225,9 @@ def test_random_victims_are_spread_uniformly_over_evictable_positions():
 
 # ------------------------------------------------------------------------------ the adaptive budget
 def mass_victims(keep_mass: float, budget=1.0, trigger: str = "step", policy: str = "h2o") -> list[int]:
-    cfg = VTokenConfig(policy=policy, budget=budget, keep_mass=keep_mass, block_size=4, sinks=0, recent=3,
-                       trigger=trigger)
+    cfg = VTokenConfig(
+        policy=policy, budget=budget, keep_mass=keep_mass, block_size=4, sinks=0, recent=3, trigger=trigger
+    )
     return choose_victims(attended(), make_policy(policy), cfg, 0).tolist()
 
 

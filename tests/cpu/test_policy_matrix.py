@@ -31,16 +31,18 @@ def keys_with_repeats(r: int) -> np.ndarray:
 
 
 def run(policy: str, mode: Mode, source, r: int = 0, granularity: str = "token"):
-    cfg = VTokenConfig(policy=policy, budget=BUDGET, mode=mode, block_size=B, sinks=SINKS, recent=RECENT,
-                       granularity=granularity)
+    cfg = VTokenConfig(
+        policy=policy, budget=BUDGET, mode=mode, block_size=B, sinks=SINKS, recent=RECENT, granularity=granularity
+    )
     m = CacheManager(cfg, num_blocks=64)
     rid = f"req-{r}"
     m.add_request(rid)
     m.place(rid, P, source.key_norm[r, :P])
     total, last, bits, window = source.prefill(P, need_bits=True, need_window=True)
     keys = keys_with_repeats(r)
-    m.observe(rid, StepScores(np.arange(P), P, total[r], last[r], bits[r], window=window[r],
-                              redundancy=mean_cosine(keys[:P])))
+    m.observe(
+        rid, StepScores(np.arange(P), P, total[r], last[r], bits[r], window=window[r], redundancy=mean_cosine(keys[:P]))
+    )
     history = []
     for d in range(M):
         n = P + d
@@ -48,8 +50,9 @@ def run(policy: str, mode: Mode, source, r: int = 0, granularity: str = "token")
         t = m.tables[rid]
         live = t.live_logicals()
         a = source.attention_row(r, n, live)
-        m.observe(rid, StepScores(live, 1, a, a, (a < 1 / (n + 1)).astype(np.uint64),
-                                  redundancy=mean_cosine(keys[live])))
+        m.observe(
+            rid, StepScores(live, 1, a, a, (a < 1 / (n + 1)).astype(np.uint64), redundancy=mean_cosine(keys[live]))
+        )
         check_integrity(m, dense=True)
         assert plan.num_moves == plan.slot_plan.lower_bound
         history.append((live.copy(), len(m.rows[rid])))
@@ -84,8 +87,10 @@ def test_policy_mode_matrix(policy, mode, granularity, source):
 @pytest.mark.parametrize("granularity", ["token", "block"])
 @pytest.mark.parametrize("policy", policy_names())
 def test_paired_modes_evict_the_same_tokens(policy, granularity, source):
-    lives = {mode: [h[0] for h in run(policy, mode, source, r=1, granularity=granularity)[1]]
-             for mode in (Mode.NAIVE, Mode.REPACK, Mode.REUSE_REPACK)}
+    lives = {
+        mode: [h[0] for h in run(policy, mode, source, r=1, granularity=granularity)[1]]
+        for mode in (Mode.NAIVE, Mode.REPACK, Mode.REUSE_REPACK)
+    }
     for a, b, c in zip(*lives.values()):
         assert np.array_equal(a, b) and np.array_equal(a, c)
 
@@ -123,8 +128,15 @@ def test_select_orders_by_score_then_age():
     assert policy.select(ctx, 3, evictable).tolist() == [2, 3, 4]
     h2o = make_policy("h2o")
     assert h2o.select(ctx, 2, evictable).tolist() == [2, 3]  # all tied: oldest first
-    batch = EvictionContext(np.stack([logical] * 2), 10, np.array([[0], [1]]), np.stack([z] * 2),
-                            np.stack([z] * 2), np.zeros((2, 10), np.uint64), np.stack([z] * 2))
+    batch = EvictionContext(
+        np.stack([logical] * 2),
+        10,
+        np.array([[0], [1]]),
+        np.stack([z] * 2),
+        np.stack([z] * 2),
+        np.zeros((2, 10), np.uint64),
+        np.stack([z] * 2),
+    )
     mask = h2o.select_batch(batch, np.array([2, 2]), np.stack([evictable] * 2))
     assert np.flatnonzero(mask[0]).tolist() == [2, 3]
     mask = h2o.select_batch(batch, np.array([6, 6]), np.stack([evictable] * 2))
@@ -178,8 +190,9 @@ def step_scores(source, r: int, live: np.ndarray, first: int, n_new: int) -> Ste
 @pytest.mark.parametrize("mode", [m for m in Mode if m.evicts], ids=lambda m: m.value)
 @pytest.mark.parametrize("policy", policy_names())
 def test_every_step_evicts_exactly_down_to_the_budget(policy, mode, trigger, budget, source):
-    cfg = VTokenConfig(policy=policy, budget=budget, mode=mode, block_size=EB, sinks=E_SINKS, recent=E_RECENT,
-                       trigger=trigger)
+    cfg = VTokenConfig(
+        policy=policy, budget=budget, mode=mode, block_size=EB, sinks=E_SINKS, recent=E_RECENT, trigger=trigger
+    )
     m = CacheManager(cfg, num_blocks=64)
     m.add_request("req-0")
     live_expected, evicting_steps = 0, 0
@@ -199,20 +212,23 @@ def test_every_step_evicts_exactly_down_to_the_budget(policy, mode, trigger, bud
     assert evicting_steps >= (2 if trigger == "block" else 10)  # the recurrence was exercised
 
 
-PROTECTIONS = {"tail": {"prompt_tail": 24}, "generated": {"scope": "generated"},
-               "generated+tail": {"scope": "generated", "prompt_tail": 24}}
+PROTECTIONS = {
+    "tail": {"prompt_tail": 24},
+    "generated": {"scope": "generated"},
+    "generated+tail": {"scope": "generated", "prompt_tail": 24},
+}
 
 
 @pytest.mark.parametrize("mode", [Mode.NAIVE, Mode.REPACK], ids=lambda m: m.value)
 @pytest.mark.parametrize("protection", PROTECTIONS.values(), ids=PROTECTIONS.keys())
 @pytest.mark.parametrize("policy", policy_names())
 def test_the_protected_prompt_is_never_evicted_and_the_budget_counts_what_the_scope_says(
-        policy, protection, mode, source):
+    policy, protection, mode, source
+):
     """``prompt_tail``: the prompt's last tokens stay live at every step; ``scope=generated``: every prompt
     token stays, and the live generated tokens are exactly the budget of the generated ones (above the
     recent window). The rest of the budget arithmetic is unchanged (``kept_live``)."""
-    cfg = VTokenConfig(policy=policy, budget=BUDGET, mode=mode, block_size=B, sinks=SINKS, recent=RECENT,
-                       **protection)
+    cfg = VTokenConfig(policy=policy, budget=BUDGET, mode=mode, block_size=B, sinks=SINKS, recent=RECENT, **protection)
     m = CacheManager(cfg, num_blocks=64)
     m.add_request("r", prompt_len=P)
     m.place("r", P, source.key_norm[0, :P])
@@ -270,8 +286,19 @@ def test_question_aware_prompt_scores_rank_the_prompt_by_its_window(source):
 
 
 def test_question_aware_prefill_changes_h2o_victims(source):
-    cfgs = {ps: VTokenConfig(policy="h2o", budget=BUDGET, mode=Mode.REPACK, block_size=B, sinks=SINKS,
-                             recent=RECENT, prompt_scores=ps, scope="all") for ps in ("all", "window")}
+    cfgs = {
+        ps: VTokenConfig(
+            policy="h2o",
+            budget=BUDGET,
+            mode=Mode.REPACK,
+            block_size=B,
+            sinks=SINKS,
+            recent=RECENT,
+            prompt_scores=ps,
+            scope="all",
+        )
+        for ps in ("all", "window")
+    }
     victims = {}
     for ps, cfg in cfgs.items():
         m = CacheManager(cfg, num_blocks=64)

@@ -28,15 +28,18 @@ def test_need_counts_every_group_and_the_null_block():
     refuses 131: measured 2026-12-03)."""
     shape = PoolShape(windows=(64, 64, 64, FULL), block_size=32, in_flight_tokens=2048)
     assert shape.need(1024) == 32 + 3 * 33 + 1 == 132
-    assert shape.describe(1024) == ("3 sliding-window (64) groups x 33 + 1 full-attention group x 32 "
-                                    "+ the null block")
+    assert shape.describe(1024) == ("3 sliding-window (64) groups x 33 + 1 full-attention group x 32 + the null block")
     small = PoolShape(windows=(64, 64, 64, FULL), block_size=32, in_flight_tokens=64)
     assert small.need(448) == 14 + 3 * (4 + 1) + 1 == 30  # a window's blocks stop growing with the length
     assert PoolShape(windows=(FULL,), block_size=32, in_flight_tokens=0).need(1024) == 33
 
 
-@given(windows=st.lists(st.one_of(st.none(), st.integers(1, 600)), min_size=1, max_size=6),
-       block=st.sampled_from([16, 32, 64]), in_flight=st.integers(1, 4096), pool=st.integers(1, 400))
+@given(
+    windows=st.lists(st.one_of(st.none(), st.integers(1, 600)), min_size=1, max_size=6),
+    block=st.sampled_from([16, 32, 64]),
+    in_flight=st.integers(1, 4096),
+    pool=st.integers(1, 400),
+)
 def test_longest_len_is_the_largest_length_the_pool_holds(windows, block, in_flight, pool):
     shape = PoolShape(windows=tuple(windows), block_size=block, in_flight_tokens=in_flight)
     longest = shape.longest_len(pool)
@@ -48,9 +51,12 @@ def test_longest_len_is_the_largest_length_the_pool_holds(windows, block, in_fli
 
 def _config(layer_types=None, window=None, disabled=False):
     text = SimpleNamespace(sliding_window=window, **({"layer_types": layer_types} if layer_types else {}))
-    return SimpleNamespace(model_config=SimpleNamespace(hf_text_config=text), cache_config=SimpleNamespace(
-        block_size=32), scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=disabled),
-        max_in_flight_tokens=2048)
+    return SimpleNamespace(
+        model_config=SimpleNamespace(hf_text_config=text),
+        cache_config=SimpleNamespace(block_size=32),
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=disabled),
+        max_in_flight_tokens=2048,
+    )
 
 
 def test_shape_reads_layer_types_and_falls_back_to_one_full_group():

@@ -27,8 +27,9 @@ def batches(draw):
         held = blocks_for(live, B)
         keys = np.sort(np.asarray(draw(st.lists(st.floats(0, 1), min_size=above, max_size=above)), np.float64))
         order = np.asarray(draw(st.permutations(range(live)))[:above], np.int64)
-        cands.append(Candidate.repack(f"r{i}", live, held, n_new, blocks_for(live + n_new, B) - held, order, keys,
-                                      block_size=B))
+        cands.append(
+            Candidate.repack(f"r{i}", live, held, n_new, blocks_for(live + n_new, B) - held, order, keys, block_size=B)
+        )
     fixed = draw(st.integers(0, 3))
     need0 = fixed + sum(c.need(0) for c in cands)
     free = draw(st.integers(0, need0 + 4))
@@ -86,8 +87,10 @@ def test_hysteresis_no_new_round_until_the_batch_outgrows_the_margin(batch, step
         held = blocks_for(live + c.n_new, B)  # what it holds once the round's step ran
         free_after -= held - c.held
         after.append((c, live + c.n_new, held))
-    grown = [Candidate.repack(c.key, live + steps, held, 1, blocks_for(live + steps + 1, B) - held, block_size=B)
-             for c, live, held in after]
+    grown = [
+        Candidate.repack(c.key, live + steps, held, 1, blocks_for(live + steps + 1, B) - held, block_size=B)
+        for c, live, held in after
+    ]
     growth = sum(g.need(0) for g in grown) + fixed
     again = plan_pressure(grown, free_after, fixed, margin, B)
     assert free_after - fixed >= margin  # the round left its margin
@@ -121,8 +124,9 @@ def test_batch_keys():
 def test_the_budget_is_a_floor_and_candidates_follow_select():
     """With ``trigger: pressure`` nothing is due by the budget alone; a candidate's first ``k`` tokens are
     exactly what ``select`` would take for ``k`` under trigger ``step``."""
-    cfg = VTokenConfig(policy="random", budget=0.25, mode="repack", block_size=B, sinks=1, recent=2,
-                       trigger="pressure", scope="all")
+    cfg = VTokenConfig(
+        policy="random", budget=0.25, mode="repack", block_size=B, sinks=1, recent=2, trigger="pressure", scope="all"
+    )
     t = TokenTable(block_size=B, mode=cfg.mode, prompt_len=40)
     t.place(40)
     assert eviction_count(t.live, t.seen, t.prompt_len, cfg) == 0
@@ -145,8 +149,9 @@ def test_naive_rows_count_by_the_naive_rule():
     table's own count after each prefix of the victims (``required_blocks_after_place`` after evicting)."""
     from vtoken.core.pressure import naive_after
 
-    cfg = VTokenConfig(policy="random", budget=0.25, mode="naive", block_size=B, sinks=1, recent=2,
-                       trigger="pressure", scope="all")
+    cfg = VTokenConfig(
+        policy="random", budget=0.25, mode="naive", block_size=B, sinks=1, recent=2, trigger="pressure", scope="all"
+    )
     t = TokenTable(block_size=B, mode=cfg.mode, prompt_len=30)
     t.place(30)
     c = candidate("r", t, cfg.make_policy(), cfg, salt=3, held=8, n_new=1)

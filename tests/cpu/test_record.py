@@ -58,8 +58,10 @@ def test_rows_equal_incremental_decode_and_knorm_equals_pre_rope(recorded, tiny_
     p = trace.prompt_len
     ids = model.generate(torch.tensor([tok(prompts[1])["input_ids"]]), max_new_tokens=GEN, do_sample=False)
     pre: list[torch.Tensor] = []
-    hooks = [layer.self_attn.k_proj.register_forward_hook(lambda m, i, o: pre.append(o.detach()))
-             for layer in model.model.layers]
+    hooks = [
+        layer.self_attn.k_proj.register_forward_hook(lambda m, i, o: pre.append(o.detach()))
+        for layer in model.model.layers
+    ]
     try:
         with torch.inference_mode():
             cache = DynamicCache(config=model.config)

@@ -32,8 +32,9 @@ def results_doc():
 
 def test_results_md_is_what_the_jsons_give():
     committed = DOC.read_text()
-    assert results_doc().render(RESULTS, committed) == committed, \
+    assert results_doc().render(RESULTS, committed) == committed, (
         "docs/results.md differs from its JSONs: run `python scripts/results_doc.py`"
+    )
 
 
 def test_a_changed_json_value_changes_the_quoted_figure(tmp_path):
@@ -88,39 +89,53 @@ def test_each_served_row_quotes_its_reports_summary(name, experiment):
     cells = [c.strip() for c in row.strip("|").split("|")]
     policy = report["setup"]["policies"][0]
     ratios = report["summary"]["ratios"]
-    for cell, key in ((cells[7], f"repack/{policy} +admission / none"),
-                      (cells[8], f"repack/{policy} +admission / naive/{policy} +admission")):
+    for cell, key in (
+        (cells[7], f"repack/{policy} +admission / none"),
+        (cells[8], f"repack/{policy} +admission / naive/{policy} +admission"),
+    ):
         for rate_key in ("max_rate_at_target", "rate_at_target_interpolated"):
             s = ratios[key][rate_key]
             assert statistics.median([v for v in s["values"] if v is not None]) == pytest.approx(s["median"], abs=1e-4)
             spread = f" ({_fmt(s['min'])}–{_fmt(s['max'])})" if s["min"] != s["max"] else ""
             assert f"{_fmt(s['median'])}×{spread}" in cell, (name, rate_key, cell, s)
     variants = report["summary"]["variants"]
-    for cell, label in ((cells[4], "none"), (cells[5], f"naive/{policy} +admission"),
-                        (cells[6], f"repack/{policy} +admission")):
+    for cell, label in (
+        (cells[4], "none"),
+        (cells[5], f"naive/{policy} +admission"),
+        (cells[6], f"repack/{policy} +admission"),
+    ):
         assert _fmt(variants[label]["max_rate_at_target"]["median"]) in cell, (name, label, cell)
     assert f"{report['setup']['pool_blocks']} blocks" == cells[2]
-    assert f"{report['setup']['input_len']} + {report['setup']['output_len']}, {report['setup']['num_prompts']}" \
+    assert (
+        f"{report['setup']['input_len']} + {report['setup']['output_len']}, {report['setup']['num_prompts']}"
         == cells[1]
+    )
 
 
 def test_the_capacity_retained_and_fleet_headlines_follow_their_jsons():
     text = DOC.read_text()
-    for name, model in (("capacity-smollm2.json", "SmolLM2-135M"), ("capacity-tiny-llama.json", "tiny Llama"),
-                        ("capacity-gemma3-270m.json", "Gemma 3 270M")):
+    for name, model in (
+        ("capacity-smollm2.json", "SmolLM2-135M"),
+        ("capacity-tiny-llama.json", "tiny Llama"),
+        ("capacity-gemma3-270m.json", "Gemma 3 270M"),
+    ):
         r = json.loads((RESULTS / name).read_text())
         row = next(line for line in text.splitlines() if line.startswith(f"| {model}"))
         naive, repack = r["modes"]["naive"], r["modes"]["repack"]
-        assert f"{naive['max_feasible_concurrency']} → **{repack['max_feasible_concurrency']}** " \
-               f"({_fmt(r['ratios_vs_naive']['repack']['max_feasible_concurrency'])}×)" in row
+        assert (
+            f"{naive['max_feasible_concurrency']} → **{repack['max_feasible_concurrency']}** "
+            f"({_fmt(r['ratios_vs_naive']['repack']['max_feasible_concurrency'])}×)" in row
+        )
         assert f"({_fmt(r['ratios_vs_naive']['repack']['throughput'])}×" in row
     for name in ("retained_smollm2.json", "retained_synthetic.json"):
         gains = [c["repack_vs_naive_pct"] for c in json.loads((RESULTS / name).read_text())["rows"]]
         rng = f"**−{abs(max(gains)):.1f} … −{abs(min(gains)):.1f} %**"
         assert rng in text, (name, rng)
     fleet = json.loads((RESULTS / "fleet-256.json").read_text())["replicas_needed"]
-    assert f"naive **{fleet['naive']['min_fixed_replicas_meeting_slo']}**, repack " \
-           f"**{fleet['repack']['min_fixed_replicas_meeting_slo']}**" in text
+    assert (
+        f"naive **{fleet['naive']['min_fixed_replicas_meeting_slo']}**, repack "
+        f"**{fleet['repack']['min_fixed_replicas_meeting_slo']}**" in text
+    )
     # the quality halves: every longgen/codegen point's figures and verdict, read here from each JSON
     for path in sorted(RESULTS.glob("longgen-*.json")):
         for p in json.loads(path.read_text())["points"]:
@@ -137,7 +152,9 @@ def test_the_capacity_retained_and_fleet_headlines_follow_their_jsons():
 
 def test_the_retained_reports_say_what_they_ran_on():
     """docs/results/retained_*.json carry no ``environment``; docs/results.md says so."""
-    reports = [json.loads((RESULTS / name).read_text()) for name in ("retained_smollm2.json", "retained_synthetic.json")]
+    reports = [
+        json.loads((RESULTS / name).read_text()) for name in ("retained_smollm2.json", "retained_synthetic.json")
+    ]
     said = "The retained reports carry no `environment`" in DOC.read_text()
     assert said == all("environment" not in r for r in reports), "docs/results.md's note on retained_*.json is stale"
 
@@ -210,5 +227,7 @@ def test_a_broken_link_is_caught(tmp_path, monkeypatch):
     (tmp_path / "README.md").write_text("# Top\n\n[ok](docs/a.md#a--b) [bad](docs/a.md#nope) [gone](docs/b.md)\n")
     (tmp_path / "docs" / "a.md").write_text("# A — b\n\n```\n[x](nowhere.md)\n```\n[up](../README.md#top)\n")
     monkeypatch.setitem(globals(), "ROOT", tmp_path)
-    assert [p.split(": ", 1)[1] for p in broken_links()] == ["docs/a.md#nope: no heading with that anchor",
-                                                               "docs/b.md: no such file"]
+    assert [p.split(": ", 1)[1] for p in broken_links()] == [
+        "docs/a.md#nope: no heading with that anchor",
+        "docs/b.md: no such file",
+    ]

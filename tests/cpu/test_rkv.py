@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from vtoken.core.config import Mode
 from vtoken.core.stats import SlotScores, mean_cosine, observe
 from vtoken.core.token_table import TokenTable
-from vtoken.kernels.scores import RequestScores, ScoreAccumulator, key_redundancy
 from vtoken.kernels.layout import TokenLayout
+from vtoken.kernels.scores import RequestScores, ScoreAccumulator, key_redundancy
 from vtoken.policies import EvictionContext, Stat, make_policy
 from vtoken.policies.rkv import LAMBDA
 
@@ -63,8 +63,7 @@ def draw_keys(spec) -> np.ndarray:
 def test_mean_cosine_equals_the_direct_computation(spec):
     keys = draw_keys(spec)
     np.testing.assert_allclose(mean_cosine(keys), direct(keys), atol=1e-12)
-    np.testing.assert_allclose(key_redundancy(torch.from_numpy(keys).float()).double().numpy(), direct(keys),
-                               atol=1e-5)
+    np.testing.assert_allclose(key_redundancy(torch.from_numpy(keys).float()).double().numpy(), direct(keys), atol=1e-5)
 
 
 def test_two_identical_keys_are_the_redundant_ones():
@@ -75,8 +74,9 @@ def test_two_identical_keys_are_the_redundant_ones():
 
 def ctx(last, redundancy, logical=(0, 10, 20)):
     """Tokens far apart (no pooling between them, HALF = 3)."""
-    return EvictionContext(np.asarray(logical), 21, 0, last=np.asarray(last, float),
-                           redundancy=np.asarray(redundancy, float))
+    return EvictionContext(
+        np.asarray(logical), 21, 0, last=np.asarray(last, float), redundancy=np.asarray(redundancy, float)
+    )
 
 
 def test_score_by_hand():
@@ -103,8 +103,9 @@ def test_the_older_of_two_identical_keys_goes_first():
 
 def test_importance_is_max_pooled_over_three_positions():
     policy = make_policy("rkv")
-    z = policy.score(EvictionContext(np.arange(8), 8, 0, last=np.array([0, 0, 0, 0, 0, 0, 0, 1.0]),
-                                     redundancy=np.zeros(8)))
+    z = policy.score(
+        EvictionContext(np.arange(8), 8, 0, last=np.array([0, 0, 0, 0, 0, 0, 0, 1.0]), redundancy=np.zeros(8))
+    )
     assert np.all(z[4:] == z[7]) and np.all(z[:4] == z[0]) and math.isclose(z[7] - z[0], LAMBDA / 4)  # I: 1/4 each
 
 
@@ -133,8 +134,9 @@ def test_redundancy_through_the_slots_equals_the_live_keys_direct(n, seed, mode)
     late = rng.choice(measured_on[:-1], size=int(rng.integers(0, 3)), replace=False)
     t.evict(late)  # decided before the scores were read: holes in the map
     z = np.zeros(t.extent)
-    scores = SlotScores(1, t.extent, accumulated=z, last=z, unimportant=np.zeros(t.extent, np.uint64),
-                        redundancy=measured)
+    scores = SlotScores(
+        1, t.extent, accumulated=z, last=z, unimportant=np.zeros(t.extent, np.uint64), redundancy=measured
+    )
     t.redundancy[: t.seen] = 7.0  # stale values: every token is set (live) or cleared
     observe(t, scores.by_logical(t.token_at, t.seen - 1))
     want = dict(zip(measured_on.tolist(), direct(keys[measured_on])))
@@ -153,8 +155,9 @@ def test_accumulator_measures_redundancy_through_the_block_table():
     specs = [("a", 0, 1, 7, [5, 2]), ("b", 1, 2, 5, [7, 0]), ("c", 2, 5, 9, [1, 3, 6]), ("d", 5, 6, 3, [4])]
     acc = ScoreAccumulator(layout)
     for name, q0, q1, n, row in specs:
-        acc.requests[name] = RequestScores(q0, q1, n, torch.tensor(row), want_attention=True, want_key_norm=False,
-                                           want_redundancy=name != "d")
+        acc.requests[name] = RequestScores(
+            q0, q1, n, torch.tensor(row), want_attention=True, want_key_norm=False, want_redundancy=name != "d"
+        )
     q = torch.randn(6, heads, hd, generator=g)
     for layer in range(2):
         acc.add_layer(q * (1 + layer), None, cache, 0.3)

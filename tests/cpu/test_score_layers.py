@@ -22,18 +22,21 @@ from vtoken.kernels.gpu_layout import PagedScoreAccumulator, allocate_kv_caches,
 from vtoken.kernels.scores import LayerGroups, RequestScores, attention_probs
 
 
-@pytest.mark.parametrize("count,depth,want", [
-    (None, 30, tuple(range(30))),
-    (30, 30, tuple(range(30))),
-    (31, 30, tuple(range(30))),
-    (1, 30, (29,)),
-    (2, 30, (14, 29)),
-    (3, 30, (9, 19, 29)),
-    (4, 30, (7, 14, 22, 29)),
-    (1, 1, (0,)),
-    (1, 2, (1,)),
-    (2, 2, (0, 1)),
-])
+@pytest.mark.parametrize(
+    "count,depth,want",
+    [
+        (None, 30, tuple(range(30))),
+        (30, 30, tuple(range(30))),
+        (31, 30, tuple(range(30))),
+        (1, 30, (29,)),
+        (2, 30, (14, 29)),
+        (3, 30, (9, 19, 29)),
+        (4, 30, (7, 14, 22, 29)),
+        (1, 1, (0,)),
+        (1, 2, (1,)),
+        (2, 2, (0, 1)),
+    ],
+)
 def test_score_layer_indices(count, depth, want):
     assert score_layer_indices(count, depth) == want
 
@@ -99,8 +102,11 @@ def test_clis_refuse_a_bad_score_layers_before_any_engine():
     from vtoken.cli import app
 
     runner = CliRunner()
-    for args in (["bench", "overhead", "--score-layers", "0"], ["verify", "--score-layers", "-1"],
-                 ["bench", "quality", "--quick", "--score-layers", "all,0"]):
+    for args in (
+        ["bench", "overhead", "--score-layers", "0"],
+        ["verify", "--score-layers", "-1"],
+        ["bench", "quality", "--quick", "--score-layers", "all,0"],
+    ):
         res = runner.invoke(app, args)
         assert res.exit_code == 2, (args, res.output)
         assert "score_layers must be a positive integer" in res.output, (args, res.output)
@@ -109,9 +115,19 @@ def test_clis_refuse_a_bad_score_layers_before_any_engine():
 def test_quality_points_carry_score_layers():
     from vtoken.bench.quality import Point, QualitySetup, points
 
-    setup = QualitySetup(model="m", policies=("h2o",), budgets=(0.2,), granularities=("token",), depths=(0.5,),
-                         per_depth=1, context_tokens=64, windows=1, window_tokens=64, chunk=16,
-                         score_layers=(None, 4))
+    setup = QualitySetup(
+        model="m",
+        policies=("h2o",),
+        budgets=(0.2,),
+        granularities=("token",),
+        depths=(0.5,),
+        per_depth=1,
+        context_tokens=64,
+        windows=1,
+        window_tokens=64,
+        chunk=16,
+        score_layers=(None, 4),
+    )
     pts = points(setup)
     assert [p.key for p in pts[1:]] == ["h2o_token_0.2", "h2o_token_0.2@4"]
     assert pts[2].extra("t", 1)["vtoken"]["score_layers"] == 4
@@ -168,11 +184,15 @@ def test_runner_groups_a_steps_requests_by_their_layer_subset():
     r = Runner()
     r._vt_depth, r._vt_layout = 30, None
     r.optimistic_seq_lens_cpu = torch.full((5,), 40)
-    rows = SimpleNamespace(num_blocks_per_row=np.full(5, 2), block_table=SimpleNamespace(np=np.zeros((5, 4), int)),
-                           block_size=32)
+    rows = SimpleNamespace(
+        num_blocks_per_row=np.full(5, 2), block_table=SimpleNamespace(np=np.zeros((5, 4), int)), block_size=32
+    )
     counts = {"a": 3, "b": None, "c": 30, "d": 1, "e": 3}
-    plan = StepPlan(src=np.zeros(0, np.int64), dst=np.zeros(0, np.int64),
-                    requests={k: RequestStep(offset=0, scores=True, score_layers=n) for k, n in counts.items()})
+    plan = StepPlan(
+        src=np.zeros(0, np.int64),
+        dst=np.zeros(0, np.int64),
+        requests={k: RequestStep(offset=0, scores=True, score_layers=n) for k, n in counts.items()},
+    )
     r._vt_collect(plan, list(counts), np.arange(6), rows)
     got = [(None if s is None else sorted(s), sorted(acc.requests)) for s, acc in r._vt_acc.groups]
     assert got == [(None, ["b", "c"]), ([9, 19, 29], ["a", "e"]), ([29], ["d"])]

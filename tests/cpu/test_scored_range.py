@@ -18,19 +18,22 @@ from vtoken.kernels.check import Shape, make_accumulator, scheduler_plan, setup
 from vtoken.kernels.scores import RequestScores
 
 
-@pytest.mark.parametrize("settings,prompt_len,want", [
-    ({}, 100, 100),  # scope generated (default): the whole prompt
-    ({"sinks": 120}, 100, 120),
-    ({"scope": "all"}, 100, 4),  # the sinks only
-    ({"scope": "all", "prompt_tail": 10}, 100, 4),  # a kept tail past the start is no prefix
-    ({"scope": "all", "prompt_tail": 200}, 100, 100),  # a tail covering the prompt is
-    ({"score_pool": 3}, 100, 97),  # span pooling reads 3 neighbours back
-    ({"policy": "tova"}, 100, 100),
-    ({"policy": "scissorhands"}, 100, 100),
-    ({"policy": "rkv"}, 100, 0),  # redundancy: a softmax over every live token
-    ({"policy": "snapkv"}, 100, 0),  # window: ranks add the maximum over every live token
-    ({"trigger": "pressure"}, 100, 0),  # the batch-wide order divides by the mass of every live token
-])
+@pytest.mark.parametrize(
+    "settings,prompt_len,want",
+    [
+        ({}, 100, 100),  # scope generated (default): the whole prompt
+        ({"sinks": 120}, 100, 120),
+        ({"scope": "all"}, 100, 4),  # the sinks only
+        ({"scope": "all", "prompt_tail": 10}, 100, 4),  # a kept tail past the start is no prefix
+        ({"scope": "all", "prompt_tail": 200}, 100, 100),  # a tail covering the prompt is
+        ({"score_pool": 3}, 100, 97),  # span pooling reads 3 neighbours back
+        ({"policy": "tova"}, 100, 100),
+        ({"policy": "scissorhands"}, 100, 100),
+        ({"policy": "rkv"}, 100, 0),  # redundancy: a softmax over every live token
+        ({"policy": "snapkv"}, 100, 0),  # window: ranks add the maximum over every live token
+        ({"trigger": "pressure"}, 100, 0),  # the batch-wide order divides by the mass of every live token
+    ],
+)
 def test_first_scored_is_the_protected_prefix(settings, prompt_len, want):
     cfg = VTokenConfig(**settings)
     assert first_scored(cfg, prompt_len) == want
@@ -48,9 +51,16 @@ def _run(backend: str, firsts: list[int], seed: int = 3) -> tuple[dict[str, Slot
     start = 0
     for i, (row, live) in enumerate(zip(plan.rows, plan.live)):
         n_q = 6 if i == 0 else 1
-        acc.requests[f"r{i}"] = RequestScores(start, start + n_q, int(live), torch.from_numpy(row.astype(np.int64)),
-                                              want_attention=True, want_key_norm=False, window=4 if i == 0 else 0,
-                                              first=firsts[i])
+        acc.requests[f"r{i}"] = RequestScores(
+            start,
+            start + n_q,
+            int(live),
+            torch.from_numpy(row.astype(np.int64)),
+            want_attention=True,
+            want_key_norm=False,
+            window=4 if i == 0 else 0,
+            first=firsts[i],
+        )
         start += n_q
     query = torch.randn(start, shape.q_heads, shape.head_dim, generator=torch.Generator().manual_seed(seed))
     for layer, kv in enumerate(caches):

@@ -93,9 +93,7 @@ def test_deployment_options_router_autoscaling_and_serve_schema():
     assert (auto.min_replicas, auto.max_replicas, auto.policy.policy_function) == (1, 3, POLICY_CLASS)
     assert auto.policy.policy_kwargs["upscale_kv_utilization"] == 0.75
     router = opts["request_router_config"]
-    assert (
-        router.request_router_class == ROUTER_CLASS and router.request_router_kwargs["stale_after_s"] == 3.0
-    )
+    assert router.request_router_class == ROUTER_CLASS and router.request_router_kwargs["stale_after_s"] == 3.0
     fixed = deployment_options(
         ServeAppConfig.model_validate({"deployment": {"num_replicas": 2}, "router": {"enabled": False}})
     )
@@ -106,9 +104,7 @@ def test_deployment_options_router_autoscaling_and_serve_schema():
 def test_engine_args_and_cpu_binding():
     from vtoken.serve.replica.engine import cpu_binding, engine_args
 
-    cfg = ServeAppConfig.model_validate(
-        {"vtoken": {"mode": "repack", "budget": 64}, "engine": {"kv_cache_blocks": 65}}
-    )
+    cfg = ServeAppConfig.model_validate({"vtoken": {"mode": "repack", "budget": 64}, "engine": {"kv_cache_blocks": 65}})
     kw = engine_args(cfg, "/models/x")
     assert kw["num_gpu_blocks_override"] == 65 and kw["block_size"] == 32 and not kw["disable_log_stats"]
     assert kw["scheduler_cls"].startswith("vtoken.vllm") and kw["additional_config"]["vtoken"]["budget"] == 64
@@ -166,7 +162,8 @@ def test_tensor_parallel_replica_reserves_a_bundle_per_rank():
     from vtoken.serve.replica.engine import cpu_binding, engine_args
 
     assert replica_bundles(ServeAppConfig()) is None and "placement_group_bundles" not in deployment_options(
-        ServeAppConfig())
+        ServeAppConfig()
+    )
     tp2 = ServeAppConfig.model_validate({"engine": {"tensor_parallel_size": 2}})
     opts = deployment_options(tp2)
     assert opts["placement_group_bundles"] == [{"CPU": 0.5}, {"CPU": 1.0}, {"CPU": 1.0}]
@@ -176,11 +173,20 @@ def test_tensor_parallel_replica_reserves_a_bundle_per_rank():
     assert kw["tensor_parallel_size"] == 2 and kw["distributed_executor_backend"] == "mp"
     assert cpu_binding(tp2, 0, ncpu=2) == "0|1" and cpu_binding(tp2, 0, ncpu=8) == "0-3|4-7"
     gpu = tp2.merged({"deployment.gpus_per_rank": 1})
-    assert deployment_options(gpu)["placement_group_bundles"] == [{"CPU": 0.5}, {"CPU": 1.0, "GPU": 1.0},
-                                                                  {"CPU": 1.0, "GPU": 1.0}]
+    assert deployment_options(gpu)["placement_group_bundles"] == [
+        {"CPU": 0.5},
+        {"CPU": 1.0, "GPU": 1.0},
+        {"CPU": 1.0, "GPU": 1.0},
+    ]
     assert engine_args(gpu, "/m")["distributed_executor_backend"] == "ray"
-    DeploymentSchema.model_validate({"name": "VTokenReplica", "placement_group_bundles": opts[
-        "placement_group_bundles"], "placement_group_strategy": "STRICT_PACK", "ray_actor_options": {"num_cpus": 0.5}})
+    DeploymentSchema.model_validate(
+        {
+            "name": "VTokenReplica",
+            "placement_group_bundles": opts["placement_group_bundles"],
+            "placement_group_strategy": "STRICT_PACK",
+            "ray_actor_options": {"num_cpus": 0.5},
+        }
+    )
     assert "tensor_parallel_size" not in engine_args(ServeAppConfig(), "/m")
 
 
@@ -191,8 +197,18 @@ def test_vtoken_serve_exits_with_the_refusal_before_starting_anything():
     import sys
     from pathlib import Path
 
-    cmd = [str(Path(sys.executable).with_name("vtoken")), "serve", "--model", "tiny-llama", "--mode", "repack",
-           "--set", "engine.kv_cache_dtype=fp8", "--port", "18999"]
+    cmd = [
+        str(Path(sys.executable).with_name("vtoken")),
+        "serve",
+        "--model",
+        "tiny-llama",
+        "--mode",
+        "repack",
+        "--set",
+        "engine.kv_cache_dtype=fp8",
+        "--port",
+        "18999",
+    ]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "quantized KV cache (kv_cache_dtype='fp8')" in proc.stderr and "docs/support.md" in proc.stderr
@@ -209,9 +225,22 @@ def test_vtoken_serve_refuses_a_pool_under_the_hybrid_models_need_by_name(mode):
     import sys
     from pathlib import Path
 
-    cmd = [str(Path(sys.executable).with_name("vtoken")), "serve", "--model", "tiny-gemma3", "--mode", mode,
-           "--set", "engine.kv_cache_blocks=100", "--set", "engine.max_model_len=1024", "--set",
-           "limits.max_tokens=64", "--port", "18998"]
+    cmd = [
+        str(Path(sys.executable).with_name("vtoken")),
+        "serve",
+        "--model",
+        "tiny-gemma3",
+        "--mode",
+        mode,
+        "--set",
+        "engine.kv_cache_blocks=100",
+        "--set",
+        "engine.max_model_len=1024",
+        "--set",
+        "limits.max_tokens=64",
+        "--port",
+        "18998",
+    ]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "engine.kv_cache_blocks 100 is too small for engine.max_model_len 1024" in proc.stderr

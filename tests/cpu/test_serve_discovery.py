@@ -23,11 +23,15 @@ def test_target_is_the_bind_address_or_the_node_ip_for_a_wildcard():
 
 
 def test_file_sd_groups_carry_only_meta_labels():
-    doc = file_sd_content({"r2": ("h:2", {"node": "n2", "deployment": "D"}, 0.0),
-                           "r1": ("h:1", {"node": "n1", "deployment": "D"}, 0.0)})
+    doc = file_sd_content(
+        {"r2": ("h:2", {"node": "n2", "deployment": "D"}, 0.0), "r1": ("h:1", {"node": "n1", "deployment": "D"}, 0.0)}
+    )
     assert [g["targets"] for g in doc] == [["h:1"], ["h:2"]]
-    assert doc[0]["labels"] == {"__meta_vtoken_deployment": "D", "__meta_vtoken_node": "n1",
-                                "__meta_vtoken_replica": "r1"}
+    assert doc[0]["labels"] == {
+        "__meta_vtoken_deployment": "D",
+        "__meta_vtoken_node": "n1",
+        "__meta_vtoken_replica": "r1",
+    }
     assert all(k.startswith("__meta_") for g in doc for k in g["labels"])  # dropped after relabeling
 
 
@@ -41,6 +45,7 @@ def test_registry_writes_the_file_and_expires_replicas_that_stop_heartbeating(tm
     path = tmp_path / "sd" / "vtoken_prom_service_discovery.json"
     reg = MetricsRegistry(str(path), ttl_s=6.0, sweep_s=3600)  # the sweeper stays out of the way
     try:
+
         def listed() -> list[str]:
             return [g["targets"][0] for g in json.loads(path.read_text())]
 
@@ -94,8 +99,9 @@ def test_prometheus_finds_the_registered_endpoints_through_file_sd(tmp_path):
     base = free_port(n=2)
     for i, node in enumerate(("n1", "n2")):
         labels = {"application": "vtoken", "deployment": "VTokenReplica", "replica": f"r{i}", "node": node}
-        metrics = ReplicaMetrics(StatsSink(pool_blocks=63), SloTargets(1, 1), "h2o", "repack", labels,
-                                 include_process_registry=False)
+        metrics = ReplicaMetrics(
+            StatsSink(pool_blocks=63), SloTargets(1, 1), "h2o", "repack", labels, include_process_registry=False
+        )
         server, port = start_metrics_server(metrics.view, "127.0.0.1", base + i, 0, span=0, wait_s=0)
         servers.append(server)
         reg.register(f"r{i}", target_address("127.0.0.1", "unused", port), {"node": node})

@@ -57,9 +57,11 @@ def app_config(metrics_port: int) -> ServeAppConfig:
 # whose raylet lives it would end a killed replica's engine processes by itself. Off here, so the
 # replica-kill test proves vToken's own guarantee (vtoken/vllm/lifetime.py), the only one left when the
 # raylet is gone too.
-RAY_ORPHAN_CLEANUP_OFF = {"RAY_process_group_cleanup_enabled": "0",
-                          "RAY_kill_child_processes_on_worker_exit": "0",
-                          "RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper": "0"}
+RAY_ORPHAN_CLEANUP_OFF = {
+    "RAY_process_group_cleanup_enabled": "0",
+    "RAY_kill_child_processes_on_worker_exit": "0",
+    "RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper": "0",
+}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,8 @@ def app(tmp_path_factory):
     fault_file = tmp_path_factory.mktemp("fault") / "fault.json"
     fault_file.write_text("{}")
     with LocalCluster(
-        http_port=free_port(), num_cpus=2,
+        http_port=free_port(),
+        num_cpus=2,
         extra_env={FAULT_FILE_ENV: str(fault_file), **RAY_ORPHAN_CLEANUP_OFF},
     ) as cluster:
         started = time.monotonic()
@@ -110,8 +113,13 @@ def polls_after(app, replicas: list[str], extra: int = 2) -> None:
     """Wait until Serve has polled ``record_routing_stats`` of every replica in ``replicas`` at least
     ``extra`` more times: the router then holds stats taken after everything that happened before."""
     start = replica_samples(app, "vtoken:routing_stats_polls_total")
-    wait_for(lambda: all(replica_samples(app, "vtoken:routing_stats_polls_total").get(r, 0) >= start.get(r, 0)
-                         + extra for r in replicas), f"{extra} routing-stats polls of {replicas}")
+    wait_for(
+        lambda: all(
+            replica_samples(app, "vtoken:routing_stats_polls_total").get(r, 0) >= start.get(r, 0) + extra
+            for r in replicas
+        ),
+        f"{extra} routing-stats polls of {replicas}",
+    )
 
 
 def replicas_by_rank(http: httpx.Client, tries: int = 30) -> dict[int, str]:
@@ -138,7 +146,7 @@ def live_replicas(app) -> set[str]:
 
     prefix = replica_actor_name(app)
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
-    return {n[len(prefix):] for n in names if n.startswith(prefix)}
+    return {n[len(prefix) :] for n in names if n.startswith(prefix)}
 
 
 # ---------------------------------------------------------------------------------------------- API
@@ -187,18 +195,11 @@ def test_malformed_requests_get_4xx_with_openai_errors_and_never_5xx(app):
     statuses, bad = Counter(), []
     started = time.monotonic()
     for case in cases:
-        r = httpx.request(
-            case.method, f"{app.url}{case.path}", content=case.content, headers=case.headers, timeout=60
-        )
+        r = httpx.request(case.method, f"{app.url}{case.path}", content=case.content, headers=case.headers, timeout=60)
         statuses[r.status_code // 100 * 100] += 1
         try:
             err = r.json()["error"]
-            ok = (
-                400 <= r.status_code < 500
-                and err["message"]
-                and "type" in err
-                and err["code"] == r.status_code
-            )
+            ok = 400 <= r.status_code < 500 and err["message"] and "type" in err and err["code"] == r.status_code
         except (ValueError, KeyError, TypeError):
             ok = False
         if not ok:
@@ -239,8 +240,10 @@ def test_router_steers_new_requests_to_the_replica_with_more_free_kv(app):
     big.start()
     assert started["big"].wait(120)
     # the big request's KV is in its replica's stats, and the router has polled them since
-    wait_for(lambda: replica_samples(app, "vtoken:held_blocks").get(holders["big"], 0) >= 8,
-             "the big request's blocks in its replica's stats")
+    wait_for(
+        lambda: replica_samples(app, "vtoken:held_blocks").get(holders["big"], 0) >= 8,
+        "the big request's blocks in its replica's stats",
+    )
     polls_after(app, [holders["big"]])
     small = threading.Thread(target=generate, args=("small", "hi"), daemon=True)
     small.start()
@@ -309,8 +312,7 @@ def test_prometheus_scrapes_kv_and_sla_series_that_move(app):
         assert all(r.status_code == 200 for r in results)
         # Prometheus has scraped every replica after the requests: its request counter moved by all four
         total = "sum(vtoken:requests_total)"
-        wait_for(lambda: _value(prom, total) >= before[total] + 4, "Prometheus to scrape the four requests",
-                 60, 0.5)
+        wait_for(lambda: _value(prom, total) >= before[total] + 4, "Prometheus to scrape the four requests", 60, 0.5)
         replicas = {s["metric"]["replica"] for s in prom.query("vtoken:kv_utilization")}
         assert len(replicas) == 2
         for name in (
@@ -331,9 +333,7 @@ def test_prometheus_scrapes_kv_and_sla_series_that_move(app):
             "vllm:generation_tokens_total",
         ):
             series = prom.query(name)
-            assert series and all(
-                {"replica", "deployment", "application"} <= s["metric"].keys() for s in series
-            ), name
+            assert series and all({"replica", "deployment", "application"} <= s["metric"].keys() for s in series), name
         assert _value(prom, "max(max_over_time(vtoken:held_blocks[2m]))") > 0
         assert _value(prom, "max(max_over_time(vtoken:kv_utilization[2m]))") > 0
         assert _value(prom, "max(max_over_time(vllm:kv_cache_usage_perc[2m]))") > 0
@@ -346,9 +346,12 @@ def test_prometheus_scrapes_kv_and_sla_series_that_move(app):
         from ops_support import ROOT, load_module
 
         build = load_module(ROOT / "dashboards" / "build.py")
-        empty = [(name, title) for name, model in build.dashboards().items()
-                 for title, expr in build.panel_queries(model)
-                 if not prom.query(build.concrete(expr, rate="1m", range_="5m"))]
+        empty = [
+            (name, title)
+            for name, model in build.dashboards().items()
+            for title, expr in build.panel_queries(model)
+            if not prom.query(build.concrete(expr, rate="1m", range_="5m"))
+        ]
         assert not empty, f"dashboard panels without data: {empty}"
 
 
@@ -371,8 +374,9 @@ def pool_bound(sample: dict[str, float], max_num_seqs: int) -> bool:
 def test_pool_bound_needs_waiting_below_both_caps():
     assert pool_bound({"vllm:num_requests_running": 3, "vllm:num_requests_waiting": 5}, 8)
     assert not pool_bound({"vllm:num_requests_running": 8, "vllm:num_requests_waiting": 5}, 8)  # max_num_seqs
-    assert not pool_bound({"vllm:num_requests_running": 3, "vllm:num_requests_waiting": 5,
-                           "vtoken:admission_limit": 3}, 8)  # the admission limit holds them
+    assert not pool_bound(
+        {"vllm:num_requests_running": 3, "vllm:num_requests_waiting": 5, "vtoken:admission_limit": 3}, 8
+    )  # the admission limit holds them
     assert not pool_bound({"vllm:num_requests_running": 3, "vllm:num_requests_waiting": 0}, 8)
 
 
@@ -380,12 +384,21 @@ def test_kv_pool_exhaustion_queues_or_preempts_and_every_request_completes(app):
     """16 concurrent distinct 840-token prompts (27 blocks each before eviction, ≈16 with H2O 50 % while they decode)
     on two 71-block pools: each pool runs 3-4 of them, fewer than ``max_num_seqs`` (8) and the admission
     limit, so the requests that wait are held back by the pool alone — and every one completes."""
-    def body(i: int) -> dict:  # a distinct first block each: no prefix-cache hit shares the prompts' blocks
-        return {"model": "tiny-llama", "prompt": f"Request {i}. {BURST_PROMPT}", "max_tokens": BURST_TOKENS,
-                "ignore_eos": True}
 
-    names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vtoken:admission_limit",
-             "vtoken:kv_utilization")
+    def body(i: int) -> dict:  # a distinct first block each: no prefix-cache hit shares the prompts' blocks
+        return {
+            "model": "tiny-llama",
+            "prompt": f"Request {i}. {BURST_PROMPT}",
+            "max_tokens": BURST_TOKENS,
+            "ignore_eos": True,
+        }
+
+    names = (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vtoken:admission_limit",
+        "vtoken:kv_utilization",
+    )
     max_num_seqs = app.cfg.engine.max_num_seqs
     scrapes: list[dict[str, float]] = []
     stop = threading.Event()
@@ -425,8 +438,14 @@ def test_kv_pool_exhaustion_queues_or_preempts_and_every_request_completes(app):
     # ≥ 2 s of scrapes (5 Hz) with requests waiting that neither max_num_seqs nor admission held back
     assert len(bound) >= 10, f"the pool alone never held requests back: {scrapes[:: max(len(scrapes) // 20, 1)]}"
     # the engines went idle after the burst: each checked its KV invariants (pool, tables) and found none broken
-    checks = wait_for(lambda: (v := replica_samples(app, "vtoken:invariant_checks_total")) and len(v) == 2
-                      and min(v.values()) >= 1 and v, "an idle KV invariant check on both replicas", 30, 0.5)
+    checks = wait_for(
+        lambda: (
+            (v := replica_samples(app, "vtoken:invariant_checks_total")) and len(v) == 2 and min(v.values()) >= 1 and v
+        ),
+        "an idle KV invariant check on both replicas",
+        30,
+        0.5,
+    )
     violations = replica_samples(app, "vtoken:invariant_violations_total")
     print(f"[kv] invariant checks {checks}, violations {violations}")
     assert set(violations) == set(checks) and not any(violations.values()), violations
@@ -508,11 +527,7 @@ def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
                     outcome = (
                         "200"
                         if last == "data: [DONE]"
-                        else (
-                            "503-stream"
-                            if '"code": 503' in last
-                            else f"broken-stream:{r.status_code}:{last[:80]}"
-                        )
+                        else ("503-stream" if '"code": 503' in last else f"broken-stream:{r.status_code}:{last[:80]}")
                     )
                 else:
                     r = c.post(f"{app.url}/v1/completions", json=body)
@@ -535,15 +550,24 @@ def test_replica_killed_under_load_is_retried_or_503_and_serve_restores_it(app):
     descendants = sorted(below)
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(one, i) for i in range(48)]
-        wait_for(lambda: replica_samples(app, "vllm:num_requests_running").get(victim, 0) >= 1,
-                 "the victim replica to be running requests", 60, 0.1)  # killed under load, not idle
+        wait_for(
+            lambda: replica_samples(app, "vllm:num_requests_running").get(victim, 0) >= 1,
+            "the victim replica to be running requests",
+            60,
+            0.1,
+        )  # killed under load, not idle
         killed_at = time.monotonic()
         os.kill(replica_pid, signal.SIGKILL)  # the replica's process alone (issue 29), not its group
         # its engine processes exit on their own (vtoken/vllm/lifetime.py), before Serve's replacement needs
         # room: timed from the kill, while the clients still run
         # (procs.alive: not a zombie — an exited process only waits for its new parent to reap it)
-        wait_for(lambda: not procs.alive(descendants), "the killed replica's engine processes to exit",
-                 ENGINE_EXIT_BOUND_S, 0.2, lambda: [(pid, procs.title(pid)) for pid in procs.alive(descendants)])
+        wait_for(
+            lambda: not procs.alive(descendants),
+            "the killed replica's engine processes to exit",
+            ENGINE_EXIT_BOUND_S,
+            0.2,
+            lambda: [(pid, procs.title(pid)) for pid in procs.alive(descendants)],
+        )
         engine_gone_s = time.monotonic() - killed_at
         for f in futures:
             f.result()

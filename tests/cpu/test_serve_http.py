@@ -29,12 +29,8 @@ async def echo_app(scope, receive, send):
         body += msg.get("body", b"")
         if not msg.get("more_body"):
             break
-    status, payload = (
-        (404, b'{"detail":"Not Found"}') if scope["path"] == "/missing" else (200, body or b"{}")
-    )
-    await send(
-        {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]}
-    )
+    status, payload = (404, b'{"detail":"Not Found"}') if scope["path"] == "/missing" else (200, body or b"{}")
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": payload})
 
 
@@ -69,18 +65,11 @@ def test_limits_answer_400_with_the_parameter_named():
             ok = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 100, "n": 2})
             assert ok.status_code == 200 and ok.json()["prompt"] == "hi"
             assert ok.headers["x-vtoken-replica"] == "rep-1"
-            err = assert_openai_error(
-                await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 101}), 400
-            )
+            err = assert_openai_error(await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 101}), 400)
             assert err["param"] == "max_tokens" and "limit of 100" in err["message"]
-            assert (
-                assert_openai_error(await c.post("/v1/chat/completions", json={"n": 3}), 400)["param"] == "n"
-            )
+            assert assert_openai_error(await c.post("/v1/chat/completions", json={"n": 3}), 400)["param"] == "n"
             long_chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x" * 201}]}]}
-            assert (
-                assert_openai_error(await c.post("/v1/chat/completions", json=long_chat), 400)["param"]
-                == "prompt"
-            )
+            assert assert_openai_error(await c.post("/v1/chat/completions", json=long_chat), 400)["param"] == "prompt"
             assert_openai_error(await c.post("/v1/completions", content=b"x" * 5000), 413)
             # malformed JSON is passed through to vLLM's own validation
             assert (await c.post("/v1/completions", content=b"{bad")).status_code == 200
@@ -111,9 +100,7 @@ def test_framework_errors_are_rewritten_to_openai_format():
     run(go())
 
 
-@pytest.mark.parametrize(
-    "body", [[1, 2], "text", {"max_tokens": "9999"}, {"n": 99.5}, {"messages": "x" * 999}]
-)
+@pytest.mark.parametrize("body", [[1, 2], "text", {"max_tokens": "9999"}, {"n": 99.5}, {"messages": "x" * 999}])
 def test_limit_check_ignores_malformed_fields(body):
     """Wrong types are vLLM's to reject (with its own message), not the guard's."""
     assert limit_violation("/v1/chat/completions", body, CFG) is None
@@ -163,9 +150,7 @@ def test_failover_retries_with_the_same_body_then_answers_503():
 
 def test_failover_closes_a_broken_stream_with_an_error_event():
     async def go():
-        async with client(
-            FailoverMiddleware(FlakyProxy(0, broken_stream=True), retries=2, backoff_s=0.01)
-        ) as c:
+        async with client(FailoverMiddleware(FlakyProxy(0, broken_stream=True), retries=2, backoff_s=0.01)) as c:
             r = await c.post("/v1/chat/completions", json={"stream": True})
             assert r.status_code == 200
             events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]

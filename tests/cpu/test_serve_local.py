@@ -38,15 +38,34 @@ def check_lm_eval_requests(url: str) -> None:
     import httpx
 
     prompt = "The grass is green. The sky is blue. The sun is"
-    gen = httpx.post(f"{url}/v1/completions", timeout=120, json={
-        "prompt": [prompt], "model": "tiny-llama", "max_tokens": 16, "temperature": 0, "stop": ["</s>"],
-        "seed": 1234})
+    gen = httpx.post(
+        f"{url}/v1/completions",
+        timeout=120,
+        json={
+            "prompt": [prompt],
+            "model": "tiny-llama",
+            "max_tokens": 16,
+            "temperature": 0,
+            "stop": ["</s>"],
+            "seed": 1234,
+        },
+    )
     assert gen.status_code == 200, gen.text
     choices = gen.json()["choices"]
     assert [c["index"] for c in choices] == [0] and isinstance(choices[0]["text"], str)
-    ll = httpx.post(f"{url}/v1/completions", timeout=120, json={
-        "model": "tiny-llama", "prompt": [prompt], "temperature": 0, "max_tokens": 1, "logprobs": 1,
-        "seed": 1234, "echo": True})
+    ll = httpx.post(
+        f"{url}/v1/completions",
+        timeout=120,
+        json={
+            "model": "tiny-llama",
+            "prompt": [prompt],
+            "temperature": 0,
+            "max_tokens": 1,
+            "logprobs": 1,
+            "seed": 1234,
+            "echo": True,
+        },
+    )
     assert ll.status_code == 200, ll.text
     body = ll.json()
     logprobs, n = body["choices"][0]["logprobs"], body["usage"]["prompt_tokens"]
@@ -60,9 +79,23 @@ def test_vtoken_serve_prints_examples_answers_and_stops_cleanly_on_ctrl_c():
     import openai
 
     port, metrics_port = free_port(), free_port()
-    srv = LocalServe(port, "--model", "tiny-llama", "--mode", "repack", "--budget", "0.5",
-                     "--set", "engine.kv_cache_blocks=40", "--set", "engine.max_model_len=1024",
-                     "--set", "limits.max_tokens=256", "--set", f"metrics.port={metrics_port}")
+    srv = LocalServe(
+        port,
+        "--model",
+        "tiny-llama",
+        "--mode",
+        "repack",
+        "--budget",
+        "0.5",
+        "--set",
+        "engine.kv_cache_blocks=40",
+        "--set",
+        "engine.max_model_len=1024",
+        "--set",
+        "limits.max_tokens=256",
+        "--set",
+        f"metrics.port={metrics_port}",
+    )
     with srv:
         banner, url = srv.banner, srv.url
         assert "Ctrl-C to stop." in banner, banner[-3000:]
@@ -103,18 +136,42 @@ def test_vtoken_serve_runs_a_hybrid_model_and_its_modes_pair_per_request():
     port, metrics_port = free_port(), free_port()
     # vLLM sizes each of the 4 groups for one max_model_len request (a sliding group for a whole prefill
     # chunk beside its window): 32 + 3 x 33 blocks + the null block = 132 at max_model_len 1024 (pool_need)
-    srv = LocalServe(port, "--model", "tiny-gemma3", "--mode", "repack", "--budget", "0.3",
-                     "--set", "engine.kv_cache_blocks=160", "--set", "engine.enable_prefix_caching=false",
-                     "--set", "engine.max_model_len=1024",
-                     "--set", "limits.max_tokens=128", "--set", f"metrics.port={metrics_port}")
+    srv = LocalServe(
+        port,
+        "--model",
+        "tiny-gemma3",
+        "--mode",
+        "repack",
+        "--budget",
+        "0.3",
+        "--set",
+        "engine.kv_cache_blocks=160",
+        "--set",
+        "engine.enable_prefix_caching=false",
+        "--set",
+        "engine.max_model_len=1024",
+        "--set",
+        "limits.max_tokens=128",
+        "--set",
+        f"metrics.port={metrics_port}",
+    )
     prompt = " ".join(f"item {i} is number {i * 7 % 13}." for i in range(40))
     with srv:
         assert "Ctrl-C to stop." in srv.banner, srv.banner[-3000:]
         texts = {}
         for mode in ("repack", "naive"):
-            r = httpx.post(f"{srv.url}/v1/completions", timeout=120, json={
-                "model": "tiny-gemma3", "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
-                "vllm_xargs": {"vtoken.mode": mode}})
+            r = httpx.post(
+                f"{srv.url}/v1/completions",
+                timeout=120,
+                json={
+                    "model": "tiny-gemma3",
+                    "prompt": prompt,
+                    "max_tokens": 48,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "vllm_xargs": {"vtoken.mode": mode},
+                },
+            )
             assert r.status_code == 200, r.text
             body = r.json()
             assert body["usage"]["prompt_tokens"] > 200 and body["usage"]["completion_tokens"] == 48
@@ -154,7 +211,7 @@ def test_free_port_stays_out_of_rays_and_the_kernels_port_ranges():
     from vtoken.serve.launch.local import FREE_PORT_RANGE, port_is_free
 
     lo, hi = FREE_PORT_RANGE
-    assert 19999 < lo and hi <= 32768  # Ray workers use 10002-19999; Linux ephemeral ports start at 32768
+    assert lo > 19999 and hi <= 32768  # Ray workers use 10002-19999; Linux ephemeral ports start at 32768
     picks = [free_port(n=3) for _ in range(20)]
     assert all(lo <= p and p + 3 <= hi for p in picks)
     assert all(port_is_free("127.0.0.1", p + i) for p in picks for i in range(3))
@@ -177,7 +234,9 @@ def test_port_lost_between_the_check_and_the_proxy_bind_is_a_clear_error_and_ray
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
         s.listen()
-        with pytest.raises(local.PortInUseError, match=f"127.0.0.1:{port}.*in use"):
-            with local.LocalCluster(http_port=port, num_cpus=1):
-                pass
+        with (
+            pytest.raises(local.PortInUseError, match=f"127.0.0.1:{port}.*in use"),
+            local.LocalCluster(http_port=port, num_cpus=1),
+        ):
+            pass
     assert not ray.is_initialized()

@@ -48,8 +48,9 @@ def test_snapshot_from_vanilla_and_from_vtoken_stats():
         pool_blocks=63,
         block_size=32,
         window_blocks=5,
-        counters=ReclaimCounters(evicted_tokens=50, reclaimed_blocks=3, repack_moves=20, repack_seconds=0.002,
-                                 repack_plans=5),
+        counters=ReclaimCounters(
+            evicted_tokens=50, reclaimed_blocks=3, repack_moves=20, repack_seconds=0.002, repack_plans=5
+        ),
         policy="h2o",
         mode="repack",
     )
@@ -67,8 +68,9 @@ def test_snapshot_from_vanilla_and_from_vtoken_stats():
     from vtoken.vllm.stats import ADMISSION_LIMIT, admission_limit_from
 
     for extra in (encode(vt), {}):  # admission's limit reaches the snapshot with vToken's numbers and without
-        got = snapshot_from(sched(usage=0.5, extra={**extra, ADMISSION_LIMIT: 6}), 63, 32, vtoken_stats_from,
-                            admission_limit_from)
+        got = snapshot_from(
+            sched(usage=0.5, extra={**extra, ADMISSION_LIMIT: 6}), 63, 32, vtoken_stats_from, admission_limit_from
+        )
         assert (got.admission_limit, got.source) == (6, "vtoken" if extra else "vllm")
     assert snap.kv_utilization == pytest.approx((4 + 5) / 63)
     assert snap.free_kv_tokens == (63 - 4 - 5) * 32
@@ -140,10 +142,17 @@ def test_exposition_has_architecture_names_and_replica_labels():
         )
         sink.put(
             KVSnapshot(
-                live_tokens=96, held_blocks=4, packing_bound_blocks=3, naive_blocks=6, pool_blocks=63, block_size=32,
-                num_running=1, window_blocks=10,
-                counters=ReclaimCounters(evicted_tokens=12, reclaimed_blocks=3, repack_moves=9, repack_seconds=0.004,
-                                         repack_plans=2),
+                live_tokens=96,
+                held_blocks=4,
+                packing_bound_blocks=3,
+                naive_blocks=6,
+                pool_blocks=63,
+                block_size=32,
+                num_running=1,
+                window_blocks=10,
+                counters=ReclaimCounters(
+                    evicted_tokens=12, reclaimed_blocks=3, repack_moves=9, repack_seconds=0.004, repack_plans=2
+                ),
             )
         )
         sink.finished(RequestLatency(0.2, 0.05, 1.0, 10, "length"))
@@ -165,9 +174,7 @@ def test_exposition_has_architecture_names_and_replica_labels():
     assert value("vtoken:free_kv_tokens") == (63 - 4 - 10) * 32
     assert m["vtoken:evicted_tokens_total"][0] == ({**labels, "policy": "h2o"}, 12.0)
     assert value("vtoken:reclaimed_blocks_total") == 3 and value("vtoken:repack_moves_total") == 9
-    assert value("vtoken:repack_seconds_count") == 2 and value("vtoken:repack_seconds_sum") == pytest.approx(
-        0.004
-    )
+    assert value("vtoken:repack_seconds_count") == 2 and value("vtoken:repack_seconds_sum") == pytest.approx(0.004)
     assert value("vtoken:requests_total") == 2 and value("vtoken:slo_met_total") == 1
     assert value("vtoken:ttft_seconds_count") == 2 and value("vtoken:tpot_seconds_count") == 2
     assert all(labels.items() <= dict(lbl).items() for samples in m.values() for lbl, _ in samples)
@@ -231,8 +238,11 @@ def test_docs_metrics_md_lists_every_declared_metric():
 
 def test_metric_declarations_give_the_scraped_series_names():
     assert names.EVICTED_TOKENS.total == "vtoken:evicted_tokens_total"
-    assert names.TTFT_SECONDS.series == ("vtoken:ttft_seconds_bucket", "vtoken:ttft_seconds_sum",
-                                         "vtoken:ttft_seconds_count")
+    assert names.TTFT_SECONDS.series == (
+        "vtoken:ttft_seconds_bucket",
+        "vtoken:ttft_seconds_sum",
+        "vtoken:ttft_seconds_count",
+    )
     assert names.KV_UTILIZATION.series == ("vtoken:kv_utilization",)
     with pytest.raises(ValueError, match="not a counter"):
         _ = names.KV_UTILIZATION.total

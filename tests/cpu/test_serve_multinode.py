@@ -50,19 +50,29 @@ build = load_module(ROOT / "dashboards" / "build.py")
 
 
 def app_config(metrics_port: int) -> ServeAppConfig:
-    return ServeAppConfig.model_validate({
-        "model": "tiny-llama",
-        "vtoken": {"mode": "repack", "policy": "h2o", "budget": 0.5, "sinks": 4, "recent": 16, "scope": "all"},
-        "engine": {"kv_cache_blocks": 256, "max_model_len": 8160, "max_num_seqs": 8},  # (256 - 1) · 32
-        "limits": {"max_tokens": LONG_TOKENS, "max_prompt_chars": 8000},
-        "deployment": {"max_replicas_per_node": 1, "health_check_period_s": 2.0},
-        "autoscaling": {"enabled": True, "min_replicas": 1, "max_replicas": 2, "upscale_kv_utilization": 0.3,
-                        "downscale_kv_utilization": 0.01, "target_kv_utilization": 0.3,
-                        "metrics_interval_s": 0.5, "look_back_period_s": 2.0, "upscale_delay_s": 1.0,
-                        "downscale_delay_s": 3600.0},
-        "router": {"stats_period_s": STATS_PERIOD_S, "stale_after_s": 3.0},
-        "metrics": {"port": metrics_port, "port_span": 3, "port_wait_s": 1.0},
-    })
+    return ServeAppConfig.model_validate(
+        {
+            "model": "tiny-llama",
+            "vtoken": {"mode": "repack", "policy": "h2o", "budget": 0.5, "sinks": 4, "recent": 16, "scope": "all"},
+            "engine": {"kv_cache_blocks": 256, "max_model_len": 8160, "max_num_seqs": 8},  # (256 - 1) · 32
+            "limits": {"max_tokens": LONG_TOKENS, "max_prompt_chars": 8000},
+            "deployment": {"max_replicas_per_node": 1, "health_check_period_s": 2.0},
+            "autoscaling": {
+                "enabled": True,
+                "min_replicas": 1,
+                "max_replicas": 2,
+                "upscale_kv_utilization": 0.3,
+                "downscale_kv_utilization": 0.01,
+                "target_kv_utilization": 0.3,
+                "metrics_interval_s": 0.5,
+                "look_back_period_s": 2.0,
+                "upscale_delay_s": 1.0,
+                "downscale_delay_s": 3600.0,
+            },
+            "router": {"stats_period_s": STATS_PERIOD_S, "stale_after_s": 3.0},
+            "metrics": {"port": metrics_port, "port_span": 3, "port_wait_s": 1.0},
+        }
+    )
 
 
 def run(*args: str, timeout: float = 600) -> str:
@@ -85,13 +95,23 @@ def cluster(request):
         config.write_text(yaml.safe_dump(doc, sort_keys=False))
         run("deploy", str(config), "--state", str(state_dir), "--timeout", "400")
         state = ClusterState.load(state_dir)
-        print(f"\n[multinode] 4 nodes up in {up_s:.0f} s, app RUNNING {time.monotonic() - started:.0f} s "
-              "after the start")
+        print(
+            f"\n[multinode] 4 nodes up in {up_s:.0f} s, app RUNNING {time.monotonic() - started:.0f} s after the start"
+        )
         sd_file = state_dir / "ray" / SD_FILENAME  # the registry's default: next to Ray's own SD file
-        with (PrometheusServer([], port=free_port(), sd_files=[str(sd_file)]) as prom,
-              httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=120) as http):
-            yield SimpleNamespace(state=state, http=http, prom=prom, sd_file=sd_file, t0=time.time(),
-                                  names={n.node_id: n.name for n in state.nodes}, config=config)
+        with (
+            PrometheusServer([], port=free_port(), sd_files=[str(sd_file)]) as prom,
+            httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=120) as http,
+        ):
+            yield SimpleNamespace(
+                state=state,
+                http=http,
+                prom=prom,
+                sd_file=sd_file,
+                t0=time.time(),
+                names={n.node_id: n.name for n in state.nodes},
+                config=config,
+            )
     finally:
         if request.session.testsfailed:  # keep Ray's and the nodes' logs for the diagnosis
             kept = Path(tempfile.mkdtemp(prefix="vtoken-multinode-logs-", dir="/tmp"))
@@ -102,16 +122,18 @@ def cluster(request):
             print(f"[multinode] logs kept in {kept}")
         saved = (state_dir / "cluster.json").exists()
         groups = [n.pgid for n in ClusterState.load(state_dir).nodes] if saved else []
-        down = subprocess.run([*CLUSTER, "down", "--state", str(state_dir)], capture_output=True, text=True,
-                              timeout=180)
+        down = subprocess.run(
+            [*CLUSTER, "down", "--state", str(state_dir)], capture_output=True, text=True, timeout=180
+        )
         left = procs.cluster_pids(state_dir, groups)
         print(f"[multinode] down: {down.stdout.strip()} (exit {down.returncode}); left: {sorted(left)}")
         assert down.returncode == 0 and not left, f"processes left after down: {sorted(left)}"
 
 
 def complete(http: httpx.Client, max_tokens: int = 4, prompt: str = "hello", **extra) -> httpx.Response:
-    return http.post("/v1/completions",
-                     json={"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens, **extra})
+    return http.post(
+        "/v1/completions", json={"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens, **extra}
+    )
 
 
 def nodes_answering(http: httpx.Client, tries: int = 24, header: str = "x-vtoken-node") -> Counter:
@@ -131,21 +153,29 @@ def all_answering(c, count: int, header: str = "x-vtoken-node", timeout: float =
         seen.update(nodes_answering(c.http, 6, header))
         return len(seen) >= count and seen
 
-    return wait_for(grown, f"{count} distinct {header} answering", timeout, 1.0,
-                    lambda: f"answers so far: {dict(seen)}\n{diagnosis(c)}")
+    return wait_for(
+        grown,
+        f"{count} distinct {header} answering",
+        timeout,
+        1.0,
+        lambda: f"answers so far: {dict(seen)}\n{diagnosis(c)}",
+    )
 
 
 def registered(c) -> dict[str, str]:
     """``{replica id: node id}`` as the metrics registry lists them (the cluster's record of placement)."""
-    return {g["labels"]["__meta_vtoken_replica"]: g["labels"]["__meta_vtoken_node"]
-            for g in json.loads(c.sd_file.read_text())}
+    return {
+        g["labels"]["__meta_vtoken_replica"]: g["labels"]["__meta_vtoken_node"]
+        for g in json.loads(c.sd_file.read_text())
+    }
 
 
 def serve_replicas(c) -> dict:
     """Serve's replica states of the app (``serve status`` on the head, the CLI KubeRay also reads)."""
     serve_cli = str(Path(sys.executable).with_name("serve"))
-    out = subprocess.run([serve_cli, "status", "--address", c.state.dashboard], capture_output=True,
-                         text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [serve_cli, "status", "--address", c.state.dashboard], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     app = yaml.safe_load(out)["applications"]["vtoken"]
     return app["deployments"]["VTokenReplica"].get("replica_states") or {}
 
@@ -154,19 +184,32 @@ def diagnosis(c) -> str:
     """``serve status``, every replica's KV numbers as it exports them, the router's "ranked last" lines
     (proxy logs) and the end of the Serve controller's log, for a failure message."""
     serve_cli = str(Path(sys.executable).with_name("serve"))
-    status = subprocess.run([serve_cli, "status", "--address", c.state.dashboard], capture_output=True,
-                            text=True, timeout=60).stdout
+    status = subprocess.run(
+        [serve_cli, "status", "--address", c.state.dashboard], capture_output=True, text=True, timeout=60
+    ).stdout
     serve_logs = sorted(Path(c.state.state_dir, "ray").glob("session_2*/logs/serve/*.log"))  # not _latest
-    router = [line for log in serve_logs if log.name.startswith("proxy_")
-              for line in log.read_text(errors="replace").splitlines() if "vtoken router" in line]
+    router = [
+        line
+        for log in serve_logs
+        if log.name.startswith("proxy_")
+        for line in log.read_text(errors="replace").splitlines()
+        if "vtoken router" in line
+    ]
     controller = [log for log in serve_logs if log.name.startswith("controller_")]
     tail = controller[-1].read_text()[-4000:] if controller else "(no controller log)"
-    return (f"serve status:\n{status}\nreplicas (exported):\n{replica_view(c)}\nrouter, ranked last "
-            f"({len(router)} lines):\n" + "\n".join(router[-10:]) + f"\ncontroller log (end):\n{tail}")
+    return (
+        f"serve status:\n{status}\nreplicas (exported):\n{replica_view(c)}\nrouter, ranked last "
+        f"({len(router)} lines):\n" + "\n".join(router[-10:]) + f"\ncontroller log (end):\n{tail}"
+    )
 
 
-EXPORTED = ("vtoken:free_kv_tokens", "vtoken:held_blocks", "vllm:num_requests_running",
-            "vllm:num_requests_waiting", "vtoken:routing_stats_polls_total")
+EXPORTED = (
+    "vtoken:free_kv_tokens",
+    "vtoken:held_blocks",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vtoken:routing_stats_polls_total",
+)
 
 
 def exported(c) -> dict[str, dict[str, float | str | None]]:
@@ -209,18 +252,30 @@ def test_kv_autoscaling_adds_a_replica_on_another_node_and_both_answer_through_o
     for t in threads:
         t.start()
     try:  # the load only has to make Serve decide; the new replica then starts on a quieter machine
-        wait_for(lambda: sum(serve_replicas(c).values()) >= 2, "Serve to add a replica", 400, 2.0,
-                 diagnose=lambda: diagnosis(c))
+        wait_for(
+            lambda: sum(serve_replicas(c).values()) >= 2,
+            "Serve to add a replica",
+            400,
+            2.0,
+            diagnose=lambda: diagnosis(c),
+        )
         decided = time.monotonic() - started
     finally:
         stop.set()
         for t in threads:
             t.join(300)
-    both = wait_for(lambda: len(n := nodes_answering(c.http, 6)) == 2 and n, "a second replica", 400, 2.0,
-                    diagnose=lambda: diagnosis(c))
-    print(f"\n[multinode] KV load → Serve adds a replica after {decided:.0f} s, serving after "
-          f"{time.monotonic() - started:.0f} s; nodes {sorted(c.names[n] for n in both)}; "
-          f"load answers {dict(codes)}")
+    both = wait_for(
+        lambda: len(n := nodes_answering(c.http, 6)) == 2 and n,
+        "a second replica",
+        400,
+        2.0,
+        diagnose=lambda: diagnosis(c),
+    )
+    print(
+        f"\n[multinode] KV load → Serve adds a replica after {decided:.0f} s, serving after "
+        f"{time.monotonic() - started:.0f} s; nodes {sorted(c.names[n] for n in both)}; "
+        f"load answers {dict(codes)}"
+    )
     assert set(codes) == {200}, errors[:3]
     spread = nodes_answering(c.http, 30)
     assert len(spread) == 2 and all(c.names[n].startswith("worker-") for n in spread), spread
@@ -247,9 +302,11 @@ def test_router_ranks_replicas_across_nodes_by_free_kv(cluster):
         rounds += 1
         free_node, long_node, shorts, idle_s = router_round(c)
         targets.update({"free": shorts[free_node], "long": shorts[long_node]})
-        print(f"\n[multinode] router across nodes, round {rounds}: {shorts[free_node]}/{shorts.total()} short "
-              f"requests to the node with more free KV ({c.names[free_node]}; long prompt on "
-              f"{c.names[long_node]}); both idle {idle_s:.1f} s after the client closed the streams")
+        print(
+            f"\n[multinode] router across nodes, round {rounds}: {shorts[free_node]}/{shorts.total()} short "
+            f"requests to the node with more free KV ({c.names[free_node]}; long prompt on "
+            f"{c.names[long_node]}); both idle {idle_s:.1f} s after the client closed the streams"
+        )
     n = targets.total()
     assert n >= 6, f"only {n} short requests answered while both long generations ran\n{diagnosis(c)}"
     assert targets["free"] / n >= 0.8, f"{dict(targets)}\n{diagnosis(c)}"
@@ -262,12 +319,18 @@ def polls_after(c, extra: int) -> None:
     """Wait until Serve has taken every registered replica's routing stats ``extra`` more times (each
     replica counts them in ``vtoken:routing_stats_polls_total``): the router then ranks on stats taken
     after everything that happened before the call. A counter, not a sleep: under load the polls run late."""
+
     def polls() -> dict[str, float]:
         return {node: v.get("vtoken:routing_stats_polls_total") or 0.0 for node, v in exported(c).items()}
 
     start = polls()
-    wait_for(lambda: all(polls().get(node, 0.0) >= n + extra for node, n in start.items()),
-             f"{extra} routing-stats polls of every replica", 60, STATS_PERIOD_S / 2, lambda: diagnosis(c))
+    wait_for(
+        lambda: all(polls().get(node, 0.0) >= n + extra for node, n in start.items()),
+        f"{extra} routing-stats polls of every replica",
+        60,
+        STATS_PERIOD_S / 2,
+        lambda: diagnosis(c),
+    )
 
 
 def router_round(c) -> tuple[str, str, Counter, float]:
@@ -282,8 +345,7 @@ def router_round(c) -> tuple[str, str, Counter, float]:
     finish = threading.Event()  # the client closes both streams
 
     def generate(key: str, prompt: str) -> None:
-        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": LONG_TOKENS, "ignore_eos": True,
-                "stream": True}
+        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": LONG_TOKENS, "ignore_eos": True, "stream": True}
         try:
             with c.http.stream("POST", "/v1/completions", json=body, timeout=600) as r:
                 holders[key], codes[key] = r.headers["x-vtoken-node"], r.status_code
@@ -304,8 +366,8 @@ def router_round(c) -> tuple[str, str, Counter, float]:
         assert started["small"].wait(120) and codes["small"] == 200, codes
         assert not done.is_set(), "the long-prompt generation ended before the second one was routed"
         assert holders["big"] != holders["small"], (
-            f"the short-prompt generation went to the long prompt's node ({c.names[holders['big']]})\n"
-            f"{diagnosis(c)}")
+            f"the short-prompt generation went to the long prompt's node ({c.names[holders['big']]})\n{diagnosis(c)}"
+        )
         # four more: the router sees the second generation running (until then Serve's queue counts it
         # as queued, charged ``tokens_per_queued_request``); the router's copy of the stats cannot be read
         # from here, so the wait is on each replica's count of the polls that took its stats
@@ -321,8 +383,13 @@ def router_round(c) -> tuple[str, str, Counter, float]:
         closed = time.monotonic()
         for t in threads:
             t.join(120)
-    wait_for(lambda: all(v.get("vllm:num_requests_running") == 0 for v in exported(c).values()),
-             "both replicas idle after the client closed its streams", 300, 0.5, lambda: diagnosis(c))
+    wait_for(
+        lambda: all(v.get("vllm:num_requests_running") == 0 for v in exported(c).values()),
+        "both replicas idle after the client closed its streams",
+        300,
+        0.5,
+        lambda: diagnosis(c),
+    )
     return holders["small"], holders["big"], shorts, time.monotonic() - closed
 
 
@@ -330,6 +397,7 @@ def test_prometheus_finds_every_replica_on_every_node_through_the_registry(clust
     c = cluster
     groups = json.loads(c.sd_file.read_text())
     assert len(groups) == 2 and len({g["labels"]["__meta_vtoken_node"] for g in groups}) == 2
+
     def scraped():
         result = c.prom.query("count by (node) (vtoken:kv_utilization)")
         return result if len(result) == 2 else None
@@ -371,14 +439,20 @@ def test_worker_node_killed_under_load_gets_200_or_503_and_serve_restores_it_els
     killed_at, killed_wall = time.monotonic(), time.time()
     out = run("kill-node", victim, "--state", c.state.state_dir)
     try:
-        back = wait_for(lambda: next((r for r in results if r[3] == spare_id and r[0] > killed_at), None),
-                        f"a replica on {spare}", 700, 1.0, lambda: diagnosis(c))
+        back = wait_for(
+            lambda: next((r for r in results if r[3] == spare_id and r[0] > killed_at), None),
+            f"a replica on {spare}",
+            700,
+            1.0,
+            lambda: diagnosis(c),
+        )
         recovered_s = back[1] - killed_at
         # 4-6 s after the replacement's first answer here. In CI once not within 60 s: the test had read the
         # serving nodes off one routed sample and taken the other replica's node for the spare, so "back"
         # was immediate and this waited on the real replacement (``all_answering``)
-        wait_for(lambda: serve_replicas(c).get("RUNNING") == 2, "Serve: 2 replicas RUNNING", 120, 1.0,
-                 lambda: diagnosis(c))
+        wait_for(
+            lambda: serve_replicas(c).get("RUNNING") == 2, "Serve: 2 replicas RUNNING", 120, 1.0, lambda: diagnosis(c)
+        )
         both_s = time.monotonic() - killed_at
         time.sleep(4.0)
     finally:
@@ -388,15 +462,20 @@ def test_worker_node_killed_under_load_gets_200_or_503_and_serve_restores_it_els
     after = [r for r in results if r[0] >= killed_at - 1.0]
     outcomes = Counter(r[2] for r in after)
     slowest = max(r[1] - r[0] for r in results)
-    print(f"\n[multinode] {out.strip()}; requests sent from 1 s before the kill: {dict(outcomes)}, slowest "
-          f"{slowest:.1f} s; replica back on {spare} {recovered_s:.1f} s after the kill, Serve: 2 RUNNING "
-          f"after {both_s:.1f} s")
+    print(
+        f"\n[multinode] {out.strip()}; requests sent from 1 s before the kill: {dict(outcomes)}, slowest "
+        f"{slowest:.1f} s; replica back on {spare} {recovered_s:.1f} s after the kill, Serve: 2 RUNNING "
+        f"after {both_s:.1f} s"
+    )
     assert set(outcomes) <= {200, 503}, (outcomes, errors[:3])  # no connection error, timeout (= hang)
     assert slowest < 90
     assert set(all_answering(c, 2)) == serving - {c.state.node(victim).node_id} | {spare_id}
     # the dashboard's "Replicas per node" query (all nodes) over the run: 2, fewer while the node is gone, 2
-    (expr,) = [build.concrete(e) for t, e in build.panel_queries(build.kv_dashboard())
-               if t == "Replicas per node" and "by (node)" not in e]
+    (expr,) = [
+        build.concrete(e)
+        for t, e in build.panel_queries(build.kv_dashboard())
+        if t == "Replicas per node" and "by (node)" not in e
+    ]
     series = c.prom.query_range(expr, killed_wall - 15, time.time(), 1.0)
     counts = [int(float(v)) for _, v in series[0]["values"]]
     print(f"[multinode] Prometheus {expr} over the run: {compress(counts)}")
@@ -404,7 +483,7 @@ def test_worker_node_killed_under_load_gets_200_or_503_and_serve_restores_it_els
     # of them is the lost node: 2 before the kill, ≥ 3 s of 1 after it, then 2 again
     before, after = ",".join(map(str, counts[:15])), ",".join(map(str, counts[15:]))
     assert "2,2" in before and "1,1,1" in after, counts
-    assert "2,2,2" in after[after.index("1,1,1"):], counts
+    assert "2,2,2" in after[after.index("1,1,1") :], counts
 
 
 def test_an_autoscaling_update_through_serve_deploy_keeps_the_replicas_and_idle_scales_to_one(cluster):
@@ -419,15 +498,26 @@ def test_an_autoscaling_update_through_serve_deploy_keeps_the_replicas_and_idle_
     shorter.write_text(yaml.safe_dump(doc, sort_keys=False))
     started = time.monotonic()
     run("deploy", str(shorter), "--state", c.state.state_dir, "--timeout", "120")
-    wait_for(lambda: serve_replicas(c) == {"RUNNING": 1}, "Serve to stop the idle second replica", 120, 1.0,
-             diagnose=lambda: diagnosis(c))
+    wait_for(
+        lambda: serve_replicas(c) == {"RUNNING": 1},
+        "Serve to stop the idle second replica",
+        120,
+        1.0,
+        diagnose=lambda: diagnosis(c),
+    )
     down_s = time.monotonic() - started
     after = nodes_answering(c.http, 8, "x-vtoken-replica")
     assert len(after) == 1 and set(after) <= set(before), (before, after)  # kept, not restarted
-    left = wait_for(lambda: len(g := json.loads(c.sd_file.read_text())) == 1 and g, "the registry to drop "
-                    "the stopped replica", 30, 1.0)
-    print(f"\n[multinode] downscale_delay_s 3600 -> 5 by serve deploy: 2 -> 1 replica {down_s:.0f} s after "
-          f"the deploy; the registry lists {len(left)} endpoint")
+    left = wait_for(
+        lambda: len(g := json.loads(c.sd_file.read_text())) == 1 and g,
+        "the registry to drop the stopped replica",
+        30,
+        1.0,
+    )
+    print(
+        f"\n[multinode] downscale_delay_s 3600 -> 5 by serve deploy: 2 -> 1 replica {down_s:.0f} s after "
+        f"the deploy; the registry lists {len(left)} endpoint"
+    )
 
 
 def test_ray_stop_force_on_a_node_leaves_no_engine_process_behind(cluster):
@@ -441,8 +531,13 @@ def test_ray_stop_force_on_a_node_leaves_no_engine_process_behind(cluster):
     out = run("stop-ray", victim, "--state", c.state.state_dir)
     engines = json.loads(out.rsplit("engine processes left ", 1)[1])
     assert len(engines) >= 2, out  # VLLM::EngineCore and its VLLM::Worker, alive when Ray went away
-    wait_for(lambda: not procs.alive(engines), "the engine processes of the stopped node to exit",
-             ENGINE_EXIT_BOUND_S, 0.2, diagnose=lambda: f"still alive: {sorted(procs.alive(engines))}")
+    wait_for(
+        lambda: not procs.alive(engines),
+        "the engine processes of the stopped node to exit",
+        ENGINE_EXIT_BOUND_S,
+        0.2,
+        diagnose=lambda: f"still alive: {sorted(procs.alive(engines))}",
+    )
     print(f"\n[multinode] {out.strip()}; all gone {time.monotonic() - killed_at:.1f} s after Ray was stopped")
 
 

@@ -33,8 +33,15 @@ def stats(
     polled: float = NOW,
 ) -> dict:
     snap = KVSnapshot(
-        live_tokens=live if live is not None else held * 32, held_blocks=held, packing_bound_blocks=held,
-        naive_blocks=held, pool_blocks=pool, block_size=32, num_running=running, num_waiting=waiting, at=at,
+        live_tokens=live if live is not None else held * 32,
+        held_blocks=held,
+        packing_bound_blocks=held,
+        naive_blocks=held,
+        pool_blocks=pool,
+        block_size=32,
+        num_running=running,
+        num_waiting=waiting,
+        at=at,
     )
     return routing_stats(snap, polled)
 
@@ -42,17 +49,16 @@ def stats(
 def test_more_free_kv_ranks_first_and_fragmentation_discounts():
     a, b = stats(held=40, running=1), stats(held=10, running=1)
     assert effective_free_tokens(a, 1, P, NOW) == (63 - 40) * 32
-    ranks = rank_by_kv(
-        [("a", effective_free_tokens(a, 1, P, NOW)), ("b", effective_free_tokens(b, 1, P, NOW))], 64
-    )
+    ranks = rank_by_kv([("a", effective_free_tokens(a, 1, P, NOW)), ("b", effective_free_tokens(b, 1, P, NOW))], 64)
     assert ranks == [["b"], ["a"]]
     # same free blocks; c fills its 20 held blocks half (320 wasted slots, charged at weight 0.5)
     c = stats(held=20, live=320, running=1)
     d = stats(held=20, running=1)
     assert effective_free_tokens(c, 1, P, NOW) == pytest.approx(43 * 32 - 0.5 * 320)
-    assert rank_by_kv(
-        [("c", effective_free_tokens(c, 1, P, NOW)), ("d", effective_free_tokens(d, 1, P, NOW))], 64
-    ) == [["d"], ["c"]]
+    assert rank_by_kv([("c", effective_free_tokens(c, 1, P, NOW)), ("d", effective_free_tokens(d, 1, P, NOW))], 64) == [
+        ["d"],
+        ["c"],
+    ]
 
 
 def test_one_short_request_does_not_make_a_replica_look_full():
@@ -131,10 +137,14 @@ def test_replicas_ranked_last_are_logged_once_per_period(monkeypatch, caplog):
     for _ in range(3):
         asyncio.run(router.choose_replicas([fresh, stale, silent, partial]))
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == [("vtoken router: replica B ranked last: stats polled 60.0 s before the freshest "
-                      "replica's, 60.0 s ago (stale after 5.0 s)"),
-                     "vtoken router: replica C ranked last: no routing stats",
-                     "vtoken router: replica D ranked last: its routing stats lack a number the ranking needs"]
+    assert lines == [
+        (
+            "vtoken router: replica B ranked last: stats polled 60.0 s before the freshest "
+            "replica's, 60.0 s ago (stale after 5.0 s)"
+        ),
+        "vtoken router: replica C ranked last: no routing stats",
+        "vtoken router: replica D ranked last: its routing stats lack a number the ranking needs",
+    ]
     clock[0] += UNSCORED_LOG_EVERY_S  # a period later, no new poll: B and C again; A aged with them, fresh
     asyncio.run(router.choose_replicas([fresh, stale, silent, partial]))
     assert sorted(r.getMessage().split(" ranked")[0][-1] for r in caplog.records[3:]) == ["B", "C", "D"]
@@ -147,8 +157,10 @@ def test_staleness_is_judged_against_the_freshest_poll(monkeypatch):
     monkeypatch.setattr("vtoken.serve.control.router.time.time", lambda: NOW)
     assert stats_as_of([stats(held=0, polled=NOW - 8), stats(held=0, polled=NOW - 9), None, {}], NOW) == NOW - 8
     assert stats_as_of([None, {}], NOW) == NOW and stats_as_of([stats(held=0, polled=NOW + 5)], NOW) == NOW
-    lagging = [FakeReplica(replica_id="A", routing_stats=stats(held=50, running=1, polled=NOW - 8)),
-               FakeReplica(replica_id="B", routing_stats=stats(held=2, running=1, polled=NOW - 9))]
+    lagging = [
+        FakeReplica(replica_id="A", routing_stats=stats(held=50, running=1, polled=NOW - 8)),
+        FakeReplica(replica_id="B", routing_stats=stats(held=2, running=1, polled=NOW - 9)),
+    ]
     router = make_router({"A": 1, "B": 1})
     for _ in range(5):
         ranks = asyncio.run(router.choose_replicas(lagging))
@@ -174,9 +186,7 @@ def test_concurrent_choices_are_spread_by_reservations(monkeypatch):
     assert sorted(Counter(firsts).values()) == [5, 5]
     # routed requests release their reservation (Serve's queue-length cache counts them from then on)
     for i in range(10):
-        router.on_request_routed(
-            SimpleNamespace(metadata=SimpleNamespace(internal_request_id=f"r{i}")), None, None
-        )
+        router.on_request_routed(SimpleNamespace(metadata=SimpleNamespace(internal_request_id=f"r{i}")), None, None)
     assert not router._reservations
     # a reservation made at NOW lasts reservation_ttl_s (5 s): still counted at NOW + 5, dropped after
     pending = SimpleNamespace(metadata=SimpleNamespace(internal_request_id="late"))

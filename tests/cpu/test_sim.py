@@ -37,8 +37,17 @@ def tallies_equal(a, b):
 @pytest.mark.parametrize("trigger", ["step", "block"])
 @pytest.mark.parametrize("policy", SIMULATED)
 def test_fast_engine_equals_exact_engine(policy, trigger):
-    cfg = SimConfig.of(policy=policy, budget="0.3", block_size=8, prompt_len=150, gen_len=40, requests=3,
-                       sinks=2, recent=8, trigger=trigger).vtoken
+    cfg = SimConfig.of(
+        policy=policy,
+        budget="0.3",
+        block_size=8,
+        prompt_len=150,
+        gen_len=40,
+        requests=3,
+        sinks=2,
+        recent=8,
+        trigger=trigger,
+    ).vtoken
     source = SyntheticSource(SyntheticConfig(), 3, 190, seed=11, first=5)
     exact = simulate_exact(cfg, source, 150, 40, first_request=5, check=True)
     fast = simulate_fast(cfg, source, 150, 40, first_request=5)
@@ -46,12 +55,19 @@ def test_fast_engine_equals_exact_engine(policy, trigger):
     assert fast.modes["repack"].moves > fast.modes["reuse+repack"].moves  # holes reused for decode tokens
 
 
-@pytest.mark.parametrize("protection", [{"prompt_tail": 40}, {"scope": "generated"}, {"prompt_scores": "window"}],
-                         ids=["tail", "generated", "question-aware"])
+@pytest.mark.parametrize(
+    "protection",
+    [{"prompt_tail": 40}, {"scope": "generated"}, {"prompt_scores": "window"}],
+    ids=["tail", "generated", "question-aware"],
+)
 @pytest.mark.parametrize("policy", ["h2o", "snapkv", "random"])
 def test_fast_engine_equals_exact_engine_with_a_protected_prompt(policy, protection):
-    cfg = replace(SimConfig.of(policy=policy, budget="0.3", block_size=8, prompt_len=150, gen_len=60, requests=3,
-                               sinks=2, recent=8).vtoken, **protection)
+    cfg = replace(
+        SimConfig.of(
+            policy=policy, budget="0.3", block_size=8, prompt_len=150, gen_len=60, requests=3, sinks=2, recent=8
+        ).vtoken,
+        **protection,
+    )
     source = SyntheticSource(SyntheticConfig(), 3, 210, seed=11, first=5)
     exact = simulate_exact(cfg, source, 150, 60, first_request=5, check=True)
     fast = simulate_fast(cfg, source, 150, 60, first_request=5)
@@ -70,8 +86,11 @@ def test_policies_reading_the_keys_are_refused_by_name():
     for policy in refused:
         cfg = SimConfig.of(policy="h2o", budget="0.3", block_size=8, prompt_len=30, gen_len=10, requests=1).vtoken
         cfg = replace(cfg, policy=policy)
-        for call in (lambda: SimConfig.of(policy=policy, budget="0.3"),
-                     lambda: simulate_exact(cfg, source, 30, 10), lambda: simulate_fast(cfg, source, 30, 10)):
+        for call in (
+            lambda policy=policy: SimConfig.of(policy=policy, budget="0.3"),
+            lambda cfg=cfg: simulate_exact(cfg, source, 30, 10),
+            lambda cfg=cfg: simulate_fast(cfg, source, 30, 10),
+        ):
             with pytest.raises(ConfigError, match=rf"policy '{policy}' cannot be simulated: it reads redundancy"):
                 call()
     res = runner.invoke(app, ["simulate", "--policy", "rkv", "--requests", "1", "--json"])
@@ -92,8 +111,9 @@ def test_recorded_trace_source_replays_like_the_formula():
     s_idx = np.arange(P + M)
     attn = np.stack([np.tril(np.stack([syn.attention_row(r, s, s_idx) for s in s_idx])) for r in range(2)])
     trace = TraceSource(attn, syn.key_norm)
-    cfg = SimConfig.of(policy="h2o", budget="0.25", block_size=8, prompt_len=P, gen_len=M, requests=2,
-                       sinks=2, recent=8).vtoken
+    cfg = SimConfig.of(
+        policy="h2o", budget="0.25", block_size=8, prompt_len=P, gen_len=M, requests=2, sinks=2, recent=8
+    ).vtoken
     a, b = simulate_fast(cfg, syn, P, M), simulate_fast(cfg, trace, P, M)
     for m in a.modes:
         np.testing.assert_allclose(a.modes[m].per_step_sum, b.modes[m].per_step_sum, atol=1.0, err_msg=m)
@@ -120,8 +140,17 @@ def test_blocks_taken_from_the_pool_follow_the_live_set(policy, trigger):
     real ``BlockPool``; after every decode step the blocks taken from the pool must equal what the live
     sets require, and the fast engine's per-step series (every headline number) must equal those counts."""
     P, M, R, B = 100, 30, 2, 8
-    cfg = SimConfig.of(policy=policy, budget="0.3", block_size=B, prompt_len=P, gen_len=M, requests=R,
-                       sinks=2, recent=8, trigger=trigger).vtoken
+    cfg = SimConfig.of(
+        policy=policy,
+        budget="0.3",
+        block_size=B,
+        prompt_len=P,
+        gen_len=M,
+        requests=R,
+        sinks=2,
+        recent=8,
+        trigger=trigger,
+    ).vtoken
     source = SyntheticSource(SyntheticConfig(), R, P + M, seed=4)
     total, last, bits, window = source.prefill(P, True, True)
     managers = {m.value: CacheManager(replace(cfg, mode=m), num_blocks=R * math.ceil((P + M) / B)) for m in Mode}
@@ -130,8 +159,7 @@ def test_blocks_taken_from_the_pool_follow_the_live_set(policy, trigger):
             m.add_request(request_name(r))
             m.place(request_name(r), P, source.key_norm[r, :P])
             if mode != "none":
-                m.observe(request_name(r), StepScores(np.arange(P), P, total[r], last[r], bits[r],
-                                                      window=window[r]))
+                m.observe(request_name(r), StepScores(np.arange(P), P, total[r], last[r], bits[r], window=window[r]))
     held = {mode: np.zeros(M) for mode in managers}
     for d in range(M):
         n = P + d  # the decode token of this step
@@ -153,10 +181,36 @@ def test_blocks_taken_from_the_pool_follow_the_live_set(policy, trigger):
 
 
 def test_contract_and_orderings():
-    args = {"policy": "h2o", "budget": "0.2", "block_size": 16, "prompt_len": 256, "gen_len": 32, "requests": 8,
-            "seed": 1}
-    res = runner.invoke(app, ["simulate", "--policy", "h2o", "--budget", "0.2", "--block-size", "16",
-                              "--prompt-len", "256", "--gen-len", "32", "--requests", "8", "--seed", "1", "--json"])
+    args = {
+        "policy": "h2o",
+        "budget": "0.2",
+        "block_size": 16,
+        "prompt_len": 256,
+        "gen_len": 32,
+        "requests": 8,
+        "seed": 1,
+    }
+    res = runner.invoke(
+        app,
+        [
+            "simulate",
+            "--policy",
+            "h2o",
+            "--budget",
+            "0.2",
+            "--block-size",
+            "16",
+            "--prompt-len",
+            "256",
+            "--gen-len",
+            "32",
+            "--requests",
+            "8",
+            "--seed",
+            "1",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert {"policy", "budget", "block_size", "requests", "packing_bound_mean", "modes"} <= out.keys()
@@ -176,8 +230,9 @@ def test_contract_and_orderings():
 
 def test_table_and_plot(tmp_path):
     png = tmp_path / "blocks.png"
-    res = runner.invoke(app, ["simulate", "--requests", "4", "--prompt-len", "128", "--gen-len", "16",
-                              "--plot", str(png)])
+    res = runner.invoke(
+        app, ["simulate", "--requests", "4", "--prompt-len", "128", "--gen-len", "16", "--plot", str(png)]
+    )
     assert res.exit_code == 0, res.output
     assert "reuse+repack" in res.stdout and "packing bound" in res.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -221,9 +276,11 @@ def test_simulator_leaves_no_llvmlite_behind():
     import subprocess
     import sys
 
-    code = ("import sys; from vtoken.sim.run import SimConfig, run_simulation; "
-            "run_simulation(SimConfig.of(requests=2, prompt_len=64, gen_len=4)); "
-            "print('llvmlite' in sys.modules or 'numba' in sys.modules)")
+    code = (
+        "import sys; from vtoken.sim.run import SimConfig, run_simulation; "
+        "run_simulation(SimConfig.of(requests=2, prompt_len=64, gen_len=4)); "
+        "print('llvmlite' in sys.modules or 'numba' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -246,8 +303,9 @@ def test_whole_pool_adds_the_same_sliding_blocks_to_every_mode():
     full group alone, and both are reported."""
     from vtoken.sim.result import window_blocks
 
-    cfg = SimConfig.of(policy="h2o", budget=0.2, block_size=16, prompt_len=256, gen_len=64, requests=8,
-                       window=64, window_groups=3)
+    cfg = SimConfig.of(
+        policy="h2o", budget=0.2, block_size=16, prompt_len=256, gen_len=64, requests=8, window=64, window_groups=3
+    )
     out, _ = run_simulation(cfg)
     pool = out["pool"]
     sliding = 3 * window_blocks(256 + np.arange(1, 65), 64, 16).mean()
@@ -264,8 +322,12 @@ def test_whole_pool_adds_the_same_sliding_blocks_to_every_mode():
 
 @pytest.mark.parametrize("window,groups", [(64, 0), (None, 2), (0, 2), (64, -1)])
 def test_window_and_groups_go_together(window, groups):
-    r = CliRunner().invoke(app, ["simulate", "--requests", "2"] + (["--window", str(window)] if window is not None
-                                                                   else []) + ["--window-groups", str(groups)])
+    r = CliRunner().invoke(
+        app,
+        ["simulate", "--requests", "2"]
+        + (["--window", str(window)] if window is not None else [])
+        + ["--window-groups", str(groups)],
+    )
     assert r.exit_code == 2 and "window and window-groups go together" in r.stderr, r.output
 
 

@@ -103,8 +103,14 @@ def test_window_statistic_is_set_not_accumulated_and_maps_through_slots():
     t.evict([2])
     t.apply(t.plan())  # token 5 moved into slot 2
     probs, bits = np.full(5, 0.2), np.zeros(5, np.uint64)
-    slot = SlotScores(n_queries=1, seq_len=5, accumulated=probs, last=probs, unimportant=bits,
-                      window=np.array([1.0, 2.0, 5.0, 3.0, 4.0]))
+    slot = SlotScores(
+        n_queries=1,
+        seq_len=5,
+        accumulated=probs,
+        last=probs,
+        unimportant=bits,
+        window=np.array([1.0, 2.0, 5.0, 3.0, 4.0]),
+    )
     observe(t, slot.by_logical(t.token_at, first_new=5))
     assert t.window[[0, 1, 3, 4, 5]].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
     observe(t, slot.by_logical(t.token_at, first_new=5))
@@ -128,8 +134,9 @@ def test_worker_sums_the_last_window_queries_up_to_the_prompts_end(window, rows)
     g = torch.Generator().manual_seed(3)
     probs = torch.rand(40, 50, generator=g)
     acc = ScoreAccumulator(layout=None)
-    acc.requests["r"] = RequestScores(0, 40, 50, torch.zeros(2), want_attention=True, want_key_norm=False,
-                                      window=window, probs=probs * 2, layers=2)
+    acc.requests["r"] = RequestScores(
+        0, 40, 50, torch.zeros(2), want_attention=True, want_key_norm=False, window=window, probs=probs * 2, layers=2
+    )
     out = acc.finish()["r"]
     if rows is None:
         assert out.window is None
@@ -149,8 +156,9 @@ def test_sources_give_the_window_statistic(P):
     pre = syn.prefill(P, need_bits=False, need_window=True)
     np.testing.assert_allclose(pre.window, brute, rtol=1e-12)
     assert not syn.prefill(P, need_bits=False).window.any()  # not asked for: zeros
-    attn = np.stack([np.tril(np.stack([syn.attention_row(r, s, np.arange(P + 4)) for s in range(P + 4)]))
-                     for r in range(2)])
+    attn = np.stack(
+        [np.tril(np.stack([syn.attention_row(r, s, np.arange(P + 4)) for s in range(P + 4)])) for r in range(2)]
+    )
     trace = TraceSource(attn, syn.key_norm)
     np.testing.assert_allclose(trace.prefill(P, False, True).window, brute, rtol=1e-9)
 
@@ -173,8 +181,9 @@ SCORES = [9, 9, 0, 0] + [5, 5, 5, 5] + [0, 0, 0, 0] + [0, 0, 0, 100] + [1, 1, 1,
 
 def block_victims(n_live_target: int, t: TokenTable | None = None, **kw) -> list[int]:
     t = t if t is not None else block_table(SCORES, dead=[9])
-    cfg = VTokenConfig(policy="h2o", budget=n_live_target, block_size=4, sinks=2, recent=5,
-                       granularity="block", mode="naive", **kw)
+    cfg = VTokenConfig(
+        policy="h2o", budget=n_live_target, block_size=4, sinks=2, recent=5, granularity="block", mode="naive", **kw
+    )
     return choose_victims(t, make_policy("h2o"), cfg, salt=0).tolist()
 
 
@@ -196,16 +205,16 @@ def test_block_granularity_ties_go_to_the_older_block_and_shared_blocks_stay():
 
 @pytest.mark.parametrize("mode", [Mode.NAIVE, Mode.REPACK, Mode.REUSE_REPACK])
 def test_block_granularity_through_the_manager_frees_whole_original_blocks(mode):
-    cfg = VTokenConfig(policy="h2o", budget=0.3, mode=mode, block_size=4, sinks=2, recent=5,
-                       granularity="block")
+    cfg = VTokenConfig(policy="h2o", budget=0.3, mode=mode, block_size=4, sinks=2, recent=5, granularity="block")
     m = CacheManager(cfg, num_blocks=40)
     m.add_request("r")
     rng = np.random.default_rng(0)
     m.step("r", 40)
     for _ in range(30):
         t = m.tables["r"]
-        m.observe("r", StepScores(t.live_logicals(), 1, rng.random(t.live), rng.random(t.live),
-                                  np.zeros(t.live, np.uint64)))
+        m.observe(
+            "r", StepScores(t.live_logicals(), 1, rng.random(t.live), rng.random(t.live), np.zeros(t.live, np.uint64))
+        )
         budget = math.ceil(0.3 * t.seen)
         m.step("r", 1)
         live = t.live_logicals()
@@ -217,8 +226,18 @@ def test_block_granularity_through_the_manager_frees_whole_original_blocks(mode)
 
 
 def test_exact_simulator_block_granularity_naive_equals_the_packing_bound():
-    cfg = SimConfig.of(policy="snapkv", budget="0.3", block_size=8, prompt_len=120, gen_len=30, requests=2,
-                       sinks=2, recent=8, granularity="block", engine="exact").vtoken
+    cfg = SimConfig.of(
+        policy="snapkv",
+        budget="0.3",
+        block_size=8,
+        prompt_len=120,
+        gen_len=30,
+        requests=2,
+        sinks=2,
+        recent=8,
+        granularity="block",
+        engine="exact",
+    ).vtoken
     tally = simulate_exact(cfg, SyntheticSource(SyntheticConfig(), 2, 150, seed=4), 120, 30, check=True)
     np.testing.assert_array_equal(tally.modes["naive"].per_step_sum, tally.packing_per_step_sum)
     assert tally.modes["repack"].moves > 0
@@ -249,8 +268,7 @@ def test_bad_granularity_names_the_valid_ones():
 
 
 def test_simulate_cli_granularity_block_defaults_to_the_exact_engine():
-    base = ["simulate", "--json", "--requests", "1", "--prompt-len", "96", "--gen-len", "8",
-            "--block-size", "8"]
+    base = ["simulate", "--json", "--requests", "1", "--prompt-len", "96", "--gen-len", "8", "--block-size", "8"]
     res = CliRunner().invoke(app, [*base, "--granularity", "block", "--policy", "snapkv"])
     assert res.exit_code == 0, res.output
     assert '"engine": "exact"' in res.stdout and '"granularity": "block"' in res.stdout

@@ -11,8 +11,14 @@ import pytest
 from vtoken.bench.longgen import trade
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
-SERVED = [RESULTS / f for f in ("serve-smollm2-32-blocks-stock-median.json", "serve-smollm2-64-blocks-stock-median.json",
-                                "serve-smollm2-decode-only-10.json")]
+SERVED = [
+    RESULTS / f
+    for f in (
+        "serve-smollm2-32-blocks-stock-median.json",
+        "serve-smollm2-64-blocks-stock-median.json",
+        "serve-smollm2-decode-only-10.json",
+    )
+]
 
 
 def _load(paths):
@@ -41,13 +47,26 @@ def test_capacity_gain_is_full_blocks_over_held_blocks():
 
 
 def test_the_gain_at_parity_counts_only_points_at_parity():
-    points = [{"label": "a", "settings": {"policy": "h2o", "budget": 0.95, "scope": "generated"}, "gain": 1.03,
-               "at_parity": True},
-              {"label": "b", "settings": {"policy": "h2o", "budget": 0.1, "scope": "generated"}, "gain": 2.5,
-               "at_parity": False}]
+    points = [
+        {
+            "label": "a",
+            "settings": {"policy": "h2o", "budget": 0.95, "scope": "generated"},
+            "gain": 1.03,
+            "at_parity": True,
+        },
+        {
+            "label": "b",
+            "settings": {"policy": "h2o", "budget": 0.1, "scope": "generated"},
+            "gain": 2.5,
+            "at_parity": False,
+        },
+    ]
     served = [{"settings": {"policy": "h2o", "budget": 0.1, "scope": "generated"}, "median": 2.0}]
-    assert trade.gain_at_parity(points, served) == {"capacity_gain": 1.03, "served_gain": 1.0,
-                                                    "points_at_parity": ["a"]}
+    assert trade.gain_at_parity(points, served) == {
+        "capacity_gain": 1.03,
+        "served_gain": 1.0,
+        "points_at_parity": ["a"],
+    }
     points[1]["at_parity"] = True
     assert trade.gain_at_parity(points, served)["served_gain"] == 2.0
 
@@ -56,6 +75,10 @@ def test_the_trade_figure_renders_from_the_committed_reports(tmp_path):
     from vtoken.bench.longgen.plot import plot_trade
 
     out = tmp_path / "trade.png"
-    plot_trade(_load([RESULTS / "longgen-smollm2-224.json"]), _load(sorted(RESULTS.glob("codegen-smollm2*.json"))),
-               _load(SERVED), out)
+    plot_trade(
+        _load([RESULTS / "longgen-smollm2-224.json"]),
+        _load(sorted(RESULTS.glob("codegen-smollm2*.json"))),
+        _load(SERVED),
+        out,
+    )
     assert out.stat().st_size > 10_000

@@ -21,42 +21,77 @@ from vtoken.kernels.triton_attention import _DECODE
 from vtoken.kernels.triton_moves import _COPY, DIRECT, GATHER, SCATTER
 from vtoken.kernels.triton_scores import _PROBS, _STATS
 
-LLAMA = dict(GROUP=4, G_P2=16, D=128, D_P2=128, WIDTH=256, BLOCK_SIZE=16, BLOCK_N=32, STRIDED=True,
-             UPCAST=False, ALIGN=16, Q_ALIGN=16)
+LLAMA = dict(
+    GROUP=4,
+    G_P2=16,
+    D=128,
+    D_P2=128,
+    WIDTH=256,
+    BLOCK_SIZE=16,
+    BLOCK_N=32,
+    STRIDED=True,
+    UPCAST=False,
+    ALIGN=16,
+    Q_ALIGN=16,
+)
 
 
 def compile_sm90(kernel, types: dict[str, str], constexprs: dict, asm: str = "ptx") -> str:
     """PTX (or ``asm="ttir"``: Triton's IR) of the compiled variant for sm_90."""
     fn = kernel.compiled()
-    signature = {name: types[name] if name in types else "constexpr" for name in fn.arg_names}
+    signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
     assert set(signature) == set(types) | set(constexprs), set(signature) ^ (set(types) | set(constexprs))
     divisible = [n for n, t in types.items() if t.startswith("*") or n.endswith(("stride", "_st", "_sh"))]
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible
-             if n not in kernel.do_not_specialize}
-    src = ASTSource(fn=fn, signature=signature, attrs=attrs,
-                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    attrs = {
+        (fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible if n not in kernel.do_not_specialize
+    }
+    src = ASTSource(
+        fn=fn, signature=signature, attrs=attrs, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}
+    )
     return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm[asm]
 
 
 @pytest.mark.parametrize("mode", [GATHER, SCATTER, DIRECT])
 @pytest.mark.parametrize("strided", [True, False])
 def test_move_kernel_compiles_and_vectorises(mode, strided):
-    types = {"cache_ptr": "*bf16", "layer_off_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64",
-             "stage_ptr": "*bf16", "index_ptr": "*i32", "block_stride": "i64", "head_stride": "i32",
-             "token_stride": "i32"}
+    types = {
+        "cache_ptr": "*bf16",
+        "layer_off_ptr": "*i64",
+        "src_ptr": "*i64",
+        "dst_ptr": "*i64",
+        "stage_ptr": "*bf16",
+        "index_ptr": "*i32",
+        "block_stride": "i64",
+        "head_stride": "i32",
+        "token_stride": "i32",
+    }
     ptx = compile_sm90(
         _COPY,
         types,
-        dict(CAP=512, BLOCK_SIZE=16, HEADS=8, HEAD_TILE=8, WIDTH=256, WIDTH_P2=256, STRIDED=strided, ALIGN=16,
-             MODE=mode),
+        dict(
+            CAP=512, BLOCK_SIZE=16, HEADS=8, HEAD_TILE=8, WIDTH=256, WIDTH_P2=256, STRIDED=strided, ALIGN=16, MODE=mode
+        ),
     )
     if strided:  # the CUDA layouts: whole 16-byte vectors in and out
         assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
 
 
-SCORE_TYPES = {"q_st": "i32", "q_sh": "i32", "bt_ptr": "*i32", "bt_stride": "i32", "index_ptr": "*i32",
-               "q_tok": "*i32", "q_req": "*i32", "q_vis": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32",
-               "block_stride": "i64", "head_stride": "i32", "token_stride": "i32", "scale": "fp32"}
+SCORE_TYPES = {
+    "q_st": "i32",
+    "q_sh": "i32",
+    "bt_ptr": "*i32",
+    "bt_stride": "i32",
+    "index_ptr": "*i32",
+    "q_tok": "*i32",
+    "q_req": "*i32",
+    "q_vis": "*i32",
+    "m_ptr": "*fp32",
+    "l_ptr": "*fp32",
+    "block_stride": "i64",
+    "head_stride": "i32",
+    "token_stride": "i32",
+    "scale": "fp32",
+}
 
 
 @pytest.mark.parametrize("dtype,precision", [("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "ieee")])
@@ -66,8 +101,11 @@ def test_score_kernels_compile(dtype, precision):
     ptx = compile_sm90(_STATS, types, common)
     assert re.search(r"ld\.global(\.\w+)*\.v4", ptx)  # the query tile: 16-byte vectors (Q_ALIGN)
     assert re.search(r"cp\.async\.cg\.shared\.global .*, 0x10", ptx)  # keys: 16-byte async copies
-    ptx = compile_sm90(_PROBS, {**types, "q_row": "*i32", "q_first": "*i32", "sums_ptr": "*fp32",
-                                "rows_ptr": "*fp32", "kmax": "i32"}, {**common, "HKV": 8})
+    ptx = compile_sm90(
+        _PROBS,
+        {**types, "q_row": "*i32", "q_first": "*i32", "sums_ptr": "*fp32", "rows_ptr": "*fp32", "kmax": "i32"},
+        {**common, "HKV": 8},
+    )
     assert re.search(r"cp\.async\.cg\.shared\.global .*, 0x10", ptx)
     assert not re.search(r"ld\.global(\.\w+)*\.b16", ptx)  # triton 3.6 loaded keys by the element before
 
@@ -82,10 +120,23 @@ def test_score_kernels_compile_for_odd_head_dims_and_mqa():
 
 
 def test_paged_decode_compiles():
-    types = {"q_ptr": "*bf16", "q_st": "i32", "q_sh": "i32", "cache_ptr": "*bf16", "bt_ptr": "*i32",
-             "bt_stride": "i32", "index_ptr": "*i64", "seq_ptr": "*i32", "out_ptr": "*bf16", "o_st": "i32",
-             "o_sh": "i32", "block_stride": "i64", "head_stride": "i32", "token_stride": "i32",
-             "scale": "fp32"}
+    types = {
+        "q_ptr": "*bf16",
+        "q_st": "i32",
+        "q_sh": "i32",
+        "cache_ptr": "*bf16",
+        "bt_ptr": "*i32",
+        "bt_stride": "i32",
+        "index_ptr": "*i64",
+        "seq_ptr": "*i32",
+        "out_ptr": "*bf16",
+        "o_st": "i32",
+        "o_sh": "i32",
+        "block_stride": "i64",
+        "head_stride": "i32",
+        "token_stride": "i32",
+        "scale": "fp32",
+    }
     ptx = compile_sm90(_DECODE, types, {**LLAMA, "PRECISION": "tf32"})
     assert re.search(r"cp\.async\.cg\.shared\.global .*, 0x10", ptx)  # keys and values: 16-byte copies
     assert not re.search(r"ld\.global(\.\w+)*\.b16", ptx)
@@ -116,17 +167,37 @@ def stride_products(ttir: str) -> list[tuple[str, str, str]]:
 
 
 def _ttir_cases():
-    moves = {"cache_ptr": "*bf16", "layer_off_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64",
-             "stage_ptr": "*bf16", "index_ptr": "*i32", "block_stride": "i32", "head_stride": "i32",
-             "token_stride": "i32"}
+    moves = {
+        "cache_ptr": "*bf16",
+        "layer_off_ptr": "*i64",
+        "src_ptr": "*i64",
+        "dst_ptr": "*i64",
+        "stage_ptr": "*bf16",
+        "index_ptr": "*i32",
+        "block_stride": "i32",
+        "head_stride": "i32",
+        "token_stride": "i32",
+    }
     move_c = dict(CAP=512, BLOCK_SIZE=16, HEADS=8, HEAD_TILE=8, WIDTH=256, WIDTH_P2=256, ALIGN=16)
     scores = {**SCORE_TYPES, "q_ptr": "*bf16", "cache_ptr": "*bf16", "block_stride": "i32"}
-    probs = {**scores, "q_row": "*i32", "q_first": "*i32", "sums_ptr": "*fp32", "rows_ptr": "*fp32",
-             "kmax": "i32"}
-    decode = {"q_ptr": "*bf16", "q_st": "i32", "q_sh": "i32", "cache_ptr": "*bf16", "bt_ptr": "*i32",
-              "bt_stride": "i32", "index_ptr": "*i32", "seq_ptr": "*i32", "out_ptr": "*bf16", "o_st": "i32",
-              "o_sh": "i32", "block_stride": "i32", "head_stride": "i32", "token_stride": "i32",
-              "scale": "fp32"}
+    probs = {**scores, "q_row": "*i32", "q_first": "*i32", "sums_ptr": "*fp32", "rows_ptr": "*fp32", "kmax": "i32"}
+    decode = {
+        "q_ptr": "*bf16",
+        "q_st": "i32",
+        "q_sh": "i32",
+        "cache_ptr": "*bf16",
+        "bt_ptr": "*i32",
+        "bt_stride": "i32",
+        "index_ptr": "*i32",
+        "seq_ptr": "*i32",
+        "out_ptr": "*bf16",
+        "o_st": "i32",
+        "o_sh": "i32",
+        "block_stride": "i32",
+        "head_stride": "i32",
+        "token_stride": "i32",
+        "scale": "fp32",
+    }
     for mode in (GATHER, SCATTER, DIRECT):
         for strided in (True, False):
             name = f"move{mode}{'s' if strided else 'i'}"

@@ -38,13 +38,16 @@ except ImportError:
 def _run(code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     isolate = ISOLATE.replace("ROOT)", repr(str(ROOT)) + ")")
-    return subprocess.run([sys.executable, "-c", isolate + code], capture_output=True, text=True, timeout=300,
-                          cwd="/tmp", env=env)
+    return subprocess.run(
+        [sys.executable, "-c", isolate + code], capture_output=True, text=True, timeout=300, cwd="/tmp", env=env
+    )
 
 
 def test_tests_gpu_collect_without_vllm_or_the_project_installed():
-    code = f"import pytest; sys.exit(pytest.main([{str(ROOT / 'tests/gpu')!r}, '--collect-only', '-q', " \
-           "'-p', 'no:cacheprovider']))"
+    code = (
+        f"import pytest; sys.exit(pytest.main([{str(ROOT / 'tests/gpu')!r}, '--collect-only', '-q', "
+        "'-p', 'no:cacheprovider']))"
+    )
     proc = _run(code)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "test_warmups_compile_every_variant_the_steps_use" in proc.stdout

@@ -46,8 +46,11 @@ def test_the_process_was_not_switched_to_the_interpreter():
 
 @pytest.mark.parametrize(
     "name,dtype,hd",
-    [("cpu", torch.float32, 64), ("flash_attn", torch.bfloat16, 80),
-     *[(n, torch.float32, 64) for n in sorted(KV_CACHE_LAYOUTS)]],
+    [
+        ("cpu", torch.float32, 64),
+        ("flash_attn", torch.bfloat16, 80),
+        *[(n, torch.float32, 64) for n in sorted(KV_CACHE_LAYOUTS)],
+    ],
 )
 def test_moves_equal_the_reference_in_every_element(name, dtype, hd):
     """A scheduler-style multi-request plan (disjoint, so one direct launch), chunked by a small capacity."""
@@ -113,12 +116,20 @@ SPECS = [("a", 0, 1, 40, [3, 1, 7]), ("b", 1, 2, 7, [2]), ("c", 2, 5, 33, [0, 4,
 def _scores(cls, views, layout, q, specs, windows=None, key_norm=False, **kwargs):
     acc = cls(layout, **kwargs)
     for name, q0, q1, n, row in specs:
-        acc.requests[name] = RequestScores(q0, q1, n, torch.tensor(row), want_attention=True,
-                                           want_key_norm=key_norm, window=(windows or {}).get(name, 0),
-                                           want_redundancy=key_norm)  # R-KV's, torch on both paths
+        acc.requests[name] = RequestScores(
+            q0,
+            q1,
+            n,
+            torch.tensor(row),
+            want_attention=True,
+            want_key_norm=key_norm,
+            window=(windows or {}).get(name, 0),
+            want_redundancy=key_norm,
+        )  # R-KV's, torch on both paths
     for layer, view in enumerate(views):
-        acc.add_layer(q * (1 + 0.25 * layer), q[:, : layout.num_kv_heads] if key_norm else None, view,
-                      q.shape[-1] ** -0.5)
+        acc.add_layer(
+            q * (1 + 0.25 * layer), q[:, : layout.num_kv_heads] if key_norm else None, view, q.shape[-1] ** -0.5
+        )
     return acc.finish()
 
 
@@ -161,9 +172,7 @@ def test_long_chunk_keeps_the_last_64_queries_and_the_window():
     assert ref["long"].unimportant.any() and (~ref["long"].unimportant.astype(bool)).any()
 
 
-@pytest.mark.parametrize(
-    "name,dtype,tol", [("flash_attn", torch.float32, 1e-4), ("cpu", torch.bfloat16, 2e-2)]
-)
+@pytest.mark.parametrize("name,dtype,tol", [("flash_attn", torch.float32, 1e-4), ("cpu", torch.bfloat16, 2e-2)])
 def test_paged_decode_attention_equals_torch(name, dtype, tol):
     views, layout = _caches(name, hd=80, dtype=dtype, seed=11)
     table = torch.tensor([[3, 1, 7], [0, 2, 0], [4, 5, 6]], dtype=torch.int32)

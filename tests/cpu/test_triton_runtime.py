@@ -56,7 +56,7 @@ def test_the_interpreted_variant_interprets_wherever_it_is_first_asked_for():
 def _count_tiles(n_ptr, out_ptr, BLOCK: tl.constexpr):
     n = tl.load(n_ptr)
     tiles = n * 0
-    for start in range(0, n, BLOCK):  # a loaded loop bound, as the score kernels' range(0, vis, BLOCK_N)
+    for _start in range(0, n, BLOCK):  # a loaded loop bound, as the score kernels' range(0, vis, BLOCK_N)
         tiles += 1
     tl.store(out_ptr, tiles)
 
@@ -75,7 +75,8 @@ def test_a_loaded_loop_bound_runs_in_the_interpreter_where_numpy_refuses_int_of_
     out = torch.zeros(1, dtype=torch.int32)
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
-        TritonKernel(_count_tiles).launch(torch.device("cpu"), (1,), torch.tensor([40], dtype=torch.int32),
-                                          out, BLOCK=16)
+        TritonKernel(_count_tiles).launch(
+            torch.device("cpu"), (1,), torch.tensor([40], dtype=torch.int32), out, BLOCK=16
+        )
     assert out.item() == 3
     assert interpreter._patch_lang_tensor is patch  # restored after the launch

@@ -50,8 +50,7 @@ def keys(calls, kernel) -> set[str]:
 def _step(views, layout, specs, query):
     acc = TritonScoreAccumulator(layout)
     for i, (q0, q1, n, row) in enumerate(specs):
-        acc.requests[f"r{i}"] = RequestScores(q0, q1, n, torch.tensor(row), want_attention=True,
-                                              want_key_norm=False)
+        acc.requests[f"r{i}"] = RequestScores(q0, q1, n, torch.tensor(row), want_attention=True, want_key_norm=False)
     for kv in views:
         acc.add_layer(query, None, kv, HD**-0.5)
 
@@ -135,6 +134,7 @@ def test_what_the_warmups_launch_compiles_for_sm90(recorded):
         kwargs = {**kwargs, "UPCAST": False} if "UPCAST" in kwargs else kwargs
         bound, spec, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=backend.target,
-                                  options=options.__dict__)
+        compiled = triton.compile(
+            ASTSource(fn, signature, constexprs, attrs), target=backend.target, options=options.__dict__
+        )
         assert compiled.asm["ptx"], kernel.fn.__name__

@@ -42,8 +42,7 @@ def execute(so, sched):
 
     ids = list(so.num_scheduled_tokens)
     sampled = [[] if sched.requests[rid].is_prefill_chunk else [7] for rid in ids]
-    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                             sampled_token_ids=sampled)
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled)
 
 
 def drive(sched, requests, in_flight, max_iters=2000):
@@ -85,8 +84,12 @@ def finished_all(generated) -> bool:
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("mode", ["repack", "none"])
 def test_tight_tpot_holds_the_batch_at_the_cap(async_scheduling, mode):
-    sched = base.make_scheduler(async_scheduling=async_scheduling, max_num_seqs=MAX_SEQS, num_blocks=256,
-                                vtoken={"mode": mode, "admission_tpot_ms": TPOT_MS})
+    sched = base.make_scheduler(
+        async_scheduling=async_scheduling,
+        max_num_seqs=MAX_SEQS,
+        num_blocks=256,
+        vtoken={"mode": mode, "admission_tpot_ms": TPOT_MS},
+    )
     log, generated = drive(sched, workload(), 2 if async_scheduling else 1)
     assert finished_all(generated)  # everyone finished, nothing starved
     capped = [(run, wait, cap, adm) for run, wait, cap, adm in log if cap is not None]
@@ -116,8 +119,9 @@ def test_admission_off_runs_max_num_seqs_and_a_loose_target_costs_nothing(async_
     assert off.admission_cap() is None and all(cap is None for _, _, cap, _ in log_off)
     assert admission_limit_from(off.make_stats()) is None  # off: no vtoken:admission_limit series
     assert max(run for run, *_ in log_off) == MAX_SEQS
-    loose = base.make_scheduler(async_scheduling=async_scheduling, max_num_seqs=MAX_SEQS, num_blocks=256,
-                                vtoken={"admission_tpot_ms": 10_000.0})
+    loose = base.make_scheduler(
+        async_scheduling=async_scheduling, max_num_seqs=MAX_SEQS, num_blocks=256, vtoken={"admission_tpot_ms": 10_000.0}
+    )
     log_loose, _ = drive(loose, workload(), in_flight)
     assert loose.admission_cap() == MAX_SEQS
     assert [run for run, *_ in log_loose] == [run for run, *_ in log_off]  # the same schedule, step for step
@@ -134,8 +138,24 @@ def test_admission_trace_script_records_every_step_of_a_real_engine(tmp_path):
     from ops_support import ROOT
 
     script, out = str(ROOT / "scripts" / "admission_trace.py"), tmp_path / "trace.json"
-    args = ["--model", "tiny-llama", "--pool-blocks", "12", "--rate", "50", "--num-prompts", "6",
-            "--input-len", "40", "--output-len", "24", "--tpot-ms", "10000", "--out", str(out)]
+    args = [
+        "--model",
+        "tiny-llama",
+        "--pool-blocks",
+        "12",
+        "--rate",
+        "50",
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "40",
+        "--output-len",
+        "24",
+        "--tpot-ms",
+        "10000",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -145,9 +165,11 @@ def test_admission_trace_script_records_every_step_of_a_real_engine(tmp_path):
     assert len(steps) >= 24 and all(1 <= s[4] <= 16 for s in steps)  # ≥ one step per generated token
     assert max(s[2] for s in steps) >= 2 and steps[-1][8] >= 8 and steps[-1][5] is not None  # fitted
     assert [s[0] for s in steps] == sorted(s[0] for s in steps)
-    bad = subprocess.run([sys.executable, script, "--rate", "0", "--out", str(out)], capture_output=True,
-                         text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, script, "--rate", "0", "--out", str(out)], capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode == 2 and "--rate" in bad.stderr and "Traceback" not in bad.stderr
-    bad = subprocess.run([sys.executable, script, "--policy", "lru", "--out", str(out)], capture_output=True,
-                         text=True, timeout=120)  # the variant's config is validated before vLLM loads
+    bad = subprocess.run(
+        [sys.executable, script, "--policy", "lru", "--out", str(out)], capture_output=True, text=True, timeout=120
+    )  # the variant's config is validated before vLLM loads
     assert bad.returncode == 2 and "unknown policy 'lru'" in bad.stderr and "Traceback" not in bad.stderr

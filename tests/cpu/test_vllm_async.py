@@ -45,15 +45,26 @@ def test_async_llm_multiprocess(tmp_path, monkeypatch):
 
     path = tiny_model("llama")
     cfg = VTokenConfig(policy="h2o", budget=0.3, mode="repack", block_size=32, sinks=4, recent=8, scope="all")
-    args = AsyncEngineArgs(model=str(path), dtype="float32", enforce_eager=True, max_model_len=512,
-                           enable_prefix_caching=False, **engine_kwargs(cfg, trace_dir=str(tmp_path)))
+    args = AsyncEngineArgs(
+        model=str(path),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        enable_prefix_caching=False,
+        **engine_kwargs(cfg, trace_dir=str(tmp_path)),
+    )
     rng = np.random.default_rng(7)
     prompts = [rng.integers(10, 500, 150).tolist() for _ in range(3)]
     overrides = [{}, {"mode": "naive"}, {"policy": "tova", "mode": "reuse+repack", "budget": 0.5}]
 
     async def one(engine, i):
-        params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=0, ignore_eos=True,
-                                extra_args={"vtoken": {"trace_id": f"async-{i}", **overrides[i]}})
+        params = SamplingParams(
+            max_tokens=24,
+            temperature=0.0,
+            logprobs=0,
+            ignore_eos=True,
+            extra_args={"vtoken": {"trace_id": f"async-{i}", **overrides[i]}},
+        )
         final = None
         async for out in engine.generate({"prompt_token_ids": prompts[i]}, params, request_id=f"async-{i}"):
             final = out

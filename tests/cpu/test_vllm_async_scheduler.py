@@ -22,8 +22,16 @@ import torch
 VOCAB = 500
 
 
-def make_scheduler(block_size=8, num_blocks=64, async_scheduling=True, vtoken=None, max_num_seqs=8,
-                   max_batched=64, cudagraph_mode=None, prefix_caching=False):
+def make_scheduler(
+    block_size=8,
+    num_blocks=64,
+    async_scheduling=True,
+    vtoken=None,
+    max_num_seqs=8,
+    max_batched=64,
+    cudagraph_mode=None,
+    prefix_caching=False,
+):
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -32,15 +40,32 @@ def make_scheduler(block_size=8, num_blocks=64, async_scheduling=True, vtoken=No
     from vtoken.vllm import WORKER_CLS
     from vtoken.vllm.scheduler import VTokenScheduler
 
-    settings = {"policy": "h2o", "budget": 0.5, "mode": "repack", "sinks": 1, "recent": 0, "scope": "all",
-                "check": True, **(vtoken or {})}
-    model = ModelConfig(model=str(tiny_model("llama")), dtype="float32", seed=0, skip_tokenizer_init=True,
-                        max_model_len=512)
-    sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
-                                max_model_len=512, enable_chunked_prefill=True, is_encoder_decoder=False)
-    cfg = VllmConfig(model_config=model, scheduler_config=sched_cfg,
-                     cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
-                     additional_config={"vtoken": settings})
+    settings = {
+        "policy": "h2o",
+        "budget": 0.5,
+        "mode": "repack",
+        "sinks": 1,
+        "recent": 0,
+        "scope": "all",
+        "check": True,
+        **(vtoken or {}),
+    }
+    model = ModelConfig(
+        model=str(tiny_model("llama")), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=512
+    )
+    sched_cfg = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_batched,
+        max_model_len=512,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
+    cfg = VllmConfig(
+        model_config=model,
+        scheduler_config=sched_cfg,
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
+        additional_config={"vtoken": settings},
+    )
     cfg.scheduler_config.async_scheduling = async_scheduling  # the CPU platform forces it off; CUDA's default
     cfg.parallel_config.worker_cls = WORKER_CLS
     if cudagraph_mode is not None:
@@ -52,11 +77,18 @@ def make_scheduler(block_size=8, num_blocks=64, async_scheduling=True, vtoken=No
         cfg.compilation_config.splitting_ops = list(cfg.compilation_config._attention_ops)
     cfg.cache_config.num_gpu_blocks = num_blocks
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=16, dtype=torch.float32)
-    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                       kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
-    return VTokenScheduler(vllm_config=cfg, kv_cache_config=kv,
-                           structured_output_manager=StructuredOutputManager(cfg), block_size=block_size,
-                           log_stats=True)
+    kv = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+    )
+    return VTokenScheduler(
+        vllm_config=cfg,
+        kv_cache_config=kv,
+        structured_output_manager=StructuredOutputManager(cfg),
+        block_size=block_size,
+        log_stats=True,
+    )
 
 
 def make_request(rid, prompt_len, max_tokens, prefix=(), block_size=8, **overrides):
@@ -70,8 +102,13 @@ def make_request(rid, prompt_len, max_tokens, prefix=(), block_size=8, **overrid
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args={"vtoken": overrides})
     prompt = list(prefix) + rng.integers(10, VOCAB, prompt_len - len(prefix)).tolist()
     init_none_hash(sha256)
-    return Request(request_id=rid, prompt_token_ids=prompt, sampling_params=params, pooling_params=None,
-                   block_hasher=get_request_block_hasher(block_size, sha256))
+    return Request(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling_params=params,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )
 
 
 class FakeWorker:
@@ -133,22 +170,28 @@ class FakeWorker:
             seq_len = f + n - off
             read = [self.kv.get(self.phys(row, s)) for s in range(seq_len)]
             mine = self.prompts[rid]
-            assert all(t is not None and (t[0] == rid or (t[1] < len(mine) and
-                       self.prompts[t[0]][: t[1] + 1] == mine[: t[1] + 1])) for t in read), \
-                f"{rid} reads a slot that holds another token"
+            assert all(
+                t is not None
+                and (t[0] == rid or (t[1] < len(mine) and self.prompts[t[0]][: t[1] + 1] == mine[: t[1] + 1]))
+                for t in read
+            ), f"{rid} reads a slot that holds another token"
             read = [(rid, t[1]) for t in read]
             assert {t[1] for t in read} == live_at_schedule[rid], f"{rid}: attention reads non-live tokens"
             if rs is not None and (rs.scores or rs.key_norm):
                 val = np.array([1000.0 + t[1] for t in read])
-                att = {"accumulated": val, "last": val.copy(), "unimportant": np.zeros(seq_len, np.uint64)} \
-                    if rs.scores else {}
+                att = (
+                    {"accumulated": val, "last": val.copy(), "unimportant": np.zeros(seq_len, np.uint64)}
+                    if rs.scores
+                    else {}
+                )
                 kn = np.arange(f, f + n) + 1000.0 if rs.key_norm else None
                 scores[rid] = SlotScores(n_queries=n, seq_len=seq_len, key_norm=kn, **att)
             sampled.append([] if sched.requests[rid].is_prefill_chunk else [(f + n) % VOCAB + 1])
         self.steps_run += 1
         ids = list(so.num_scheduled_tokens)
-        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=sampled)
+        out = ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+        )
         return attach_result(out, StepResult(scores=scores, step=plan.step)) if plan is not None else out
 
 
@@ -183,8 +226,7 @@ def run(sched, requests, *, max_iters=400, between=None, worker=None):
             evicted_before = sched._vt_counters.evicted_tokens
             so = sched.schedule()
             tables = {rid: st.table for rid, st in sched._vt_reqs.items() if st.table is not None}
-            live = {rid: set(tables[rid].live_logicals().tolist()) for rid in so.num_scheduled_tokens
-                    if rid in tables}
+            live = {rid: set(tables[rid].live_logicals().tolist()) for rid in so.num_scheduled_tokens if rid in tables}
             for rid, st in sched._vt_reqs.items():
                 assert st.table is not None or not st.inflight.steps, f"{rid}: records outlived its table"
                 if st.table is not None and st.inflight.steps:  # in-flight tokens are never evicted
@@ -224,8 +266,11 @@ def test_two_steps_in_flight_evict_repack_and_attribute_scores(mode):
     """Decode steps of one request overlap; decisions taken while a step runs never evict its tokens, never
     let attention read a wrong slot, and its late scores land on the tokens they were measured on."""
     sched = make_scheduler(vtoken={"mode": mode})
-    reqs = [make_request("a", 40, 24), make_request("b", 21, 30, policy="knorm"),
-            make_request("c", 9, 20, policy="random", budget=0.3)]
+    reqs = [
+        make_request("a", 40, 24),
+        make_request("b", 21, 30, policy="knorm"),
+        make_request("c", 9, 20, policy="random", budget=0.3),
+    ]
     seen = run(sched, reqs)
     assert seen["two_in_flight_evictions"] > 0  # decisions happened with two steps of a request in flight
     c = sched.vtoken_stats().counters
@@ -276,8 +321,11 @@ def test_scores_for_a_replaced_table_or_a_wrong_step_are_not_misattributed():
         sched.update_from_output(so, bad)
     res = result_of(out)
     res.step = so.vtoken.step
-    res.scores = {"a": SlotScores(n_queries=16, seq_len=15, accumulated=np.ones(15), last=np.ones(15),
-                                  unimportant=np.zeros(15, np.uint64))}
+    res.scores = {
+        "a": SlotScores(
+            n_queries=16, seq_len=15, accumulated=np.ones(15), last=np.ones(15), unimportant=np.zeros(15, np.uint64)
+        )
+    }
     sched._vt_reqs["a"].inflight.add(so.vtoken.step, 0, 16, True)
     with pytest.raises(IntegrityError, match="15 slots"):
         sched.update_from_output(so, out)

@@ -34,8 +34,9 @@ def shutdown(llm) -> None:
 def sp(max_tokens: int, **vt):
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True,
-                          extra_args={"vtoken": vt} if vt else None)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True, extra_args={"vtoken": vt} if vt else None
+    )
 
 
 def check_against_reference(ref_model, prompt, out, trace: RequestTrace):
@@ -54,9 +55,14 @@ def run_one_by_one(llm, d, prompt, runs: list[tuple[str, dict]], max_tokens: int
 
     outs, traces = [], []
     for trace_id, vt in runs:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True,
-                                skip_reading_prefix_cache=True,
-                                extra_args={"vtoken": {**common, **vt, "trace_id": trace_id}})
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            logprobs=0,
+            ignore_eos=True,
+            skip_reading_prefix_cache=True,
+            extra_args={"vtoken": {**common, **vt, "trace_id": trace_id}},
+        )
         outs.append(llm.generate([{"prompt_token_ids": prompt}], [params], use_tqdm=False)[0])
         traces.append(RequestTrace.read(d / f"{trace_id}.json"))
     return outs, traces
@@ -65,8 +71,17 @@ def run_one_by_one(llm, d, prompt, runs: list[tuple[str, dict]], max_tokens: int
 # ------------------------------------------------------------------------------------------ matrix
 # gemma3: the hybrid tiny model (3 sliding-window layers of 64 tokens, 1 global layer; vToken on the global
 # layers' KV cache group), with a context longer (182 + 24 tokens) and shorter (36 + 24) than the window
-@pytest.mark.parametrize("arch,block_size,prompt_len", [("llama", 32, 182), ("llama", 64, 214), ("qwen2", 32, 182),
-                                                        ("qwen2", 64, 214), ("gemma3", 32, 182), ("gemma3", 32, 36)])
+@pytest.mark.parametrize(
+    "arch,block_size,prompt_len",
+    [
+        ("llama", 32, 182),
+        ("llama", 64, 214),
+        ("qwen2", 32, 182),
+        ("qwen2", 64, 214),
+        ("gemma3", 32, 182),
+        ("gemma3", 32, 36),
+    ],
+)
 def test_verify_matrix(arch, block_size, prompt_len, tmp_path, request):
     """Every policy × {naive, repack, reuse+repack}: greedy tokens == HF with the same keys masked
     (|Δ log-prob| ≤ 1e-4, fp32; on the hybrid model the sliding-window layers see every token of their
@@ -81,8 +96,16 @@ def test_verify_matrix(arch, block_size, prompt_len, tmp_path, request):
     # and its paired run (not split) decides differently, by design, not by a bug
     llm = start_engine(str(path), block_size, str(tmp_path), max_num_batched_tokens=len(cases) * prompt_len)
     try:
-        results = run_cases(path, block_size, cases, llm=llm, trace_dir=str(tmp_path), prompt_len=prompt_len,
-                            max_tokens=24, reference_model=load_reference_model(path))
+        results = run_cases(
+            path,
+            block_size,
+            cases,
+            llm=llm,
+            trace_dir=str(tmp_path),
+            prompt_len=prompt_len,
+            max_tokens=24,
+            reference_model=load_reference_model(path),
+        )
     finally:
         shutdown(llm)
     for r in results:
@@ -111,8 +134,15 @@ def prefix_engine(tmp_path_factory):
     from vtoken.models.tiny import tiny_model
 
     d = tmp_path_factory.mktemp("traces")
-    llm = start_engine(str(tiny_model("llama")), 32, str(d), enable_prefix_caching=True, max_num_batched_tokens=64,
-                       max_model_len=512, recent=8)
+    llm = start_engine(
+        str(tiny_model("llama")),
+        32,
+        str(d),
+        enable_prefix_caching=True,
+        max_num_batched_tokens=64,
+        max_model_len=512,
+        recent=8,
+    )
     yield llm, d
     shutdown(llm)
 
@@ -134,9 +164,11 @@ def test_prefix_sharing_one_request_repacking(prefix_engine, ref_llama):
     rng = np.random.default_rng(1)
     prefix = rng.integers(10, 500, 128).tolist()
     pa, pb, pc = (prefix + rng.integers(10, 500, 40).tolist() for _ in range(3))
-    outs = llm.generate([{"prompt_token_ids": pb}, {"prompt_token_ids": pa}],
-                        [sp(8, mode="none", trace_id="pfx-b"), sp(80, mode="repack", budget=0.3, trace_id="pfx-a")],
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": pb}, {"prompt_token_ids": pa}],
+        [sp(8, mode="none", trace_id="pfx-b"), sp(80, mode="repack", budget=0.3, trace_id="pfx-a")],
+        use_tqdm=False,
+    )
     ta = RequestTrace.read(d / "pfx-a.json")
     tb = RequestTrace.read(d / "pfx-b.json")
     assert ta.epochs[0].hits >= 128 and ta.shared_blocks_max >= 4  # A hit B's blocks and protected them
@@ -166,10 +198,22 @@ def test_score_layers_subset_is_exact_and_changes_the_decisions(prefix_engine, r
     prompt = np.random.default_rng(3).integers(10, 500, 150).tolist()
 
     def params(trace_id, mode, layers):
-        vt = {"policy": "h2o", "mode": mode, "budget": 0.3, "salt": 11, "trace_id": trace_id,
-              "score_layers": layers}  # None: every layer (explicit: the default scores fewer)
-        return SamplingParams(max_tokens=40, temperature=0.0, logprobs=0, ignore_eos=True,
-                              skip_reading_prefix_cache=True, extra_args={"vtoken": vt})
+        vt = {
+            "policy": "h2o",
+            "mode": mode,
+            "budget": 0.3,
+            "salt": 11,
+            "trace_id": trace_id,
+            "score_layers": layers,
+        }  # None: every layer (explicit: the default scores fewer)
+        return SamplingParams(
+            max_tokens=40,
+            temperature=0.0,
+            logprobs=0,
+            ignore_eos=True,
+            skip_reading_prefix_cache=True,
+            extra_args={"vtoken": vt},
+        )
 
     runs = [("sl-repack-1", "repack", 1), ("sl-naive-1", "naive", 1), ("sl-repack-all", "repack", None)]
     # one at a time: the engine's 64-token chunks then split each prompt the same way (paired decisions)
@@ -193,9 +237,17 @@ def test_protected_prompt_is_kept_exact_and_paired(protection, prefix_engine, re
     P = 150
     prompt = np.random.default_rng(5).integers(10, 500, P).tolist()
     tag = next(iter(protection))
-    outs, traces = run_one_by_one(llm, d, prompt, [(f"kp-{tag}-repack", {"mode": "repack"}),
-                                                   (f"kp-{tag}-naive", {"mode": "naive"})], 60,
-                                  policy="h2o", budget=0.3, salt=13, **protection)
+    outs, traces = run_one_by_one(
+        llm,
+        d,
+        prompt,
+        [(f"kp-{tag}-repack", {"mode": "repack"}), (f"kp-{tag}-naive", {"mode": "naive"})],
+        60,
+        policy="h2o",
+        budget=0.3,
+        salt=13,
+        **protection,
+    )
     tokens = check_against_reference(ref_llama, prompt, outs[0], traces[0])
     assert tokens == list(outs[1].outputs[0].token_ids), "tokens differ from the paired naive run"
     ev = np.asarray(traces[0].epochs[0].evicted_round)
@@ -215,8 +267,18 @@ def test_a_shorter_prompt_len_makes_the_rest_of_the_prompt_evictable_as_generate
     llm, d = prefix_engine
     P, kept = 150, 40
     prompt = np.random.default_rng(21).integers(10, 500, P).tolist()
-    outs, traces = run_one_by_one(llm, d, prompt, [("pl-repack", {"mode": "repack"}), ("pl-naive", {"mode": "naive"})],
-                                  20, policy="h2o", budget=0.3, salt=23, scope="generated", prompt_len=kept)
+    outs, traces = run_one_by_one(
+        llm,
+        d,
+        prompt,
+        [("pl-repack", {"mode": "repack"}), ("pl-naive", {"mode": "naive"})],
+        20,
+        policy="h2o",
+        budget=0.3,
+        salt=23,
+        scope="generated",
+        prompt_len=kept,
+    )
     tokens = check_against_reference(ref_llama, prompt, outs[0], traces[0])
     assert tokens == list(outs[1].outputs[0].token_ids), "tokens differ from the paired naive run"
     ev = np.asarray(traces[0].epochs[0].evicted_round)
@@ -232,8 +294,11 @@ def test_question_aware_prompt_scores_are_exact_paired_and_change_h2o(prefix_eng
     and other victims than ``prompt_scores: all`` on the same prompt and salt."""
     llm, d = prefix_engine
     prompt = np.random.default_rng(9).integers(10, 500, 150).tolist()
-    runs = [("qa-repack", {"mode": "repack", "prompt_scores": "window"}),
-            ("qa-naive", {"mode": "naive", "prompt_scores": "window"}), ("qa-all", {"mode": "repack"})]
+    runs = [
+        ("qa-repack", {"mode": "repack", "prompt_scores": "window"}),
+        ("qa-naive", {"mode": "naive", "prompt_scores": "window"}),
+        ("qa-all", {"mode": "repack"}),
+    ]
     outs, found = run_one_by_one(llm, d, prompt, runs, 40, policy="h2o", budget=0.3, salt=17)
     traces = dict(zip((name for name, _ in runs), found))
     tokens = check_against_reference(ref_llama, prompt, outs[0], traces["qa-repack"])
@@ -251,8 +316,11 @@ def test_span_pooling_is_exact_paired_and_evicts_runs_of_neighbours(prefix_engin
     masked reference and equal to the paired naive run."""
     llm, d = prefix_engine
     prompt = np.random.default_rng(13).integers(10, 500, 150).tolist()
-    runs = [("sp-repack", {"mode": "repack", "score_pool": 3}), ("sp-naive", {"mode": "naive", "score_pool": 3}),
-            ("sp-off", {"mode": "repack"})]
+    runs = [
+        ("sp-repack", {"mode": "repack", "score_pool": 3}),
+        ("sp-naive", {"mode": "naive", "score_pool": 3}),
+        ("sp-off", {"mode": "repack"}),
+    ]
     outs, found = run_one_by_one(llm, d, prompt, runs, 30, policy="h2o", budget=0.4, salt=29)
     traces = dict(zip((name for name, _ in runs), found))
     tokens = check_against_reference(ref_llama, prompt, outs[0], traces["sp-repack"])
@@ -276,9 +344,17 @@ def test_adaptive_budget_is_exact_paired_and_keeps_what_the_mass_needs(policy, p
     for it, and the live count is not a fixed share of the context."""
     llm, d = prefix_engine
     prompt = np.random.default_rng(11).integers(10, 500, 150).tolist()
-    outs, traces = run_one_by_one(llm, d, prompt, [(f"km-{policy}-repack", {"mode": "repack"}),
-                                                   (f"km-{policy}-naive", {"mode": "naive"})], 40,
-                                  policy=policy, budget=1.0, keep_mass=0.9, salt=19)
+    outs, traces = run_one_by_one(
+        llm,
+        d,
+        prompt,
+        [(f"km-{policy}-repack", {"mode": "repack"}), (f"km-{policy}-naive", {"mode": "naive"})],
+        40,
+        policy=policy,
+        budget=1.0,
+        keep_mass=0.9,
+        salt=19,
+    )
     tokens = check_against_reference(ref_llama, prompt, outs[0], traces[0])
     assert tokens == list(outs[1].outputs[0].token_ids), "tokens differ from the paired naive run"
     assert np.array_equal(traces[0].epochs[0].evicted_round, traces[1].epochs[0].evicted_round)
@@ -294,8 +370,9 @@ def test_abort_frees_state_and_blocks(prefix_engine):
     free0 = sched.kv_cache_manager.block_pool.get_num_free_blocks()
     rng = np.random.default_rng(2)
     for i in range(3):
-        eng.add_request(f"abort-{i}", {"prompt_token_ids": rng.integers(10, 500, 150).tolist()},
-                        sp(200, mode="repack", budget=0.2))
+        eng.add_request(
+            f"abort-{i}", {"prompt_token_ids": rng.integers(10, 500, 150).tolist()}, sp(200, mode="repack", budget=0.2)
+        )
     for _ in range(12):
         eng.step()
     assert sched._vt_reqs and sched.vtoken_stats().counters.evicted_tokens > 0
@@ -304,7 +381,6 @@ def test_abort_frees_state_and_blocks(prefix_engine):
         eng.step()
     assert not sched._vt_reqs and not sched.running
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == free0
-
 
 
 def test_admission_cap_keeps_outputs_exact(prefix_engine, ref_llama):
@@ -331,9 +407,11 @@ def test_admission_cap_keeps_outputs_exact(prefix_engine, ref_llama):
         sched._vt_steptime.observe(1, 1.0)
     sched.schedule = schedule_and_count
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            [sp(40, mode="repack", budget=0.4, trace_id=f"adm-{i}") for i in range(3)],
-                            use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            [sp(40, mode="repack", budget=0.4, trace_id=f"adm-{i}") for i in range(3)],
+            use_tqdm=False,
+        )
     finally:
         del sched.schedule
         sched._vt_steptime, sched.max_num_active_reqs = None, sched._vt_max_active
@@ -350,8 +428,16 @@ def small_engine(tmp_path_factory):
     from vtoken.models.tiny import tiny_model
 
     d = tmp_path_factory.mktemp("traces")
-    llm = start_engine(str(tiny_model("llama")), 32, str(d), enable_prefix_caching=True, max_num_batched_tokens=64,
-                       max_model_len=352, num_gpu_blocks_override=12, recent=8)
+    llm = start_engine(
+        str(tiny_model("llama")),
+        32,
+        str(d),
+        enable_prefix_caching=True,
+        max_num_batched_tokens=64,
+        max_model_len=352,
+        num_gpu_blocks_override=12,
+        recent=8,
+    )
     yield llm, d
     shutdown(llm)
 
@@ -364,9 +450,11 @@ def test_preemption_recomputes_from_logical_tokens(small_engine, ref_llama):
     llm, d = small_engine
     rng = np.random.default_rng(3)
     px, py = rng.integers(10, 500, 64).tolist(), rng.integers(10, 500, 96).tolist()
-    outs = llm.generate([{"prompt_token_ids": px}, {"prompt_token_ids": py}],
-                        [sp(260, mode="none", trace_id="pre-x"), sp(250, mode="repack", budget=48, trace_id="pre-y")],
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": px}, {"prompt_token_ids": py}],
+        [sp(260, mode="none", trace_id="pre-x"), sp(250, mode="repack", budget=48, trace_id="pre-y")],
+        use_tqdm=False,
+    )
     ty = RequestTrace.read(d / "pre-y.json")
     assert len(ty.epochs) >= 2, "Y was expected to be preempted"
     assert ty.epochs[1].start > 96 and ty.evicted > 0
@@ -399,7 +487,11 @@ def test_repack_returns_blocks_and_vllm_admits_more(small_engine):
                 drops += 1  # vLLM's own kv_cache_usage fell because a repack returned blocks
             usage, reclaimed = now, rec
         else:
-            raise AssertionError(f"{mode}: not finished after 1000 steps: {[(r.request_id, r.num_computed_tokens, r.status) for r in sched.running]} waiting={len(sched.waiting)}")
+            raise AssertionError(
+                f"{mode}: not finished after 1000 steps: "
+                f"{[(r.request_id, r.num_computed_tokens, r.status) for r in sched.running]} "
+                f"waiting={len(sched.waiting)}"
+            )
         return peak, drops
 
     peak_none, drops_none = run("none", "adm-none")
@@ -437,9 +529,28 @@ def test_vllm_serve_fails_at_start_up_on_bad_setting():
     from vtoken.models.tiny import tiny_model
     from vtoken.vllm import SCHEDULER_CLS, WORKER_CLS
 
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model("llama")), "--dtype", "float32", "--block-size", "32",
-           "--max-model-len", "256", "--enforce-eager", "--port", "0", "--scheduler-cls", SCHEDULER_CLS,
-           "--worker-cls", WORKER_CLS, "--additional-config", '{"vtoken": {"policy": "lru", "budget": 0.2}}']
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(tiny_model("llama")),
+        "--dtype",
+        "float32",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "256",
+        "--enforce-eager",
+        "--port",
+        "0",
+        "--scheduler-cls",
+        SCHEDULER_CLS,
+        "--worker-cls",
+        WORKER_CLS,
+        "--additional-config",
+        '{"vtoken": {"policy": "lru", "budget": 0.2}}',
+    ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode != 0
@@ -452,8 +563,9 @@ def test_vllm_serve_fails_at_start_up_on_bad_setting():
 def test_bad_request_override_is_rejected_not_fatal(prefix_engine):
     llm, _ = prefix_engine
     prompt = list(range(10, 60))
-    bad, good = llm.generate([{"prompt_token_ids": prompt}] * 2, [sp(4, policy="lru"), sp(4, mode="repack")],
-                             use_tqdm=False)
+    bad, good = llm.generate(
+        [{"prompt_token_ids": prompt}] * 2, [sp(4, policy="lru"), sp(4, mode="repack")], use_tqdm=False
+    )
     assert bad.outputs[0].finish_reason == "error" and len(good.outputs[0].token_ids) == 4
 
 
@@ -471,21 +583,44 @@ def test_verify_default_model_h2o_real_attention(tmp_path):
     assert results[0].retained_blocks_mean <= results[1].retained_blocks_mean
 
 
-
 def test_vtoken_verify_cli_json():
     """`vtoken verify ... --json` prints one JSON object with the documented fields (exit 0 when exact)."""
     import json
     import subprocess
     import sys
 
-    cmd = [str(Path(sys.executable).with_name("vtoken")), "verify", "--model", "tiny-qwen2", "--policy", "scissorhands",
-           "--budget", "0.3", "--mode", "reuse+repack", "--block-size", "64", "--seed", "3", "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    cmd = [
+        str(Path(sys.executable).with_name("vtoken")),
+        "verify",
+        "--model",
+        "tiny-qwen2",
+        "--policy",
+        "scissorhands",
+        "--budget",
+        "0.3",
+        "--mode",
+        "reuse+repack",
+        "--block-size",
+        "64",
+        "--seed",
+        "3",
+        "--json",
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    for key in ("match", "max_abs_logprob_diff", "steps", "evicted_tokens", "retained_blocks_mean",
-                "packing_bound_mean", "paired_naive_match", "command"):
+    for key in (
+        "match",
+        "max_abs_logprob_diff",
+        "steps",
+        "evicted_tokens",
+        "retained_blocks_mean",
+        "packing_bound_mean",
+        "paired_naive_match",
+        "command",
+    ):
         assert key in report
     assert report["match"] and report["paired_naive_match"] and report["max_abs_logprob_diff"] <= TOL
     assert report["retained_blocks_mean"] == report["packing_bound_mean"] < report["paired_naive_retained_blocks_mean"]
@@ -508,12 +643,38 @@ def test_openai_server_with_vtoken_on(tmp_path):
     from vtoken.vllm import SCHEDULER_CLS, WORKER_CLS
 
     port = free_port()
-    cfg = {"vtoken": {"policy": "h2o", "budget": 0.3, "mode": "repack", "recent": 8, "scope": "all",
-                      "trace_dir": str(tmp_path)}}
-    cmd = [*vllm_cli_command(sys.executable, "serve", str(tiny_model("llama"))),
-           "--served-model-name", "tiny", "--dtype", "float32", "--block-size", "32", "--max-model-len", "512",
-           "--enforce-eager", "--host", "127.0.0.1", "--port", str(port), "--scheduler-cls", SCHEDULER_CLS,
-           "--worker-cls", WORKER_CLS, "--additional-config", json.dumps(cfg)]
+    cfg = {
+        "vtoken": {
+            "policy": "h2o",
+            "budget": 0.3,
+            "mode": "repack",
+            "recent": 8,
+            "scope": "all",
+            "trace_dir": str(tmp_path),
+        }
+    }
+    cmd = [
+        *vllm_cli_command(sys.executable, "serve", str(tiny_model("llama"))),
+        "--served-model-name",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--scheduler-cls",
+        SCHEDULER_CLS,
+        "--worker-cls",
+        WORKER_CLS,
+        "--additional-config",
+        json.dumps(cfg),
+    ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -529,11 +690,17 @@ def test_openai_server_with_vtoken_on(tmp_path):
                 pass
             assert time.time() < deadline, "server did not come up"
             time.sleep(1)
-        body = {"model": "tiny", "prompt": " ".join(["It is a truth universally acknowledged"] * 20),
-                "max_tokens": 24, "temperature": 0.0, "ignore_eos": True,
-                "vllm_xargs": {"vtoken.trace_id": "srv", "vtoken.mode": "reuse+repack"}}
-        req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        body = {
+            "model": "tiny",
+            "prompt": " ".join(["It is a truth universally acknowledged"] * 20),
+            "max_tokens": 24,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "vllm_xargs": {"vtoken.trace_id": "srv", "vtoken.mode": "reuse+repack"},
+        }
+        req = urllib.request.Request(
+            base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=120) as r:
             out = json.loads(r.read())
         assert out["usage"]["completion_tokens"] == 24

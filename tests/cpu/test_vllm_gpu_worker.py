@@ -43,8 +43,7 @@ def test_one_worker_name_builds_the_platforms_worker():
     assert issubclass(VTokenGPUWorker, VTokenWorker) and issubclass(VTokenCPUWorker, VTokenWorker)
     assert issubclass(VTokenGPUModelRunner, VTokenRunnerMixin)
     assert issubclass(VTokenGPUModelRunner, GPUModelRunner)
-    for name in (WORKER_CLS, "vtoken.vllm.cpu_worker.VTokenCPUWorker",
-                 "vtoken.vllm.gpu_worker.VTokenGPUWorker"):
+    for name in (WORKER_CLS, "vtoken.vllm.cpu_worker.VTokenCPUWorker", "vtoken.vllm.gpu_worker.VTokenGPUWorker"):
         assert is_vtoken_worker(name)
 
 
@@ -67,15 +66,17 @@ def _gpu_runner(block_size=B, layout="flash_attn", dtype=torch.float32):
         calls.append(("kernel", kv_cache))
         return query
 
-    ctx = {f"l{i}": SimpleNamespace(kv_cache=v, impl=SimpleNamespace(scale=0.5, forward=forward,
-                                                                      kv_cache_dtype="auto"))
-           for i, v in enumerate(views)}
+    ctx = {
+        f"l{i}": SimpleNamespace(kv_cache=v, impl=SimpleNamespace(scale=0.5, forward=forward, kv_cache_dtype="auto"))
+        for i, v in enumerate(views)
+    }
     r = object.__new__(VTokenGPUModelRunner)
     r.device = torch.device("cpu")
     r.cache_config = SimpleNamespace(block_size=block_size)
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=H, head_size=D, dtype=dtype)
-    r.kv_cache_config = SimpleNamespace(kv_cache_layout="LBNHC",
-                                        kv_cache_groups=[SimpleNamespace(layer_names=list(ctx), kv_cache_spec=spec)])
+    r.kv_cache_config = SimpleNamespace(
+        kv_cache_layout="LBNHC", kv_cache_groups=[SimpleNamespace(layer_names=list(ctx), kv_cache_spec=spec)]
+    )
     r.attn_groups = [[]]  # one KV cache group, no metadata builders to wrap
     r.compilation_config = SimpleNamespace(static_forward_context=ctx)
     return r, views, ctx, calls
@@ -139,8 +140,9 @@ def test_results_are_finished_when_an_async_output_is_read():
     r, views, *_ = _gpu_runner()
     r._vt_setup()
     acc = r._vt_make_accumulator(r._vt_layout)
-    acc.requests["a"] = RequestScores(q_start=0, q_end=1, seq_len=20, block_row=torch.tensor([3, 7]),
-                                      want_attention=True, want_key_norm=False)
+    acc.requests["a"] = RequestScores(
+        q_start=0, q_end=1, seq_len=20, block_row=torch.tensor([3, 7]), want_attention=True, want_key_norm=False
+    )
     query = torch.randn(1, 4, D)
     for v in views:
         acc.add_layer(query, None, v, 0.5)
@@ -155,8 +157,9 @@ def test_results_are_finished_when_an_async_output_is_read():
     assert s.accumulated.shape == (20,) and abs(s.accumulated.sum() - 1.0) < 1e-5 and s.key_norm.shape == (1,)
     # a step whose attention hook never ran (a FULL CUDA-graph replay) fails instead of returning nothing
     acc = r._vt_make_accumulator(r._vt_layout)
-    acc.requests["a"] = RequestScores(q_start=0, q_end=1, seq_len=20, block_row=torch.tensor([3, 7]),
-                                      want_attention=True, want_key_norm=False)
+    acc.requests["a"] = RequestScores(
+        q_start=0, q_end=1, seq_len=20, block_row=torch.tensor([3, 7]), want_attention=True, want_key_norm=False
+    )
     r._vt_result, r._vt_acc = StepResult(step=4), acc
     with pytest.raises(RuntimeError, match="FULL CUDA graph"):
         r._vt_attach(ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}))
@@ -170,16 +173,24 @@ def test_gpu_runner_warms_the_triton_kernels_up_at_start_up(monkeypatch):
         layer.impl.num_heads, layer.impl.head_size = 4, D
     calls = []
     monkeypatch.setattr(TritonSlotMover, "warmup", lambda self, caches: calls.append(("mover", self, caches)))
-    monkeypatch.setattr(TritonScoreAccumulator, "warmup", classmethod(
-        lambda cls, layout, kv, heads, head_dim, dtype, scale: calls.append(
-            ("scores", layout, kv, heads, head_dim, dtype, scale))))
+    monkeypatch.setattr(
+        TritonScoreAccumulator,
+        "warmup",
+        classmethod(
+            lambda cls, layout, kv, heads, head_dim, dtype, scale: calls.append(
+                ("scores", layout, kv, heads, head_dim, dtype, scale)
+            )
+        ),
+    )
     r._vt_setup()
     assert calls == []  # CPU tensors: the interpreter compiles nothing
     r.device = SimpleNamespace(type="cuda")
     r._vt_make_readback = lambda: None  # no CUDA streams on this machine
     r._vt_setup()
-    assert calls == [("mover", r._vt_mover, r._vt_kv_tensors),
-                     ("scores", r._vt_layout, views[0], 4, D, views[0].dtype, 0.5)]
+    assert calls == [
+        ("mover", r._vt_mover, r._vt_kv_tensors),
+        ("scores", r._vt_layout, views[0], 4, D, views[0].dtype, 0.5),
+    ]
     assert r._vt_kv_tensors == tuple(views)
 
 
@@ -251,8 +262,7 @@ def test_async_readback_waits_for_its_own_copy_only(kind):
 
     class Inner(AsyncModelRunnerOutput):
         def get_output(self):
-            return ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1},
-                                     sampled_token_ids=[[1], [2]])
+            return ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}, sampled_token_ids=[[1], [2]])
 
     r, views, *_ = _gpu_runner()
     r._vt_setup()
@@ -264,9 +274,14 @@ def test_async_readback_waits_for_its_own_copy_only(kind):
         make = TritonScoreAccumulator if kind == "triton" else PagedScoreAccumulator
         acc = make(r._vt_layout)
         for rid, q0 in (("a", 0), ("b", 1)):
-            acc.requests[rid] = RequestScores(q_start=q0, q_end=q0 + 1, seq_len=20 + q0,
-                                              block_row=torch.tensor([3 + q0, 7]), want_attention=True,
-                                              want_key_norm=False)
+            acc.requests[rid] = RequestScores(
+                q_start=q0,
+                q_end=q0 + 1,
+                seq_len=20 + q0,
+                block_row=torch.tensor([3 + q0, 7]),
+                want_attention=True,
+                want_key_norm=False,
+            )
         query = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(step_no))
         for v in views:
             acc.add_layer(query, None, v, 0.5)
@@ -284,8 +299,7 @@ def test_async_readback_waits_for_its_own_copy_only(kind):
 
     def attach_step_result_copy(acc, norm_sum):  # the synchronous result of the same statistics
         parts = (StepResult(step=0), deepcopy(acc), {"a": (0, 1, 20)}, norm_sum.clone(), L, None)
-        return attach_step_result(ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}),
-                                  parts)
+        return attach_step_result(ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}), parts)
 
     out, want = step(5)
     assert cuda.log == [("wait_stream", "copy", "default"), ("record", "copy")]  # copied after step 5's work
@@ -309,8 +323,9 @@ def vllm_config():
     from vtoken.models.tiny import tiny_model
 
     def make():
-        model = ModelConfig(model=str(tiny_model("llama")), dtype="float32", seed=0, skip_tokenizer_init=True,
-                            max_model_len=256)
+        model = ModelConfig(
+            model=str(tiny_model("llama")), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=256
+        )
         return VllmConfig(model_config=model, cache_config=CacheConfig(block_size=32))
 
     return make
@@ -343,23 +358,26 @@ def test_v1_runner_is_pinned_on_the_engines_config(vllm_config, monkeypatch):
 _CUDA_SPLIT = "attention"  # vLLM's CUDA default: splitting_ops = the attention ops (+ KV-cache update)
 
 
-@pytest.mark.parametrize("policy,scores,compile_mode,split,expect", [
-    ("h2o", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
-    ("tova", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
-    ("scissorhands", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
-    ("snapkv", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
-    ("h2o", "auto", "NONE", _CUDA_SPLIT, "NONE"),
-    ("random", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "FULL_AND_PIECEWISE"),
-    ("streamingllm", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "FULL_AND_PIECEWISE"),
-    ("knorm", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "FULL_AND_PIECEWISE"),
-    ("random", "always", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
-    # splitting_ops=[] (or attention fusion): vLLM already made it FULL; PIECEWISE would capture attention
-    ("h2o", "auto", "VLLM_COMPILE", "empty", "NONE"),
-    ("snapkv", "auto", "VLLM_COMPILE", "empty", "NONE"),
-    ("knorm", "auto", "VLLM_COMPILE", "empty", "FULL_AND_PIECEWISE"),
-    # Inductor's graph partition splits at the attention ops too
-    ("h2o", "auto", "VLLM_COMPILE", "inductor-partition", "PIECEWISE"),
-])
+@pytest.mark.parametrize(
+    "policy,scores,compile_mode,split,expect",
+    [
+        ("h2o", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
+        ("tova", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
+        ("scissorhands", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
+        ("snapkv", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
+        ("h2o", "auto", "NONE", _CUDA_SPLIT, "NONE"),
+        ("random", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "FULL_AND_PIECEWISE"),
+        ("streamingllm", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "FULL_AND_PIECEWISE"),
+        ("knorm", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "FULL_AND_PIECEWISE"),
+        ("random", "always", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
+        # splitting_ops=[] (or attention fusion): vLLM already made it FULL; PIECEWISE would capture attention
+        ("h2o", "auto", "VLLM_COMPILE", "empty", "NONE"),
+        ("snapkv", "auto", "VLLM_COMPILE", "empty", "NONE"),
+        ("knorm", "auto", "VLLM_COMPILE", "empty", "FULL_AND_PIECEWISE"),
+        # Inductor's graph partition splits at the attention ops too
+        ("h2o", "auto", "VLLM_COMPILE", "inductor-partition", "PIECEWISE"),
+    ],
+)
 def test_cudagraph_mode_per_policy(vllm_config, policy, scores, compile_mode, split, expect, caplog):
     """Query-free policies keep vLLM's FULL graphs; attention policies get PIECEWISE (their q·K hook is
     Python, which FULL graphs do not replay) only where attention is split out of the captured pieces, NONE

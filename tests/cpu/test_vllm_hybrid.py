@@ -43,8 +43,17 @@ def hybrid_engine(gemma3_tiny, tmp_path_factory):
     """Prefix caching on, chunked prefill (64 tokens per step), block size 32, 30 blocks shared by the 4
     groups."""
     d = tmp_path_factory.mktemp("traces")
-    llm = start_engine(str(gemma3_tiny), 32, str(d), enable_prefix_caching=True, max_num_batched_tokens=64,
-                       max_model_len=448, num_gpu_blocks_override=30, recent=8, check=True)
+    llm = start_engine(
+        str(gemma3_tiny),
+        32,
+        str(d),
+        enable_prefix_caching=True,
+        max_num_batched_tokens=64,
+        max_model_len=448,
+        num_gpu_blocks_override=30,
+        recent=8,
+        check=True,
+    )
     yield llm, d
     shutdown(llm)
 
@@ -59,8 +68,7 @@ def test_the_engine_manages_the_full_attention_group_only(hybrid_engine):
     assert type(sched._vt_manager).__name__ == "FullAttentionManager"
 
 
-def test_pool_need_is_the_groups_vllm_built_and_the_smallest_pool_it_starts_on(hybrid_engine, gemma3_tiny,
-                                                                               tmp_path):
+def test_pool_need_is_the_groups_vllm_built_and_the_smallest_pool_it_starts_on(hybrid_engine, gemma3_tiny, tmp_path):
     """``pool_need`` from the config alone names the groups vLLM built (3 sliding of 64, 1 full) and their
     need at max_model_len 448 with 64 tokens in flight — 14 + 3 x 5 + 1 = 30, the fixture's pool, on which
     the engine runs; one block fewer and vLLM refuses to start (what ``vtoken serve`` now says first)."""
@@ -73,8 +81,14 @@ def test_pool_need_is_the_groups_vllm_built_and_the_smallest_pool_it_starts_on(h
     assert sorted(shape.windows, key=str) == sorted(built, key=str) == [64, 64, 64, None]
     assert shape.need(448) == sched.kv_cache_config.num_blocks == 30
     with pytest.raises(ValueError, match="To serve at least one request"):
-        start_engine(str(gemma3_tiny), 32, str(tmp_path), max_num_batched_tokens=64, max_model_len=448,
-                     num_gpu_blocks_override=29)
+        start_engine(
+            str(gemma3_tiny),
+            32,
+            str(tmp_path),
+            max_num_batched_tokens=64,
+            max_model_len=448,
+            num_gpu_blocks_override=29,
+        )
 
 
 def test_window_blocks_make_the_free_count_the_whole_pools(hybrid_engine):
@@ -112,9 +126,11 @@ def test_prefix_cache_hits_across_groups_and_stays_exact(hybrid_engine, ref_gemm
     pb = rng.integers(10, 500, 168).tolist()
     pa, pc = (pb + rng.integers(10, 500, 40).tolist() for _ in range(2))
     runs = {}
-    for tag, prompt, params in (("b", pb, sp(8, mode="none", trace_id="h-b")),
-                                ("a", pa, sp(80, mode="repack", budget=0.3, trace_id="h-a")),
-                                ("c", pc, sp(8, mode="none", trace_id="h-c"))):
+    for tag, prompt, params in (
+        ("b", pb, sp(8, mode="none", trace_id="h-b")),
+        ("a", pa, sp(80, mode="repack", budget=0.3, trace_id="h-a")),
+        ("c", pc, sp(8, mode="none", trace_id="h-c")),
+    ):
         out = llm.generate([{"prompt_token_ids": prompt}], [params], use_tqdm=False)[0]
         runs[tag] = RequestTrace.read(d / f"h-{tag}.json")
         check_against_reference(ref_gemma3, prompt, out, runs[tag])
@@ -129,9 +145,11 @@ def test_preemption_over_a_pool_the_groups_share_is_exact(hybrid_engine, ref_gem
     llm, d = hybrid_engine
     rng = np.random.default_rng(3)
     px, py = rng.integers(10, 500, 64).tolist(), rng.integers(10, 500, 96).tolist()
-    outs = llm.generate([{"prompt_token_ids": px}, {"prompt_token_ids": py}],
-                        [sp(360, mode="none", trace_id="hp-x"), sp(300, mode="repack", budget=48, trace_id="hp-y")],
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": px}, {"prompt_token_ids": py}],
+        [sp(360, mode="none", trace_id="hp-x"), sp(300, mode="repack", budget=48, trace_id="hp-y")],
+        use_tqdm=False,
+    )
     ty = RequestTrace.read(d / "hp-y.json")
     assert len(ty.epochs) >= 2, "Y was expected to be preempted"
     assert ty.evicted > 0 and max(ty.live_tokens) <= 48 + 64
@@ -149,16 +167,24 @@ def test_other_windows_and_global_ratios_are_exact(window, kinds, gemma3_tiny, t
     path = tmp_path / "model"
     shutil.copytree(gemma3_tiny, path)
     cfg = json.loads((path / "config.json").read_text())
-    cfg.update(sliding_window=window, layer_types=["sliding_attention" if k == "s" else "full_attention"
-                                                   for k in kinds])
+    cfg.update(
+        sliding_window=window, layer_types=["sliding_attention" if k == "s" else "full_attention" for k in kinds]
+    )
     (path / "config.json").write_text(json.dumps(cfg))
     llm = start_engine(str(path), 32, str(tmp_path), max_model_len=512)
     try:
         groups = scheduler_of(llm).kv_cache_manager.coordinator.single_type_managers
         assert sorted(type(m).__name__ for m in groups) == ["FullAttentionManager", "SlidingWindowManager"]
-        results = run_cases(path, 32, [VerifyCase(p, m, 0.3) for p in POLICIES for m in ("naive", "repack")],
-                            llm=llm, trace_dir=str(tmp_path), prompt_len=150, max_tokens=24,
-                            reference_model=load_reference_model(path))
+        results = run_cases(
+            path,
+            32,
+            [VerifyCase(p, m, 0.3) for p in POLICIES for m in ("naive", "repack")],
+            llm=llm,
+            trace_dir=str(tmp_path),
+            prompt_len=150,
+            max_tokens=24,
+            reference_model=load_reference_model(path),
+        )
     finally:
         shutdown(llm)
     for r in results:
@@ -182,9 +208,16 @@ def test_gemma3_270m_every_policy_and_mode_is_exact(prompt_len, tmp_path):
     results = []
     try:
         for policy in [*POLICIES, "snapkv"]:
-            results += run_cases(path, 32, [VerifyCase(policy, m, 0.3) for m in ("naive", "repack")], llm=llm,
-                                 trace_dir=str(tmp_path), prompt_len=prompt_len, max_tokens=16,
-                                 reference_model=reference)
+            results += run_cases(
+                path,
+                32,
+                [VerifyCase(policy, m, 0.3) for m in ("naive", "repack")],
+                llm=llm,
+                trace_dir=str(tmp_path),
+                prompt_len=prompt_len,
+                max_tokens=16,
+                reference_model=reference,
+            )
     finally:
         shutdown(llm)
         gc.collect()
@@ -193,5 +226,10 @@ def test_gemma3_270m_every_policy_and_mode_is_exact(prompt_len, tmp_path):
         assert r.match and r.max_abs_logprob_diff <= 10 * TOL, (key, r.max_abs_logprob_diff)
         assert r.paired_naive_match and r.evicted_tokens > 0, key
     by = {(r.case.policy, r.case.mode): r for r in results}
-    assert sum(by[(p, "repack")].retained_blocks_mean < by[(p, "naive")].retained_blocks_mean
-               for p in [*POLICIES, "snapkv"]) >= 4
+    assert (
+        sum(
+            by[(p, "repack")].retained_blocks_mean < by[(p, "naive")].retained_blocks_mean
+            for p in [*POLICIES, "snapkv"]
+        )
+        >= 4
+    )

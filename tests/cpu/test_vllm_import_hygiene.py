@@ -59,18 +59,25 @@ print(json.dumps({"changed": changed, "loaded": loaded}))
 
 
 def _probe(extra: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(PATCHED_BY_CPU_WORKER), extra],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(PATCHED_BY_CPU_WORKER), extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("extra", ["vtoken.vllm.gpu_worker.VTokenGPUWorker", "vtoken.vllm.results.DeferredResultOutput"])
+@pytest.mark.parametrize(
+    "extra", ["vtoken.vllm.gpu_worker.VTokenGPUWorker", "vtoken.vllm.results.DeferredResultOutput"]
+)
 def test_importing_the_named_classes_leaves_cuda_events_streams_and_pinned_memory_alone(extra):
     got = _probe(extra)
     assert got == {"changed": [], "loaded": []}, (
         "importing vToken's scheduler/worker/plugin (what vLLM imports in a CUDA worker) replaced torch's "
-        f"CUDA APIs or loaded vLLM's CPU worker: {got}")
+        f"CUDA APIs or loaded vLLM's CPU worker: {got}"
+    )
 
 
 def test_the_cpu_platform_still_gets_the_cpu_worker():

@@ -62,8 +62,10 @@ def test_table_violations_name_the_request():
     assert table_violations({"r": row[:2]}, {"r": t}, {"r": []}) == []
 
 
-@pytest.mark.parametrize("bad,needle", [({"invariants": "loud"}, "valid values: off, log, fatal"),
-                                        ({"invariant_period": -1}, "invariant_period")])
+@pytest.mark.parametrize(
+    "bad,needle",
+    [({"invariants": "loud"}, "valid values: off, log, fatal"), ({"invariant_period": -1}, "invariant_period")],
+)
 def test_bad_invariant_settings_are_named(bad, needle):
     with pytest.raises(ConfigError, match=needle):
         EngineSettings(cfg=VTokenConfig(), **bad)
@@ -75,8 +77,9 @@ def engine(tmp_path_factory):
     from vtoken.models.tiny import tiny_model
     from vtoken.vllm.launch import start_engine
 
-    llm = start_engine(str(tiny_model("llama")), 32, str(tmp_path_factory.mktemp("inv")), max_model_len=512,
-                       recent=8, check=False)  # invariants: log (the serving default)
+    llm = start_engine(
+        str(tiny_model("llama")), 32, str(tmp_path_factory.mktemp("inv")), max_model_len=512, recent=8, check=False
+    )  # invariants: log (the serving default)
     yield llm
     llm.llm_engine.engine_core.shutdown()
 
@@ -86,8 +89,9 @@ def run(llm, n: int = 4, seed: int = 0):
 
     rng = np.random.default_rng(seed)
     prompts = [{"prompt_token_ids": rng.integers(10, 500, 120).tolist()} for _ in range(n)]
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True,
-                            extra_args={"vtoken": {"policy": "h2o", "budget": 0.3}})
+    params = SamplingParams(
+        max_tokens=48, temperature=0.0, ignore_eos=True, extra_args={"vtoken": {"policy": "h2o", "budget": 0.3}}
+    )
     llm.generate(prompts, [params] * n, use_tqdm=False)
 
 
@@ -116,8 +120,7 @@ def test_idle_check_runs_clean_then_fires_on_a_leaking_copy(engine, monkeypatch,
     c1 = sched.vtoken_stats().counters
     assert leaked, "the leaking copy never ran"
     assert c1.invariant_violations > c0.invariant_violations, "the leak went unseen"
-    assert any("KV invariant violated (idle)" in r.getMessage() and "leaked" in r.getMessage()
-               for r in caplog.records)
+    assert any("KV invariant violated (idle)" in r.getMessage() and "leaked" in r.getMessage() for r in caplog.records)
     assert c1.invariant_seconds > c0.invariant_seconds
     # fatal (tests): the same state raises
     monkeypatch.setattr(sched, "vt", dataclasses.replace(sched.vt, invariants="fatal"))

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.slow
 def _sp(max_tokens: int, **vt):
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True,
-                          extra_args={"vtoken": vt})
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True, extra_args={"vtoken": vt}
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama"])
@@ -52,7 +53,8 @@ def test_knorm_victims_are_the_same_with_and_without_a_prefix_hit(arch, tmp_path
     ev_cold, ev_warm = (np.asarray(t.epochs[0].evicted_round) for t in (tc, tw))
     assert np.array_equal(ev_cold, ev_warm), (
         f"victims differ with a prefix hit: cold evicted {np.flatnonzero(ev_cold >= 0)[:20]}, "
-        f"warm {np.flatnonzero(ev_warm >= 0)[:20]}")
+        f"warm {np.flatnonzero(ev_warm >= 0)[:20]}"
+    )
     assert list(cold.outputs[0].token_ids) == list(warm.outputs[0].token_ids)
     ref = load_reference_model(path)
     for out, trace in ((cold, tc), (warm, tw)):

@@ -23,8 +23,14 @@ pytestmark = pytest.mark.slow
 
 B = 32
 SYSTEM, USER, GEN, N = 256, 64, 32, 4
-SEQUENCES = [("h2o", "none"), ("h2o", "naive"), ("h2o", "repack"), ("h2o", "reuse+repack"),
-             ("random", "naive"), ("random", "repack")]
+SEQUENCES = [
+    ("h2o", "none"),
+    ("h2o", "naive"),
+    ("h2o", "repack"),
+    ("h2o", "reuse+repack"),
+    ("random", "naive"),
+    ("random", "repack"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +40,9 @@ def engine(tmp_path_factory):
     from vtoken.models.tiny import tiny_model
 
     d = tmp_path_factory.mktemp("traces")
-    llm = start_engine(str(tiny_model("llama")), B, str(d), enable_prefix_caching=True, max_model_len=512,
-                       recent=8, check=True)
+    llm = start_engine(
+        str(tiny_model("llama")), B, str(d), enable_prefix_caching=True, max_model_len=512, recent=8, check=True
+    )
     yield llm, d
     shutdown(llm)
 

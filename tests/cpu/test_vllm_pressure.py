@@ -27,8 +27,16 @@ def engine(tmp_path_factory):
     from vtoken.models.tiny import tiny_model
 
     d = tmp_path_factory.mktemp("traces")
-    llm = start_engine(str(tiny_model("llama")), 32, str(d), enable_prefix_caching=True, max_num_batched_tokens=64,
-                       max_model_len=352, num_gpu_blocks_override=12, recent=8)
+    llm = start_engine(
+        str(tiny_model("llama")),
+        32,
+        str(d),
+        enable_prefix_caching=True,
+        max_num_batched_tokens=64,
+        max_model_len=352,
+        num_gpu_blocks_override=12,
+        recent=8,
+    )
     yield llm, d
     shutdown(llm)
 
@@ -74,8 +82,7 @@ def test_memory_to_spare_nothing_is_evicted_and_output_is_stock(engine):
     greedy tokens equal a stock (mode none) request's on the same prompt."""
     llm, d = engine
     p = np.random.default_rng(1).integers(10, 500, 96).tolist()
-    outs, pre, rounds = run(llm, [p, p], [sp(40, mode="none", trace_id="spare-none"), pressure("spare-p", 40)],
-                            "spare")
+    outs, pre, rounds = run(llm, [p, p], [sp(40, mode="none", trace_id="spare-none"), pressure("spare-p", 40)], "spare")
     assert list(outs[1].outputs[0].token_ids) == list(outs[0].outputs[0].token_ids)
     assert RequestTrace.read(d / "spare-p.json").evicted == 0 and rounds == [] and pre == 0
 
@@ -91,8 +98,9 @@ def short_prompts():
 
 def test_the_shortage_makes_stock_vllm_preempt(engine, short_prompts):
     llm, _ = engine
-    _, stock_pre, _ = run(llm, short_prompts, [sp(150, mode="none", trace_id=f"short-none-{i}") for i in range(3)],
-                          "stock")
+    _, stock_pre, _ = run(
+        llm, short_prompts, [sp(150, mode="none", trace_id=f"short-none-{i}") for i in range(3)], "stock"
+    )
     assert stock_pre > 0, "the workload was meant to make stock vLLM preempt"
 
 
@@ -117,8 +125,10 @@ def test_pressure_refusal_names_the_option():
     from vtoken.vllm.pressure import pressure_refusal
 
     def cfg(tp=1, asy=False):
-        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp),
-                               scheduler_config=SimpleNamespace(async_scheduling=asy))
+        return SimpleNamespace(
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+            scheduler_config=SimpleNamespace(async_scheduling=asy),
+        )
 
     one, two = SimpleNamespace(kv_cache_groups=[0]), SimpleNamespace(kv_cache_groups=[0, 1])
     assert pressure_refusal(cfg(), one) is None
@@ -178,8 +188,10 @@ def test_a_hybrid_engine_with_pressure_is_refused_at_construction():
     from vtoken.vllm.launch import scoped_env
 
     kw = engine_kwargs(VTokenConfig(policy="h2o", budget=0.3, trigger="pressure", block_size=32))
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    }
     with scoped_env(**env), pytest.raises(Exception) as e:
         LLM(model=str(tiny_model("gemma3")), dtype="float32", enforce_eager=True, max_model_len=448, **kw)
     err = e.value

@@ -18,9 +18,11 @@ from vtoken.vllm.verify import VerifyCase, make_prompt, run_cases
 
 pytestmark = pytest.mark.slow
 
-CODE_QUESTION = ("Here is a function:\n\ndef mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n"
-                 "    return total / len(xs)\n\nWhat does it return for an empty list, and how would you fix "
-                 "it so that it returns None instead? Answer with the corrected code and one sentence.")
+CODE_QUESTION = (
+    "Here is a function:\n\ndef mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n"
+    "    return total / len(xs)\n\nWhat does it return for an empty list, and how would you fix "
+    "it so that it returns None instead? Answer with the corrected code and one sentence."
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +47,9 @@ def _chat(path, text: str) -> list[int]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
-    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                   tokenize=True, return_dict=True)["input_ids"]
+    return tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
 
 
 def test_the_conversion_keeps_the_gguf_header(qwen):
@@ -73,8 +76,8 @@ def test_vllm_greedy_equals_hf_fp32_and_answers(qwen, qwen_engine):
     out = llm.generate([{"prompt_token_ids": ids}], [sp(8, mode="none")], use_tqdm=False)[0]
     tokens = list(out.outputs[0].token_ids)
     with torch.no_grad():
-        hf = ref.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
-    assert len(hf) >= 6 and tokens[:len(hf)] == hf  # HF stops at <|im_end|>, vLLM here ignores it
+        hf = ref.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist()
+    assert len(hf) >= 6 and tokens[: len(hf)] == hf  # HF stops at <|im_end|>, vLLM here ignores it
     assert "Paris" in AutoTokenizer.from_pretrained(str(path)).decode(tokens)
 
 
@@ -89,8 +92,7 @@ def test_every_policy_is_exact_in_repack(which, qwen, qwen_engine):
     llm, d = qwen_engine
     prompt = make_prompt(path, 160) if which == "prose" else _chat(path, CODE_QUESTION)
     cases = [VerifyCase(p, "repack", 0.3, name=f"{which}-{p}") for p in policy_names()]
-    results = run_cases(path, 32, cases, prompt=prompt, llm=llm, trace_dir=str(d), max_tokens=8,
-                        reference_model=ref)
+    results = run_cases(path, 32, cases, prompt=prompt, llm=llm, trace_dir=str(d), max_tokens=8, reference_model=ref)
     assert len(results) == len(policy_names()) >= 7
     for r in results:
         assert r.match and r.max_abs_logprob_diff <= TOL, (r.case.key(), r.max_abs_logprob_diff)

@@ -36,8 +36,12 @@ def test_the_worker_measures_redundancy_over_the_live_keys(tmp_path, monkeypatch
     prompt = rng.integers(10, 500, 120).tolist()
     try:
         for rid, policy in (("r", "rkv"), ("h", "h2o")):
-            params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
-                                    extra_args={"vtoken": {"policy": policy, "budget": 0.3, "trace_id": rid}})
+            params = SamplingParams(
+                max_tokens=16,
+                temperature=0.0,
+                ignore_eos=True,
+                extra_args={"vtoken": {"policy": policy, "budget": 0.3, "trace_id": rid}},
+            )
             llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, params)
             while llm.llm_engine.has_unfinished_requests():
                 llm.llm_engine.step()
@@ -45,7 +49,7 @@ def test_the_worker_measures_redundancy_over_the_live_keys(tmp_path, monkeypatch
         llm.llm_engine.engine_core.shutdown()
     assert set(seen) == {"r", "h"}, list(seen)  # (vLLM may suffix request ids: keyed by the first letter)
     assert len(seen["r"]) == 16 and len(seen["h"]) == 16  # the prompt's step, then every decode step
-    for scores, live, table_red in seen["r"]:
+    for scores, _live, table_red in seen["r"]:
         red = scores.redundancy
         assert red is not None and red.shape == scores.logicals.shape
         assert np.all(np.abs(red) <= 1 + 1e-6) and np.ptp(red) > 0

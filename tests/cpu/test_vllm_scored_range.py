@@ -35,8 +35,9 @@ def _generate(llm, d, trace_id: str, vt: dict) -> tuple[list[int], np.ndarray]:
     from vllm import SamplingParams
 
     prompt = np.random.default_rng(7).integers(10, 500, P).tolist()
-    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True,
-                            extra_args={"vtoken": {**vt, "trace_id": trace_id, "salt": 3}})
+    params = SamplingParams(
+        max_tokens=50, temperature=0.0, ignore_eos=True, extra_args={"vtoken": {**vt, "trace_id": trace_id, "salt": 3}}
+    )
     out = llm.generate([{"prompt_token_ids": prompt}], [params], use_tqdm=False)[0]
     ev = np.asarray(RequestTrace.read(d / f"{trace_id}.json").epochs[0].evicted_round)
     return list(out.outputs[0].token_ids), ev

@@ -43,10 +43,17 @@ def test_snapkv_and_block_granularity_match_the_reference(tmp_path):
     llm = start_engine(str(path), B, str(tmp_path))
     try:
         cases = [VerifyCase("snapkv", m, 0.3) for m in MODES]
-        cases += [VerifyCase(p, m, 0.3, granularity="block") for p in ("h2o", "snapkv")
-                  for m in ("naive", "repack")]
-        results = run_cases(path, B, cases, llm=llm, trace_dir=str(tmp_path), prompt_len=7 * B, max_tokens=24,
-                            reference_model=load_reference_model(path))
+        cases += [VerifyCase(p, m, 0.3, granularity="block") for p in ("h2o", "snapkv") for m in ("naive", "repack")]
+        results = run_cases(
+            path,
+            B,
+            cases,
+            llm=llm,
+            trace_dir=str(tmp_path),
+            prompt_len=7 * B,
+            max_tokens=24,
+            reference_model=load_reference_model(path),
+        )
     finally:
         shutdown(llm)
     for r in results:
@@ -75,8 +82,11 @@ def test_snapkv_window_from_a_short_last_prefill_chunk(tmp_path):
     llm = start_engine(str(path), 32, str(tmp_path), max_num_batched_tokens=64, max_model_len=512)
     try:
         prompt = np.random.default_rng(6).integers(10, 500, 150).tolist()
-        out = llm.generate([{"prompt_token_ids": prompt}],
-                           [sp(24, policy="snapkv", mode="repack", budget=140, trace_id="chunk")], use_tqdm=False)[0]
+        out = llm.generate(
+            [{"prompt_token_ids": prompt}],
+            [sp(24, policy="snapkv", mode="repack", budget=140, trace_id="chunk")],
+            use_tqdm=False,
+        )[0]
     finally:
         shutdown(llm)
     trace = RequestTrace.read(tmp_path / "chunk.json")

@@ -24,16 +24,25 @@ from vtoken.vllm.support import check_attention_layer, check_engine_config, chec
 # feature -> (extra engine kwargs, the words the refusal must contain)
 REFUSED = {
     "fp8_kv_cache": ({"kv_cache_dtype": "fp8"}, "quantized KV cache"),
-    "pipeline_parallel": ({"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"},
-                          "pipeline parallelism"),
+    "pipeline_parallel": ({"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}, "pipeline parallelism"),
     "pooling_runner": ({"runner": "pooling"}, "'pooling' runner"),
-    "speculative_decoding": ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
-                                                     "prompt_lookup_max": 3, "prompt_lookup_min": 1}},
-                             "speculative decoding"),
+    "speculative_decoding": (
+        {
+            "speculative_config": {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_max": 3,
+                "prompt_lookup_min": 1,
+            }
+        },
+        "speculative decoding",
+    ),
     "sliding_window": ({"disable_hybrid_kv_cache_manager": True}, "sliding-window attention"),
     # a hybrid model vToken runs has one full-attention group; 1 sliding + 3 global layers make 3
-    "hybrid_several_full_groups": ({}, "4 KV cache groups (FullAttentionSpec, SlidingWindowSpec) with 3 "
-                                       "full-attention groups"),
+    "hybrid_several_full_groups": (
+        {},
+        "4 KV cache groups (FullAttentionSpec, SlidingWindowSpec) with 3 full-attention groups",
+    ),
 }
 SLIDING_MODEL = ("sliding_window",)
 HYBRID_MODEL = ("hybrid_several_full_groups",)
@@ -52,16 +61,19 @@ def test_plain_full_attention_spec_is_accepted():
     check_kv_spec(_spec())
 
 
-@pytest.mark.parametrize("cls_name,kw,needle", [
-    ("FullAttentionSpec", {"sliding_window": 64}, "sliding-window attention"),
-    ("FullAttentionSpec", {"attention_chunk_size": 64}, "chunked local attention"),
-    ("FullAttentionSpec", {"non_causal": True}, "non-causal"),
-    ("FullAttentionSpec", {"kv_quant_mode": "FP8_PER_TENSOR"}, "quantized KV cache"),
-    ("FullAttentionSpec", {"head_size_v": 16}, "different K and V head sizes"),
-    ("SlidingWindowSpec", {"sliding_window": 64}, "SlidingWindowSpec"),
-    ("ChunkedLocalAttentionSpec", {"attention_chunk_size": 64}, "ChunkedLocalAttentionSpec"),
-    ("MLAAttentionSpec", {}, "MLAAttentionSpec"),
-])
+@pytest.mark.parametrize(
+    "cls_name,kw,needle",
+    [
+        ("FullAttentionSpec", {"sliding_window": 64}, "sliding-window attention"),
+        ("FullAttentionSpec", {"attention_chunk_size": 64}, "chunked local attention"),
+        ("FullAttentionSpec", {"non_causal": True}, "non-causal"),
+        ("FullAttentionSpec", {"kv_quant_mode": "FP8_PER_TENSOR"}, "quantized KV cache"),
+        ("FullAttentionSpec", {"head_size_v": 16}, "different K and V head sizes"),
+        ("SlidingWindowSpec", {"sliding_window": 64}, "SlidingWindowSpec"),
+        ("ChunkedLocalAttentionSpec", {"attention_chunk_size": 64}, "ChunkedLocalAttentionSpec"),
+        ("MLAAttentionSpec", {}, "MLAAttentionSpec"),
+    ],
+)
 def test_kv_spec_variants_are_refused_by_name(cls_name, kw, needle):
     from vllm.v1.kv_cache_interface import KVQuantMode
 
@@ -73,8 +85,14 @@ def test_kv_spec_variants_are_refused_by_name(cls_name, kw, needle):
 
 # ------------------------------------------------------------------------------ unit: layer impls
 def _impl(**kw):
-    base = {"alibi_slopes": None, "logits_soft_cap": None, "sinks": None, "sliding_window": None,
-            "kv_cache_dtype": "auto", "attn_type": "decoder"}
+    base = {
+        "alibi_slopes": None,
+        "logits_soft_cap": None,
+        "sinks": None,
+        "sliding_window": None,
+        "kv_cache_dtype": "auto",
+        "attn_type": "decoder",
+    }
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -83,16 +101,19 @@ def test_plain_decoder_layer_is_accepted():
     check_attention_layer("l", _impl(sliding_window=-1, logits_soft_cap=0.0))
 
 
-@pytest.mark.parametrize("kw,needle", [
-    ({"alibi_slopes": [0.5, 0.25]}, "ALiBi"),
-    ({"logits_soft_cap": 50.0}, "soft-capping"),
-    ({"sinks": [0.0, 0.0]}, "attention sinks"),
-    ({"sliding_window": 64}, "sliding-window attention"),
-    ({"sliding_window": (63, 0)}, "sliding-window attention"),
-    ({"kv_cache_dtype": "fp8_e4m3"}, "quantized KV cache"),
-    ({"attn_type": "encoder_only"}, "encoder_only attention"),
-    ({"attn_type": "encoder_decoder"}, "encoder_decoder attention"),
-])
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        ({"alibi_slopes": [0.5, 0.25]}, "ALiBi"),
+        ({"logits_soft_cap": 50.0}, "soft-capping"),
+        ({"sinks": [0.0, 0.0]}, "attention sinks"),
+        ({"sliding_window": 64}, "sliding-window attention"),
+        ({"sliding_window": (63, 0)}, "sliding-window attention"),
+        ({"kv_cache_dtype": "fp8_e4m3"}, "quantized KV cache"),
+        ({"attn_type": "encoder_only"}, "encoder_only attention"),
+        ({"attn_type": "encoder_decoder"}, "encoder_decoder attention"),
+    ],
+)
 def test_layer_features_are_refused_by_name(kw, needle):
     with pytest.raises(ConfigError, match=needle) as e:
         check_attention_layer("model.layers.1.self_attn.attn", _impl(**kw))
@@ -199,11 +220,13 @@ UBATCH_REFUSED = {
     # the CPU platform resets enable_dbo (CUDA keeps it): the test sets it back on the config vLLM built
     "dual_batch_overlap": ({"enable_dbo": True}, {}, "dual-batch overlap (enable_dbo=True)"),
     # vLLM accepts micro-batching only with an expert-parallel all2all backend; the config builds without it
-    "micro_batching": ({"ubatch_size": 2, "all2all_backend": "deepep_low_latency"}, {},
-                       "micro-batching (ubatch_size=2)"),
+    "micro_batching": (
+        {"ubatch_size": 2, "all2all_backend": "deepep_low_latency"},
+        {},
+        "micro-batching (ubatch_size=2)",
+    ),
     # vLLM reads model_config.is_mm_prefix_lm from the HF config's field of that name (else a model list)
-    "mm_prefix_lm": ({}, {"is_mm_prefix_lm": True},
-                     "an mm-prefix language model (model_config.is_mm_prefix_lm"),
+    "mm_prefix_lm": ({}, {"is_mm_prefix_lm": True}, "an mm-prefix language model (model_config.is_mm_prefix_lm"),
 }
 
 
@@ -248,8 +271,9 @@ def _kwargs_without_refusal():
 
 
 @pytest.mark.parametrize("feature", list(REFUSED))
-def test_a_refused_feature_never_reaches_a_first_request(feature, tiny_llama, sliding_llama, global_heavy_gemma3,
-                                                         capfd):
+def test_a_refused_feature_never_reaches_a_first_request(
+    feature, tiny_llama, sliding_llama, global_heavy_gemma3, capfd
+):
     """For every row of the refusal table, constructing the engine (vLLM's ``LLM``, in-process, vToken's
     ``engine_kwargs``) raises vToken's ``ConfigError`` — so no request can be submitted to it — and the
     error names the feature (with worker processes, PP: vLLM's start-up error, the worker's message in
@@ -261,9 +285,14 @@ def test_a_refused_feature_never_reaches_a_first_request(feature, tiny_llama, sl
     llm = None
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **tp_cpu_env(2)}
     with pytest.raises(Exception) as e, scoped_env(**env):
-        llm = LLM(model=_model_for(feature, tiny_llama, sliding_llama, global_heavy_gemma3), dtype="float32",
-                  enforce_eager=True,
-                  max_model_len=512, gpu_memory_utilization=0.5, **_kwargs(feature))
+        llm = LLM(
+            model=_model_for(feature, tiny_llama, sliding_llama, global_heavy_gemma3),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=512,
+            gpu_memory_utilization=0.5,
+            **_kwargs(feature),
+        )
     assert llm is None
     if "distributed_executor_backend" in REFUSED[feature][0]:  # worker processes: vLLM re-raises generically,
         assert "initialization failed" in str(e.value)  # the worker's ConfigError is in its log
@@ -284,8 +313,22 @@ def test_vtoken_verify_refuses_a_hybrid_model_in_one_line(global_heavy_gemma3):
 
     from vtoken.cli import app
 
-    r = CliRunner().invoke(app, ["verify", "--model", global_heavy_gemma3, "--policy", "h2o", "--budget", "0.5",
-                                 "--mode", "repack", "--block-size", "32"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "verify",
+            "--model",
+            global_heavy_gemma3,
+            "--policy",
+            "h2o",
+            "--budget",
+            "0.5",
+            "--mode",
+            "repack",
+            "--block-size",
+            "32",
+        ],
+    )
     assert r.exit_code == 2, r.output
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and REFUSED["hybrid_several_full_groups"][1] in lines[0], r.stderr[-2000:]
@@ -306,16 +349,22 @@ def test_a_refusal_inside_the_engine_reaches_the_replica_with_its_message(monkey
             check_attention_layer("model.layers.0.attn", _impl(alibi_slopes=[0.5]))
         raise RuntimeError("Engine core initialization failed. See root cause above.")
 
-    with pytest.raises(ConfigError, match="vToken cannot run this engine: ALiBi position biases") as info:
-        with refusal_reported():
-            engine_that_refuses()
+    with (
+        pytest.raises(ConfigError, match="vToken cannot run this engine: ALiBi position biases") as info,
+        refusal_reported(),
+    ):
+        engine_that_refuses()
     assert "initialization failed" in str(info.value.__cause__)
     assert REFUSAL_FILE_ENV not in os.environ
-    with pytest.raises(RuntimeError, match="initialization failed"):  # any other failure: unchanged
-        with refusal_reported():
-            raise RuntimeError("Engine core initialization failed. See root cause above.")
-    status = ("The deployment failed to start 3 times in a row.\nTraceback (most recent call last):\n  ...\n"
-              f"vtoken.errors.ConfigError: {info.value}\n")
+    with (
+        pytest.raises(RuntimeError, match="initialization failed"),  # any other failure: unchanged
+        refusal_reported(),
+    ):
+        raise RuntimeError("Engine core initialization failed. See root cause above.")
+    status = (
+        "The deployment failed to start 3 times in a row.\nTraceback (most recent call last):\n  ...\n"
+        f"vtoken.errors.ConfigError: {info.value}\n"
+    )
     assert failure_reason([status, ""], "fallback") == str(info.value)
     assert failure_reason(["Deploying failed.\nRuntimeError: boom\n"], "fallback") == "RuntimeError: boom"
     assert failure_reason([], "fallback") == "fallback"

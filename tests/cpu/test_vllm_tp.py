@@ -26,8 +26,9 @@ def _run(path, tp: int, trace_dir: str, ref):
     os.makedirs(trace_dir, exist_ok=True)
     llm = start_engine(str(path), 32, trace_dir, tensor_parallel_size=tp)
     try:
-        return run_cases(path, 32, CASES, llm=llm, trace_dir=trace_dir, prompt_len=182, max_tokens=24,
-                         reference_model=ref)
+        return run_cases(
+            path, 32, CASES, llm=llm, trace_dir=trace_dir, prompt_len=182, max_tokens=24, reference_model=ref
+        )
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -59,10 +60,24 @@ def test_vtoken_verify_tensor_parallel_cli():
     import sys
     from pathlib import Path
 
-    cmd = [str(Path(sys.executable).with_name("vtoken")), "verify", "--model", "tiny-qwen2", "--policy", "knorm",
-           "--budget", "0.3", "--mode", "repack", "--tensor-parallel-size", "2", "--json"]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=500,
-                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    cmd = [
+        str(Path(sys.executable).with_name("vtoken")),
+        "verify",
+        "--model",
+        "tiny-qwen2",
+        "--policy",
+        "knorm",
+        "--budget",
+        "0.3",
+        "--mode",
+        "repack",
+        "--tensor-parallel-size",
+        "2",
+        "--json",
+    ]
+    proc = subprocess.run(
+        cmd, check=False, capture_output=True, text=True, timeout=500, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["tensor_parallel_size"] == 2 and report["match"] and report["paired_naive_match"]
@@ -70,16 +85,33 @@ def test_vtoken_verify_tensor_parallel_cli():
 
 
 def test_vtoken_bench_capacity_tensor_parallel():
-    """`vtoken bench capacity --tensor-parallel-size 2`: the same report (its setup fields gain tensor_parallel_size), and
+    """`vtoken bench capacity --tensor-parallel-size 2`: the same report (its setup fields gain
+    tensor_parallel_size), and
     the probes and the burst run on the TP = 2 engine (every request of the burst finishes)."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    cmd = [str(Path(sys.executable).with_name("vtoken")), "bench", "capacity", "--kv-blocks", "12", "--prompt-len",
-           "64", "--gen-len", "16", "--requests", "4", "--repeats", "1", "--modes", "repack",
-           "--tensor-parallel-size", "2"]
+    cmd = [
+        str(Path(sys.executable).with_name("vtoken")),
+        "bench",
+        "capacity",
+        "--kv-blocks",
+        "12",
+        "--prompt-len",
+        "64",
+        "--gen-len",
+        "16",
+        "--requests",
+        "4",
+        "--repeats",
+        "1",
+        "--modes",
+        "repack",
+        "--tensor-parallel-size",
+        "2",
+    ]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)

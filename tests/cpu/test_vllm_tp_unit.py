@@ -11,8 +11,9 @@ from vtoken.kernels.scores import attention_probs
 from vtoken.vllm.tp import HeadShards, reduce_buffers
 
 
-@pytest.mark.parametrize("tp,q,kv,replicas,kv_local", [(2, 4, 2, 1, 1), (2, 6, 1, 2, 1), (4, 8, 2, 2, 1),
-                                                       (2, 8, 8, 1, 4), (1, 4, 2, 1, 2)])
+@pytest.mark.parametrize(
+    "tp,q,kv,replicas,kv_local", [(2, 4, 2, 1, 1), (2, 6, 1, 2, 1), (4, 8, 2, 2, 1), (2, 8, 8, 1, 4), (1, 4, 2, 1, 2)]
+)
 def test_head_shards(tp, q, kv, replicas, kv_local):
     s = HeadShards(tp=tp, q_heads=q, kv_heads=kv)
     assert (s.replicas, s.kv_local) == (replicas, kv_local)

@@ -103,8 +103,9 @@ def test_bad_engine_settings_name_the_value_and_the_valid_ones(raw, needle):
 def test_request_overrides():
     eng = EngineSettings.from_additional_config({"vtoken": {"policy": "h2o", "budget": 0.5}}, 32)
     assert request_settings(eng, None).cfg == eng.cfg
-    rs = request_settings(eng, {"vtoken": {"policy": "random", "mode": "naive", "budget": 100, "salt": 7,
-                                            "trace_id": "a"}})
+    rs = request_settings(
+        eng, {"vtoken": {"policy": "random", "mode": "naive", "budget": 100, "salt": 7, "trace_id": "a"}}
+    )
     assert rs.cfg.policy == "random" and rs.cfg.mode.value == "naive" and rs.cfg.budget.count == 100
     assert rs.salt == 7 and rs.trace_id == "a" and rs.cfg.block_size == 32
     flat = request_settings(eng, {"vtoken.policy": "tova", "vtoken.budget": "0.25", "vtoken.trace_id": "x"})
@@ -123,11 +124,29 @@ def test_request_overrides():
 
 
 def _stats(repack_seconds: float = 0.0123, at: float = 1.0) -> KVSnapshot:
-    counters = ReclaimCounters(evicted_tokens=50, reclaimed_blocks=3, repack_moves=40, repack_seconds=repack_seconds,
-                               repack_plans=9, preemptions=1, carried_reservations=2)
-    return KVSnapshot(live_tokens=100, held_blocks=5, packing_bound_blocks=4, naive_blocks=7, pool_blocks=99,
-                      block_size=32, num_requests=2, counters=counters, policy="h2o", mode="repack",
-                      source="vtoken", at=at)
+    counters = ReclaimCounters(
+        evicted_tokens=50,
+        reclaimed_blocks=3,
+        repack_moves=40,
+        repack_seconds=repack_seconds,
+        repack_plans=9,
+        preemptions=1,
+        carried_reservations=2,
+    )
+    return KVSnapshot(
+        live_tokens=100,
+        held_blocks=5,
+        packing_bound_blocks=4,
+        naive_blocks=7,
+        pool_blocks=99,
+        block_size=32,
+        num_requests=2,
+        counters=counters,
+        policy="h2o",
+        mode="repack",
+        source="vtoken",
+        at=at,
+    )
 
 
 def test_stats_survive_vllm_msgspec_transport():

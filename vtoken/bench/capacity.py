@@ -62,18 +62,39 @@ class CapacitySetup:
     def to_report(self) -> dict:
         """The report's setup fields (flat, as every capacity report has them)."""
         cfg = self.vtoken
-        return {"model": self.model, "policy": cfg.policy, "budget": cfg.budget.to_json(),
-                "block_size": cfg.block_size, "kv_blocks": self.kv_blocks, "prompt_len": self.prompt_len,
-                "gen_len": self.gen_len, "sinks": cfg.sinks, "recent": cfg.recent, "max_seqs": self.max_seqs,
-                "tensor_parallel_size": self.tensor_parallel_size}
+        return {
+            "model": self.model,
+            "policy": cfg.policy,
+            "budget": cfg.budget.to_json(),
+            "block_size": cfg.block_size,
+            "kv_blocks": self.kv_blocks,
+            "prompt_len": self.prompt_len,
+            "gen_len": self.gen_len,
+            "sinks": cfg.sinks,
+            "recent": cfg.recent,
+            "max_seqs": self.max_seqs,
+            "tensor_parallel_size": self.tensor_parallel_size,
+        }
 
 
-SETUP_KEYS = ("model", "policy", "budget", "block_size", "kv_blocks", "prompt_len", "gen_len", "sinks", "recent",
-              "max_seqs", "tensor_parallel_size")
+SETUP_KEYS = (
+    "model",
+    "policy",
+    "budget",
+    "block_size",
+    "kv_blocks",
+    "prompt_len",
+    "gen_len",
+    "sinks",
+    "recent",
+    "max_seqs",
+    "tensor_parallel_size",
+)
 # the top-level keys ``run_capacity`` returns (``report.emit`` adds ``environment``); tests/cpu/test_bench.py
 # holds the builder and the committed capacity-*.json to them
-REPORT_KEYS = frozenset({"bench", "command", *SETUP_KEYS, "requests", "repeats", "slo", "kv_cache_groups", "modes",
-                         "ratios_vs_naive"})
+REPORT_KEYS = frozenset(
+    {"bench", "command", *SETUP_KEYS, "requests", "repeats", "slo", "kv_cache_groups", "modes", "ratios_vs_naive"}
+)
 
 
 @dataclass(frozen=True)
@@ -107,11 +128,20 @@ def build_engine(setup: CapacitySetup):
     tp_kw, tp_env = tp_engine_kwargs(setup.tensor_parallel_size)
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **tp_env}
     with scoped_env(**env):
-        return LLM(model=setup.model, dtype="float32", enforce_eager=True, seed=0,
-                   max_model_len=setup.prompt_len + setup.gen_len + cfg.block_size,
-                   num_gpu_blocks_override=setup.kv_blocks, max_num_seqs=setup.max_seqs,
-                   max_num_batched_tokens=max(setup.prompt_len, 256), enable_prefix_caching=False,
-                   enable_chunked_prefill=True, **tp_kw, **engine_kwargs(cfg))
+        return LLM(
+            model=setup.model,
+            dtype="float32",
+            enforce_eager=True,
+            seed=0,
+            max_model_len=setup.prompt_len + setup.gen_len + cfg.block_size,
+            num_gpu_blocks_override=setup.kv_blocks,
+            max_num_seqs=setup.max_seqs,
+            max_num_batched_tokens=max(setup.prompt_len, 256),
+            enable_prefix_caching=False,
+            enable_chunked_prefill=True,
+            **tp_kw,
+            **engine_kwargs(cfg),
+        )
 
 
 def kv_cache_groups(llm) -> list[dict]:
@@ -134,8 +164,9 @@ def run_batch(llm, setup: CapacitySetup, mode: str, count: int, tag: str, stop_o
     sched = scheduler_of(llm)
     rng = np.random.default_rng(1234)  # the same prompts for every mode
     vocab = min(eng.vllm_config.model_config.get_vocab_size(), 30_000)
-    params = SamplingParams(max_tokens=setup.gen_len, temperature=0.0, ignore_eos=True,
-                            extra_args={"vtoken": {"mode": mode}})
+    params = SamplingParams(
+        max_tokens=setup.gen_len, temperature=0.0, ignore_eos=True, extra_args={"vtoken": {"mode": mode}}
+    )
     ids = [f"{tag}-{i}" for i in range(count)]
     preempted_before = sched.vtoken_stats().counters.preemptions
     t0 = time.perf_counter()
@@ -164,9 +195,17 @@ def run_batch(llm, setup: CapacitySetup, mode: str, count: int, tag: str, stop_o
     wall = time.perf_counter() - t0
     ttft = tuple(first[r] - t0 for r in ids if r in done)
     tpot = tuple((done[r][0] - first[r]) / max(done[r][1] - 1, 1) for r in ids if r in done)
-    return Outcome(requests=count, finished=len(done), peak_running=max(running, default=0),
-                   mean_running=statistics.fmean(running) if running else 0.0, preemptions=preemptions,
-                   wall_s=wall, generated_tokens=sum(n for _, n in done.values()), ttft_s=ttft, tpot_s=tpot)
+    return Outcome(
+        requests=count,
+        finished=len(done),
+        peak_running=max(running, default=0),
+        mean_running=statistics.fmean(running) if running else 0.0,
+        preemptions=preemptions,
+        wall_s=wall,
+        generated_tokens=sum(n for _, n in done.values()),
+        ttft_s=ttft,
+        tpot_s=tpot,
+    )
 
 
 def max_feasible_concurrency(llm, setup: CapacitySetup, mode: str, on_probe=None) -> tuple[int, list[dict]]:
@@ -175,8 +214,9 @@ def max_feasible_concurrency(llm, setup: CapacitySetup, mode: str, on_probe=None
 
     def feasible(k: int) -> bool:
         out = run_batch(llm, setup, mode, k, f"cap-{mode}-{k}", stop_on_preemption=True)
-        probes.append({"k": k, "feasible": out.feasible, "peak_running": out.peak_running,
-                       "preemptions": out.preemptions})
+        probes.append(
+            {"k": k, "feasible": out.feasible, "peak_running": out.peak_running, "preemptions": out.preemptions}
+        )
         if on_probe is not None:
             on_probe(mode, k, out.feasible)
         return out.feasible
@@ -194,28 +234,38 @@ def max_feasible_concurrency(llm, setup: CapacitySetup, mode: str, on_probe=None
 def goodput_row(out: Outcome, ttft_slo: float, tpot_slo: float) -> dict:
     met = sum(1 for a, b in zip(out.ttft_s, out.tpot_s, strict=True) if a <= ttft_slo and b <= tpot_slo)
     return {
-        "requests": out.requests, "finished": out.finished, "wall_s": round(out.wall_s, 3),
+        "requests": out.requests,
+        "finished": out.finished,
+        "wall_s": round(out.wall_s, 3),
         "throughput_tok_s": round(out.generated_tokens / out.wall_s, 2),
         "sla_attainment": round(met / max(out.requests, 1), 4),
         "goodput_req_s": round(met / out.wall_s, 4),
         "ttft_p50_s": round(float(np.percentile(out.ttft_s, 50)), 3) if out.ttft_s else None,
         "ttft_p90_s": round(float(np.percentile(out.ttft_s, 90)), 3) if out.ttft_s else None,
         "tpot_p50_s": round(float(np.percentile(out.tpot_s, 50)), 4) if out.tpot_s else None,
-        "peak_running": out.peak_running, "mean_running": round(out.mean_running, 2),
+        "peak_running": out.peak_running,
+        "mean_running": round(out.mean_running, 2),
         "preemptions": out.preemptions,
         "ttft_s": [round(x, 3) for x in out.ttft_s],  # per request, so other SLOs can be checked later
         "tpot_s": [round(x, 4) for x in out.tpot_s],
     }
 
 
-def run_capacity(setup: CapacitySetup, modes: tuple[str, ...], requests: int, ttft_slo: float,
-                 tpot_slo: float, repeats: int = 3) -> dict:
+def run_capacity(
+    setup: CapacitySetup, modes: tuple[str, ...], requests: int, ttft_slo: float, tpot_slo: float, repeats: int = 3
+) -> dict:
     """Both measurements for every mode on one engine; returns the JSON-able report (``REPORT_KEYS``)."""
     from rich.progress import Progress
 
-    report: dict = {"bench": "capacity", "command": "vtoken " + shlex.join(sys.argv[1:]),
-                    **setup.to_report(), "requests": requests,
-                    "repeats": repeats, "slo": {"ttft_s": ttft_slo, "tpot_s": tpot_slo}, "modes": {}}
+    report: dict = {
+        "bench": "capacity",
+        "command": "vtoken " + shlex.join(sys.argv[1:]),
+        **setup.to_report(),
+        "requests": requests,
+        "repeats": repeats,
+        "slo": {"ttft_s": ttft_slo, "tpot_s": tpot_slo},
+        "modes": {},
+    }
     llm = build_engine(setup)
     try:
         report["kv_cache_groups"] = kv_cache_groups(llm)
@@ -228,8 +278,12 @@ def run_capacity(setup: CapacitySetup, modes: tuple[str, ...], requests: int, tt
 
             for mode in modes:
                 k, probes = max_feasible_concurrency(llm, setup, mode, on_probe)
-                report["modes"][mode] = {"max_feasible_concurrency": k, "capped_at_max_seqs": k == setup.max_seqs,
-                                         "probes": probes, "burst_runs": []}
+                report["modes"][mode] = {
+                    "max_feasible_concurrency": k,
+                    "capped_at_max_seqs": k == setup.max_seqs,
+                    "probes": probes,
+                    "burst_runs": [],
+                }
             for r in range(repeats):  # modes interleaved, so bursts of machine noise hit them evenly
                 for mode in modes:
                     bar.update(task, description=f"{mode}: burst of {requests} (run {r + 1}/{repeats})")
@@ -259,14 +313,26 @@ def ratios(modes: dict) -> dict:
     def ratio(a: float, b: float) -> float | None:
         return round(a / b, 3) if b else None
 
-    return {m: {"max_feasible_concurrency": ratio(v["max_feasible_concurrency"], base["max_feasible_concurrency"]),
-                "throughput": ratio(v["burst"]["throughput_tok_s"], base["burst"]["throughput_tok_s"]),
-                "goodput": ratio(v["burst"]["goodput_req_s"], base["burst"]["goodput_req_s"])}
-            for m, v in modes.items() if m != "naive"}
+    return {
+        m: {
+            "max_feasible_concurrency": ratio(v["max_feasible_concurrency"], base["max_feasible_concurrency"]),
+            "throughput": ratio(v["burst"]["throughput_tok_s"], base["burst"]["throughput_tok_s"]),
+            "goodput": ratio(v["burst"]["goodput_req_s"], base["burst"]["goodput_req_s"]),
+        }
+        for m, v in modes.items()
+        if m != "naive"
+    }
 
 
-def main(setup: CapacitySetup, modes: tuple[str, ...], requests: int, ttft_slo: float, tpot_slo: float,
-         repeats: int, out: str | None) -> dict:
+def main(
+    setup: CapacitySetup,
+    modes: tuple[str, ...],
+    requests: int,
+    ttft_slo: float,
+    tpot_slo: float,
+    repeats: int,
+    out: str | None,
+) -> dict:
     vllm_logs_to_stderr()
     report = run_capacity(setup, modes, requests, ttft_slo, tpot_slo, repeats)
     emit(report, out)

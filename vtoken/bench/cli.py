@@ -35,8 +35,12 @@ def sim_scale(
     block_size: int = typer.Option(None, "--block-size", help="tokens per KV block (default: sim_scale.BASE's)"),
     workers: int = typer.Option(1),
     out: str = typer.Option(None, help="also write the JSON here"),
-    sets: list[str] = typer.Option([], "--set", help="vtoken.KEY=VALUE: any setting of `vtoken settings`, over "
-                                   "the flags (repeatable; not mode: every mode runs)"),
+    sets: list[str] = typer.Option(
+        [],
+        "--set",
+        help="vtoken.KEY=VALUE: any setting of `vtoken settings`, over "
+        "the flags (repeatable; not mode: every mode runs)",
+    ),
 ) -> None:
     """The simulator at scale: R requests × (prompt + gen) tokens, every mode, wall time measured."""
     from vtoken.bench.settings import configure
@@ -45,8 +49,13 @@ def sim_scale(
     from vtoken.sim.run import SimConfig
 
     try:
-        cfg = SimConfig(vtoken=configure(BASE, sets, own=OWN, policy=policy, budget=budget, block_size=block_size),
-                        prompt_len=prompt_len, gen_len=gen_len, requests=requests, workers=workers)
+        cfg = SimConfig(
+            vtoken=configure(BASE, sets, own=OWN, policy=policy, budget=budget, block_size=block_size),
+            prompt_len=prompt_len,
+            gen_len=gen_len,
+            requests=requests,
+            workers=workers,
+        )
     except ConfigError as err:
         refuse(err)
     run_sim_scale(cfg, out)
@@ -65,8 +74,12 @@ def retained(
     recent: int = typer.Option(None, help="last tokens never evicted (default: retained.BASE's)"),
     markdown: bool = typer.Option(False, help="also print a markdown table"),
     out: str = typer.Option(None, help="also write the JSON here"),
-    sets: list[str] = typer.Option([], "--set", help="vtoken.KEY=VALUE: any setting of `vtoken settings`, over "
-                                   "the flags (repeatable; not mode, policy, budget or block_size: the grid's)"),
+    sets: list[str] = typer.Option(
+        [],
+        "--set",
+        help="vtoken.KEY=VALUE: any setting of `vtoken settings`, over "
+        "the flags (repeatable; not mode, policy, budget or block_size: the grid's)",
+    ),
 ) -> None:
     """Retained KV blocks per mode for a grid of policies × budgets × block sizes (vs the paper's range)."""
     from pathlib import Path
@@ -77,8 +90,13 @@ def retained(
     from vtoken.sim.run import SimConfig
 
     try:
-        base = SimConfig(vtoken=configure(BASE, sets, own=OWN, sinks=sinks, recent=recent), prompt_len=prompt_len,
-                         gen_len=gen_len, requests=requests, traces=Path(traces) if traces else None)
+        base = SimConfig(
+            vtoken=configure(BASE, sets, own=OWN, sinks=sinks, recent=recent),
+            prompt_len=prompt_len,
+            gen_len=gen_len,
+            requests=requests,
+            traces=Path(traces) if traces else None,
+        )
         cells = grid(base, policies, budgets, block_sizes)
     except (ConfigError, ValueError) as err:
         refuse(err)
@@ -95,19 +113,30 @@ def overhead_cmd(
     budget: str = typer.Option(None, help=BUDGET_HELP + " for the evicting variants (default: overhead.BASE's)"),
     repeats: int = typer.Option(3, help="runs per variant (median reported)"),
     out: str = typer.Option(None, help="also write the JSON here"),
-    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
-                                             help="TP ranks (CPU: one process and core each)"),
-    score_layers: list[int] = typer.Option(None, "--score-layers",
-                                           help="also measure repack+scores@N: only N attention layers score "
-                                                "(repeatable; repack+scores is the default score_layers, "
-                                                "repack+scores@all every layer, both always run)"),
-    policy: list[str] = typer.Option(None, "--policy",
-                                     help="the evicting variants' policy (default: overhead.BASE's, random); "
-                                          "an attention policy makes every variant score (naive and repack "
-                                          "paired, no score-collection rows); repeatable with attention "
-                                          "policies: each runs every evicting variant in the same run"),
-    sets: list[str] = typer.Option([], "--set", help="vtoken.KEY=VALUE: any setting of `vtoken settings`, over "
-                                   "the flags (repeatable; not mode, policy or score_layers: each variant's)"),
+    tensor_parallel_size: int = typer.Option(
+        1, "--tensor-parallel-size", min=1, help="TP ranks (CPU: one process and core each)"
+    ),
+    score_layers: list[int] = typer.Option(
+        None,
+        "--score-layers",
+        help="also measure repack+scores@N: only N attention layers score "
+        "(repeatable; repack+scores is the default score_layers, "
+        "repack+scores@all every layer, both always run)",
+    ),
+    policy: list[str] = typer.Option(
+        None,
+        "--policy",
+        help="the evicting variants' policy (default: overhead.BASE's, random); "
+        "an attention policy makes every variant score (naive and repack "
+        "paired, no score-collection rows); repeatable with attention "
+        "policies: each runs every evicting variant in the same run",
+    ),
+    sets: list[str] = typer.Option(
+        [],
+        "--set",
+        help="vtoken.KEY=VALUE: any setting of `vtoken settings`, over "
+        "the flags (repeatable; not mode, policy or score_layers: each variant's)",
+    ),
 ) -> None:
     """Decode-step overhead in vLLM: repack vs naive vs none (no memory pressure), score collection on/off."""
     from vtoken.bench.overhead import BASE, OWN, overhead
@@ -125,13 +154,18 @@ def overhead_cmd(
     except (ConfigError, ValueError) as err:
         refuse(err)
     if score_layers and cfgs[0].policy_class.needs_attention():
-        refuse(f"--score-layers with --policy {policies[0]!r}: score collection is measured with a query-free "
-               f"policy (with {policies[0]!r} every variant scores)")
+        refuse(
+            f"--score-layers with --policy {policies[0]!r}: score collection is measured with a query-free "
+            f"policy (with {policies[0]!r} every variant scores)"
+        )
     if len(policies) > 1 and (plain := [c.policy for c in cfgs if not c.policy_class.needs_attention()]):
-        refuse(f"--policy {plain[0]!r} with other policies: several policies are compared only among attention "
-               f"policies (run a query-free policy on its own)")
-    overhead(model, cfg, batch, prompt_len, gen_len, repeats, out, tensor_parallel_size, tuple(score_layers or ()),
-             policies)
+        refuse(
+            f"--policy {plain[0]!r} with other policies: several policies are compared only among attention "
+            f"policies (run a query-free policy on its own)"
+        )
+    overhead(
+        model, cfg, batch, prompt_len, gen_len, repeats, out, tensor_parallel_size, tuple(score_layers or ()), policies
+    )
 
 
 @bench_app.command("capacity")
@@ -149,10 +183,14 @@ def capacity_cmd(
     tpot_slo: float = typer.Option(0.1, "--tpot-slo", help="seconds per output token"),
     modes: str = typer.Option("naive,repack,reuse+repack", help="comma-separated reclamation modes"),
     out: str = typer.Option(None, help="also write the JSON here"),
-    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
-                                             help="TP ranks (CPU: one process and core each)"),
-    sets: list[str] = typer.Option([], "--set", help="vtoken.KEY=VALUE: any setting of `vtoken settings`, over "
-                                   "the flags (repeatable; not mode: --modes)"),
+    tensor_parallel_size: int = typer.Option(
+        1, "--tensor-parallel-size", min=1, help="TP ranks (CPU: one process and core each)"
+    ),
+    sets: list[str] = typer.Option(
+        [],
+        "--set",
+        help="vtoken.KEY=VALUE: any setting of `vtoken settings`, over the flags (repeatable; not mode: --modes)",
+    ),
 ) -> None:
     """Max feasible concurrency and burst SLA goodput per mode at a fixed KV pool (real vLLM engine)."""
     from vtoken.bench.capacity import BASE, MODES, OWN, CapacitySetup, main
@@ -181,8 +219,14 @@ def capacity_cmd(
         path = str(resolve_model(model))
     except (ConfigError, ValueError, OSError) as err:
         refuse(err)
-    setup = CapacitySetup(model=path, kv_blocks=kv_blocks, prompt_len=prompt_len, gen_len=gen_len, vtoken=cfg,
-                          tensor_parallel_size=tensor_parallel_size)
+    setup = CapacitySetup(
+        model=path,
+        kv_blocks=kv_blocks,
+        prompt_len=prompt_len,
+        gen_len=gen_len,
+        vtoken=cfg,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     main(setup, chosen, requests, ttft_slo, tpot_slo, repeats, out)
 
 
@@ -204,12 +248,32 @@ class QualityPreset:
 
 
 QUALITY_PRESETS = {
-    "quick": QualityPreset("h2o,tova,snapkv,streamingllm", "0.2,0.5", "0.2,0.5,0.8", per_depth=1, windows=2,
-                           window_tokens=256, ruler_tasks="niah_single_1", ruler_lengths="512", ruler_samples=8,
-                           fidelity_prompts=2, fidelity_tokens=64),
-    "full": QualityPreset("all", "0.1,0.2,0.3,0.4,0.5", "0.1,0.3,0.5,0.7,0.9", per_depth=2, windows=4,
-                          window_tokens=512, ruler_tasks="all", ruler_lengths="512,1024", ruler_samples=50,
-                          fidelity_prompts=20, fidelity_tokens=256),
+    "quick": QualityPreset(
+        "h2o,tova,snapkv,streamingllm",
+        "0.2,0.5",
+        "0.2,0.5,0.8",
+        per_depth=1,
+        windows=2,
+        window_tokens=256,
+        ruler_tasks="niah_single_1",
+        ruler_lengths="512",
+        ruler_samples=8,
+        fidelity_prompts=2,
+        fidelity_tokens=64,
+    ),
+    "full": QualityPreset(
+        "all",
+        "0.1,0.2,0.3,0.4,0.5",
+        "0.1,0.3,0.5,0.7,0.9",
+        per_depth=2,
+        windows=4,
+        window_tokens=512,
+        ruler_tasks="all",
+        ruler_lengths="512,1024",
+        ruler_samples=50,
+        fidelity_prompts=20,
+        fidelity_tokens=256,
+    ),
 }
 
 
@@ -227,8 +291,11 @@ def prefix_cmd(
     repeats: int = typer.Option(3, help="runs per mode, interleaved"),
     seed: int = typer.Option(0),
     out: str = typer.Option(None, help="also write the JSON here"),
-    sets: list[str] = typer.Option([], "--set", help="vtoken.KEY=VALUE: any setting of `vtoken settings`, over "
-                                   "the flags (repeatable; not mode: --modes)"),
+    sets: list[str] = typer.Option(
+        [],
+        "--set",
+        help="vtoken.KEY=VALUE: any setting of `vtoken settings`, over the flags (repeatable; not mode: --modes)",
+    ),
 ) -> None:
     """Prefix-cache hits and TTFT of sequential requests sharing a system prompt, per mode (one engine)."""
     from vtoken.vllm.launch import vllm_logs_to_stderr
@@ -310,46 +377,72 @@ def quality_cmd(
     policies: str = typer.Option(None, help="comma-separated policy names, or 'all' (default: the preset's)"),
     budgets: str = typer.Option(None, help="comma-separated fractions or token counts (default: the preset's)"),
     granularities: str = typer.Option("token,block", help="token (repack) and/or block (whole blocks, naive)"),
-    score_layers: str = typer.Option(str(DEFAULT_SCORE_LAYERS), "--score-layers",
-                                     help="comma-separated: 'all' (every attention layer scores) and/or layer "
-                                          "counts N (N layers, evenly spread, last included); each point per value "
-                                          "(default: the engine's default score_layers)"),
-    prompt_tails: str = typer.Option("0", "--prompt-tails",
-                                     help="comma-separated prompt_tail values (the prompt's last tokens never "
-                                          "evicted); each point per value"),
-    scopes: str = typer.Option("all", help="comma-separated scopes: all and/or generated (decode-only eviction, "
-                                           "the prompt kept whole); each point per value"),
-    prompt_scores: str = typer.Option("all", "--prompt-scores",
-                                      help="comma-separated: all and/or window (question-aware: H2O ranks the prompt "
-                                           "by its last queries); each point per value"),
-    keep_masses: str = typer.Option("none", "--keep-masses",
-                                    help="comma-separated: none and/or fractions τ in (0, 1) (the adaptive budget: "
-                                         "also evict while the rest holds τ of the attention mass); each point "
-                                         "per value"),
-    score_pools: str = typer.Option("0", "--score-pools",
-                                    help="comma-separated score_pool values (span pooling: a token ranks by the "
-                                         "heaviest score within that many positions; 0: off); each point per value"),
+    score_layers: str = typer.Option(
+        str(DEFAULT_SCORE_LAYERS),
+        "--score-layers",
+        help="comma-separated: 'all' (every attention layer scores) and/or layer "
+        "counts N (N layers, evenly spread, last included); each point per value "
+        "(default: the engine's default score_layers)",
+    ),
+    prompt_tails: str = typer.Option(
+        "0",
+        "--prompt-tails",
+        help="comma-separated prompt_tail values (the prompt's last tokens never evicted); each point per value",
+    ),
+    scopes: str = typer.Option(
+        "all",
+        help="comma-separated scopes: all and/or generated (decode-only eviction, "
+        "the prompt kept whole); each point per value",
+    ),
+    prompt_scores: str = typer.Option(
+        "all",
+        "--prompt-scores",
+        help="comma-separated: all and/or window (question-aware: H2O ranks the prompt "
+        "by its last queries); each point per value",
+    ),
+    keep_masses: str = typer.Option(
+        "none",
+        "--keep-masses",
+        help="comma-separated: none and/or fractions τ in (0, 1) (the adaptive budget: "
+        "also evict while the rest holds τ of the attention mass); each point "
+        "per value",
+    ),
+    score_pools: str = typer.Option(
+        "0",
+        "--score-pools",
+        help="comma-separated score_pool values (span pooling: a token ranks by the "
+        "heaviest score within that many positions; 0: off); each point per value",
+    ),
     model: str = typer.Option("default", help="a trained model: default | smollm2 | gemma3-270m | PATH"),
     seed: int = typer.Option(0, help="draws other pass keys, needle positions and text windows"),
     context_tokens: int = typer.Option(400, "--context-tokens", help="filler tokens around the pass key"),
     chunk: int = typer.Option(64, help="prefill chunk of the language-modelling task (tokens)"),
-    tasks: str = typer.Option(None, help="RULER-style tasks: comma-separated names, 'all' or 'none' "
-                                         "(default: the preset's)"),
+    tasks: str = typer.Option(
+        None, help="RULER-style tasks: comma-separated names, 'all' or 'none' (default: the preset's)"
+    ),
     lengths: str = typer.Option(None, help="RULER lengths in tokens, comma-separated (default: the preset's)"),
     samples: int = typer.Option(None, min=1, help="RULER samples per task × length (default: the preset's)"),
-    fidelity_prompts: int = typer.Option(None, "--fidelity-prompts", min=0,
-                                         help="long-generation fidelity prompts, 0 skips it (default: the preset's)"),
-    fidelity_tokens: int = typer.Option(None, "--fidelity-tokens", min=1,
-                                        help="tokens each fidelity prompt generates (default: the preset's)"),
+    fidelity_prompts: int = typer.Option(
+        None, "--fidelity-prompts", min=0, help="long-generation fidelity prompts, 0 skips it (default: the preset's)"
+    ),
+    fidelity_tokens: int = typer.Option(
+        None, "--fidelity-tokens", min=1, help="tokens each fidelity prompt generates (default: the preset's)"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print the JSON report only (always printed)"),
     plot: str = typer.Option(None, help="write the Pareto plot (PNG) here"),
-    plot_ruler: str = typer.Option(None, "--plot-ruler",
-                                   help="write the RULER rates with 95 % intervals and fidelity (PNG) here"),
+    plot_ruler: str = typer.Option(
+        None, "--plot-ruler", help="write the RULER rates with 95 % intervals and fidelity (PNG) here"
+    ),
     out: str = typer.Option(None, help="also write the JSON here"),
-    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1,
-                                             help="TP ranks (CPU: one process and core each)"),
-    sets: list[str] = typer.Option([], "--set", help="vtoken.KEY=VALUE over the flags (repeatable): the engine's "
-                                   "block_size, sinks, recent, or one value of a point's setting in every point"),
+    tensor_parallel_size: int = typer.Option(
+        1, "--tensor-parallel-size", min=1, help="TP ranks (CPU: one process and core each)"
+    ),
+    sets: list[str] = typer.Option(
+        [],
+        "--set",
+        help="vtoken.KEY=VALUE over the flags (repeatable): the engine's "
+        "block_size, sinks, recent, or one value of a point's setting in every point",
+    ),
 ) -> None:
     """Task quality (pass key, perplexity, RULER-style tasks with 95 % intervals, long-generation fidelity)
     per policy × granularity × budget vs retained blocks."""
@@ -371,15 +464,21 @@ def quality_cmd(
     try:
         budget_values = tuple(Budget.parse(b.strip()).to_json() for b in (budgets or preset.budgets).split(","))
         layer_values = tuple(_score_layers(v) for v in score_layers.split(",") if v.strip())
-        tail_values = tuple(_count_setting(v, "--prompt-tails", "prompt_tail")
-                            for v in prompt_tails.split(",") if v.strip()) or (0,)
+        tail_values = tuple(
+            _count_setting(v, "--prompt-tails", "prompt_tail") for v in prompt_tails.split(",") if v.strip()
+        ) or (0,)
         scope_values = tuple(VTokenConfig(scope=v.strip()).scope.value for v in scopes.split(",") if v.strip())
-        ps_values = tuple(VTokenConfig(prompt_scores=v.strip()).prompt_scores.value
-                          for v in prompt_scores.split(",") if v.strip())
-        mass_values = tuple(None if v.strip() == "none" else VTokenConfig(keep_mass=v.strip()).keep_mass
-                            for v in keep_masses.split(",") if v.strip()) or (None,)
-        pool_values = tuple(_count_setting(v, "--score-pools", "score_pool")
-                            for v in score_pools.split(",") if v.strip()) or (0,)
+        ps_values = tuple(
+            VTokenConfig(prompt_scores=v.strip()).prompt_scores.value for v in prompt_scores.split(",") if v.strip()
+        )
+        mass_values = tuple(
+            None if v.strip() == "none" else VTokenConfig(keep_mass=v.strip()).keep_mass
+            for v in keep_masses.split(",")
+            if v.strip()
+        ) or (None,)
+        pool_values = tuple(
+            _count_setting(v, "--score-pools", "score_pool") for v in score_pools.split(",") if v.strip()
+        ) or (0,)
         if chunk < 16 or context_tokens < 32:
             raise ConfigError(f"--chunk {chunk} / --context-tokens {context_tokens}: need ≥ 16 / ≥ 32")
         ruler_tasks = _ruler_tasks(tasks or preset.ruler_tasks)
@@ -388,14 +487,28 @@ def quality_cmd(
         if plot_ruler and not (ruler_tasks or fid_prompts):
             raise ConfigError("--plot-ruler: nothing to plot with --tasks none and --fidelity-prompts 0")
         setup = QualitySetup(
-            model=model, policies=chosen, budgets=budget_values, granularities=grans,
-            depths=tuple(float(d) for d in preset.depths.split(",")), per_depth=preset.per_depth,
-            context_tokens=context_tokens, windows=preset.windows, window_tokens=preset.window_tokens, chunk=chunk,
-            seed=seed, tensor_parallel_size=tensor_parallel_size,
-            score_layers=layer_values or (DEFAULT_SCORE_LAYERS,), prompt_tails=tail_values,
-            scopes=scope_values or ("all",), prompt_scores=ps_values or ("all",), keep_masses=mass_values,
-            score_pools=pool_values, ruler_tasks=ruler_tasks, ruler_lengths=ruler_lengths,
-            ruler_samples=samples or preset.ruler_samples, fidelity_prompts=fid_prompts,
+            model=model,
+            policies=chosen,
+            budgets=budget_values,
+            granularities=grans,
+            depths=tuple(float(d) for d in preset.depths.split(",")),
+            per_depth=preset.per_depth,
+            context_tokens=context_tokens,
+            windows=preset.windows,
+            window_tokens=preset.window_tokens,
+            chunk=chunk,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            score_layers=layer_values or (DEFAULT_SCORE_LAYERS,),
+            prompt_tails=tail_values,
+            scopes=scope_values or ("all",),
+            prompt_scores=ps_values or ("all",),
+            keep_masses=mass_values,
+            score_pools=pool_values,
+            ruler_tasks=ruler_tasks,
+            ruler_lengths=ruler_lengths,
+            ruler_samples=samples or preset.ruler_samples,
+            fidelity_prompts=fid_prompts,
             fidelity_tokens=fidelity_tokens or preset.fidelity_tokens,
         )
         setup = apply_sets(setup, sets)
@@ -425,8 +538,9 @@ def quality_cmd(
 @bench_app.command("yardstick")
 def yardstick_cmd(
     reports: list[str] = typer.Argument(..., help="`vtoken bench quality` JSON reports on one yardstick"),
-    fidelity_from: str = typer.Option("all", "--fidelity-from",
-                                      help="comma-separated reports whose fidelity half counts, 'all' or 'none'"),
+    fidelity_from: str = typer.Option(
+        "all", "--fidelity-from", help="comma-separated reports whose fidelity half counts, 'all' or 'none'"
+    ),
     plot: str = typer.Option(None, help="write the yardstick figure (PNG) here"),
     table: bool = typer.Option(False, "--table", help="print the Markdown table instead of the JSON"),
     out: str = typer.Option(None, help="also write the merged JSON here"),
@@ -486,8 +600,7 @@ def score_host_cmd(
         refuse(err)
     if repeats < 1 or not 0 < generated < min(live for _, live in SHAPES):
         refuse(f"--repeats {repeats} must be ≥ 1 and --generated {generated} in (0, {min(n for _, n in SHAPES)})")
-    emit(run_score_host(policy, generated, repeats, seed,
-                        on_row=lambda r: typer.echo(f"{r}", err=True)), out)
+    emit(run_score_host(policy, generated, repeats, seed, on_row=lambda r: typer.echo(f"{r}", err=True)), out)
 
 
 @bench_app.command("kernels")
@@ -513,8 +626,16 @@ def kernels_cmd(
     from vtoken.bench.report import emit
     from vtoken.kernels.check import DTYPES, Shape
 
-    ints = {"--layers": layers, "--kv-heads": kv_heads, "--q-heads": q_heads, "--head-dim": head_dim,
-            "--block-size": block_size, "--blocks": blocks, "--requests": requests, "--capacity": capacity}
+    ints = {
+        "--layers": layers,
+        "--kv-heads": kv_heads,
+        "--q-heads": q_heads,
+        "--head-dim": head_dim,
+        "--block-size": block_size,
+        "--blocks": blocks,
+        "--requests": requests,
+        "--capacity": capacity,
+    }
     bad = problems(backend, device, layout, dtype, ints, q_heads, kv_heads)
     if bad:
         refuse("; ".join(bad))
@@ -542,15 +663,20 @@ def fleet_cmd(
     target_load: float = typer.Option(0.5, "--target-load", help="load for 'replicas needed'"),
     ttft_slo: float = typer.Option(2.0, "--ttft-slo", help="seconds"),
     tpot_slo: float = typer.Option(0.2, "--tpot-slo", help="seconds per output token"),
-    decision_sizes: str = typer.Option("64,128,256,512,1024", "--decision-sizes",
-                                       help="fleet sizes at which each router's decision is timed"),
-    seed: int = typer.Option(None, help="seeds the routers, the simulation and the policy (default: "
-                             "fleet_model.BASE's)"),
+    decision_sizes: str = typer.Option(
+        "64,128,256,512,1024", "--decision-sizes", help="fleet sizes at which each router's decision is timed"
+    ),
+    seed: int = typer.Option(
+        None, help="seeds the routers, the simulation and the policy (default: fleet_model.BASE's)"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print the JSON only (else a table on stderr too)"),
     plot: str = typer.Option(None, help="write the plot (PNG) here"),
     out: str = typer.Option(None, help="also write the JSON here"),
-    sets: list[str] = typer.Option([], "--set", help="vtoken.KEY=VALUE: any setting of `vtoken settings`, over "
-                                   "the flags (repeatable; not mode: --modes)"),
+    sets: list[str] = typer.Option(
+        [],
+        "--set",
+        help="vtoken.KEY=VALUE: any setting of `vtoken settings`, over the flags (repeatable; not mode: --modes)",
+    ),
 ) -> None:
     """Discrete-event fleet of N replicas: routers × modes × load, replicas needed, routing cost."""
     from pathlib import Path
@@ -589,9 +715,25 @@ def fleet_cmd(
         if failed:
             refuse(message)
     echo = (lambda *_: None) if as_json else (lambda line: typer.echo(line, err=True))
-    report = run_fleet(replicas, load_list, chosen_r, chosen_m, duration, warmup, pool_blocks, max_seqs, cfg,
-                       Path(steps), measure_steps, steps_model, time_scale, target_load,
-                       SloTargets(ttft_slo, tpot_slo), tuple(sizes), echo)
+    report = run_fleet(
+        replicas,
+        load_list,
+        chosen_r,
+        chosen_m,
+        duration,
+        warmup,
+        pool_blocks,
+        max_seqs,
+        cfg,
+        Path(steps),
+        measure_steps,
+        steps_model,
+        time_scale,
+        target_load,
+        SloTargets(ttft_slo, tpot_slo),
+        tuple(sizes),
+        echo,
+    )
     if plot:
         draw(report, plot)
     if not as_json:
@@ -605,8 +747,9 @@ def soak_cmd(
     concurrency: int = typer.Option(6, min=1, max=64, help="client threads"),
     seed: int = typer.Option(0, help="draws the requests (and their aborts)"),
     pool_blocks: int = typer.Option(64, "--pool-blocks", min=40, help="each replica's KV pool, in blocks"),
-    kill_at: float = typer.Option(0.4, "--kill-at", min=0.0, max=0.9,
-                                  help="share of the duration at which one replica is killed (0: none)"),
+    kill_at: float = typer.Option(
+        0.4, "--kill-at", min=0.0, max=0.9, help="share of the duration at which one replica is killed (0: none)"
+    ),
     abort_rate: float = typer.Option(0.15, "--abort-rate", min=0.0, max=1.0, help="share of client aborts"),
     out: str = typer.Option(None, help="also write the JSON here"),
 ) -> None:
@@ -616,8 +759,14 @@ def soak_cmd(
     from vtoken.bench.report import emit
     from vtoken.bench.soak import SoakSetup, run_soak
 
-    setup = SoakSetup(duration_s=duration, concurrency=concurrency, seed=seed, pool_blocks=pool_blocks,
-                      kill_at=kill_at, abort_rate=abort_rate)
+    setup = SoakSetup(
+        duration_s=duration,
+        concurrency=concurrency,
+        seed=seed,
+        pool_blocks=pool_blocks,
+        kill_at=kill_at,
+        abort_rate=abort_rate,
+    )
     report = run_soak(setup, on_phase=lambda text: typer.echo(f"[soak] {text}", err=True))
     emit(report, out)
     raise typer.Exit(0 if report["passed"] else 1)
@@ -628,8 +777,11 @@ def serve_cmd(
     model: str = typer.Option("default", help=MODEL_HELP),
     modes: str = typer.Option("none,naive,repack", help="comma-separated: none naive repack reuse+repack"),
     policies: str = typer.Option("h2o", help="comma-separated policies for the evicting modes"),
-    budget: str = typer.Option("0.2", help="fraction in (0, 1] or token count, over every token (scope all; "
-                               "--set vtoken.scope=generated: decode-only)"),
+    budget: str = typer.Option(
+        "0.2",
+        help="fraction in (0, 1] or token count, over every token (scope all; "
+        "--set vtoken.scope=generated: decode-only)",
+    ),
     pool_blocks: int = typer.Option(64, "--pool-blocks", help="the replica's KV pool (blocks)"),
     max_num_seqs: int = typer.Option(16, "--max-num-seqs", help="engine batch limit"),
     rates: str = typer.Option("1.5", help="comma-separated request rates (req/s, Poisson)"),
@@ -642,13 +794,22 @@ def serve_cmd(
     tpot_ms: float = typer.Option(300, "--tpot-ms", help="TPOT SLO (ms), the same for every mode"),
     seed: int = typer.Option(0, help="workload seed of the first repeat (repeat i: seed + i)"),
     burstiness: float = typer.Option(1.0, help="arrival burstiness: 1 Poisson, < 1 bursts (gamma intervals)"),
-    range_ratio: float = typer.Option(0.0, "--range-ratio", help="random dataset: request lengths uniform in "
-                                      "(1 ± this) × --input-len / --output-len (long and short mixed)"),
+    range_ratio: float = typer.Option(
+        0.0,
+        "--range-ratio",
+        help="random dataset: request lengths uniform in "
+        "(1 ± this) × --input-len / --output-len (long and short mixed)",
+    ),
     admission: str = typer.Option("off", help="SLO-aware admission per variant: off | on | off,on (an A/B)"),
-    stop_after_misses: int = typer.Option(0, "--stop-after-misses", help="stop a variant's sweep once this "
-                                          "many rates in a row missed 90 % attainment (0: run every rate)"),
-    repeats: int = typer.Option(1, help="run every variant this many times in this one command; ratios per "
-                                "repeat, summarised as median (min-max)"),
+    stop_after_misses: int = typer.Option(
+        0,
+        "--stop-after-misses",
+        help="stop a variant's sweep once this many rates in a row missed 90 % attainment (0: run every rate)",
+    ),
+    repeats: int = typer.Option(
+        1,
+        help="run every variant this many times in this one command; ratios per repeat, summarised as median (min-max)",
+    ),
     sets: list[str] = typer.Option([], "--set", help="serve config key=value for every server (repeatable)"),
     as_json: bool = typer.Option(False, "--json", help="print the JSON only (progress otherwise on stderr)"),
     log: str = typer.Option(None, help="the servers' output goes here (default: discarded)"),
@@ -680,19 +841,38 @@ def serve_cmd(
     ]
     switches = {"off": False, "on": True}
     admission_list = [a.strip() for a in admission.split(",") if a.strip()]
-    checks.append((not admission_list or not set(admission_list) <= set(switches),
-                   f"--admission {admission!r}: valid are off, on, off,on"))
+    checks.append(
+        (
+            not admission_list or not set(admission_list) <= set(switches),
+            f"--admission {admission!r}: valid are off, on, off,on",
+        )
+    )
     for failed, message in checks:
         if failed:
             refuse(message)
     setup = ServeBenchSetup(
-        model=model, modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
-        policies=tuple(p.strip() for p in policies.split(",") if p.strip()), budget=budget,
-        pool_blocks=pool_blocks, max_num_seqs=max_num_seqs, rates=rate_list, num_prompts=num_prompts,
-        input_len=input_len, output_len=output_len, dataset=dataset, prefix_len=prefix_len, ttft_ms=ttft_ms,
-        tpot_ms=tpot_ms, seed=seed, burstiness=burstiness, range_ratio=range_ratio,
-        admission=tuple(switches[a] for a in admission_list), extra=tuple(sets),
-        stop_after_misses=stop_after_misses, repeats=repeats)
+        model=model,
+        modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
+        policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
+        budget=budget,
+        pool_blocks=pool_blocks,
+        max_num_seqs=max_num_seqs,
+        rates=rate_list,
+        num_prompts=num_prompts,
+        input_len=input_len,
+        output_len=output_len,
+        dataset=dataset,
+        prefix_len=prefix_len,
+        ttft_ms=ttft_ms,
+        tpot_ms=tpot_ms,
+        seed=seed,
+        burstiness=burstiness,
+        range_ratio=range_ratio,
+        admission=tuple(switches[a] for a in admission_list),
+        extra=tuple(sets),
+        stop_after_misses=stop_after_misses,
+        repeats=repeats,
+    )
     if not setup.variants():
         refuse(f"--modes {modes!r} / --policies {policies!r}: nothing to run")
     try:  # the model's KV cache groups, as vLLM will build them for every server

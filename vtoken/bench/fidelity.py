@@ -108,14 +108,20 @@ def run_fidelity(setup, tokenizer, pts, on_phase) -> dict:
     teacher = {p.name: tuple(generated[(full_key, p.name)][0].outputs[0].token_ids) for p in prompts}
     forced_cases = [replace(p, prompt_ids=p.prompt_ids + teacher[p.name]) for p in prompts]
     # one block per prefill chunk: the policy evicts as the teacher's continuation grows
-    scored = run_on_engine(setup, forced_cases, pts, forced, max_model_len=max_len,
-                           max_num_batched_tokens=setup.block_size, enable_chunked_prefill=True)
+    scored = run_on_engine(
+        setup,
+        forced_cases,
+        pts,
+        forced,
+        max_model_len=max_len,
+        max_num_batched_tokens=setup.block_size,
+        enable_chunked_prefill=True,
+    )
     start = setup.fidelity_prompt_tokens
     full_dists = {p.name: _dists(scored[(full_key, p.name)][0], start) for p in prompts}
     out = {}
     for pt in pts:
-        div = [first_divergence(teacher[p.name], generated[(pt.key, p.name)][0].outputs[0].token_ids)
-               for p in prompts]
+        div = [first_divergence(teacher[p.name], generated[(pt.key, p.name)][0].outputs[0].token_ids) for p in prompts]
         per = [teacher_forced(full_dists[p.name], _dists(scored[(pt.key, p.name)][0], start)) for p in prompts]
         top1 = statistics.fmean(r["top1_agreement"] for r in per)
         out[pt.key] = {
@@ -126,5 +132,9 @@ def run_fidelity(setup, tokenizer, pts, on_phase) -> dict:
             "keeps_fidelity": top1 >= FIDELITY_TOP1_BOUND,
             **blocks_summary([generated[(pt.key, p.name)][1] for p in prompts]),
         }
-    return {"prompts": [{"name": p.name, "source": p.source, "offset": p.offset} for p in prompts],
-            "tokens": n_gen, "top1_bound": FIDELITY_TOP1_BOUND, "points": out}
+    return {
+        "prompts": [{"name": p.name, "source": p.source, "offset": p.offset} for p in prompts],
+        "tokens": n_gen,
+        "top1_bound": FIDELITY_TOP1_BOUND,
+        "points": out,
+    }

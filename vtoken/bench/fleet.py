@@ -36,18 +36,46 @@ from vtoken.serve.telemetry.stats import routing_stats
 DECISION_SIZES = (64, 128, 256, 512, 1024)
 # the top-level keys ``run_fleet`` returns (``report.emit`` adds ``environment``), and those of each mode's
 # ``replicas_needed[mode]["autoscaler"]`` (``replicas_needed``)
-REPORT_KEYS = frozenset({"bench", "command", "replicas", "loads", "routers", "modes", "duration_s",
-                         "warmup_s", "replica", "workload", "kv_per_request_blocks_mean", "service_times",
-                         "slo", "capacity_per_replica", "base_rate_req_s", "project_code", "assumptions",
-                         "runs", "replicas_needed", "decision_cost_us", "seconds"})
-AUTOSCALER_KEYS = frozenset({"replicas_at_end_of_arrivals", "replicas_mean", "slo_attainment",
-                             "goodput_req_s", "mean_kv_utilization", "replicas_trace_1s"})
+REPORT_KEYS = frozenset(
+    {
+        "bench",
+        "command",
+        "replicas",
+        "loads",
+        "routers",
+        "modes",
+        "duration_s",
+        "warmup_s",
+        "replica",
+        "workload",
+        "kv_per_request_blocks_mean",
+        "service_times",
+        "slo",
+        "capacity_per_replica",
+        "base_rate_req_s",
+        "project_code",
+        "assumptions",
+        "runs",
+        "replicas_needed",
+        "decision_cost_us",
+        "seconds",
+    }
+)
+AUTOSCALER_KEYS = frozenset(
+    {
+        "replicas_at_end_of_arrivals",
+        "replicas_mean",
+        "slo_attainment",
+        "goodput_req_s",
+        "mean_kv_utilization",
+        "replicas_trace_1s",
+    }
+)
 SLO_TARGET = 0.99  # share of requests meeting the SLO that "replicas needed" asks for (as the alerts')
 ASSUMPTIONS = [
     "service times: measured engine steps on this machine (see service_times), fitted as "
     "base + per_seq·decoding + per_token·prefilled, times time_scale; one step model for every replica",
-    "KV per request: vToken's core (vtoken.sim, synthetic attention) under policy/budget/mode, mean of "
-    "each class",
+    "KV per request: vToken's core (vtoken.sim, synthetic attention) under policy/budget/mode, mean of each class",
     "replicas: FIFO admission while a sequence slot and the prompt's blocks (+1) are free; prefill "
     "batched into decode steps; pool overflow preempts the newest request (recompute)",
     "routers see stats polled every stats_period_s and live queue lengths; no network or proxy cost",
@@ -62,8 +90,12 @@ def capacity(step: StepModel, profiles, classes, pool_blocks: int, max_seqs: int
     w = np.array([c.weight for c in classes]) / sum(c.weight for c in classes)
     mean_blocks = float(sum(wi * float(np.mean(p.held)) for wi, p in zip(w, profiles, strict=True)))
     batch = max(1, min(max_seqs, int(0.9 * pool_blocks / mean_blocks)))
-    service = float(sum(wi * (c.gen * step.seconds(batch) + step.seconds(0, c.prompt) - step.seconds(0))
-                        for wi, c in zip(w, classes)))
+    service = float(
+        sum(
+            wi * (c.gen * step.seconds(batch) + step.seconds(0, c.prompt) - step.seconds(0))
+            for wi, c in zip(w, classes)
+        )
+    )
     return {"batch": batch, "mean_blocks": round(mean_blocks, 2), "req_s": round(batch / service, 4)}
 
 
@@ -77,8 +109,9 @@ def decision_cost(sizes=DECISION_SIZES, repeats: int = 200, seed: int = 0) -> di
         view, now = View(n), 1000.0
         view.queue[:] = rng.integers(0, 8, n)
         for r, h in enumerate(rng.integers(0, 128, n)):
-            snap = KVSnapshot(live_tokens=int(h) * 24, held_blocks=int(h), pool_blocks=128,
-                              num_running=int(view.queue[r]), at=now)
+            snap = KVSnapshot(
+                live_tokens=int(h) * 24, held_blocks=int(h), pool_blocks=128, num_running=int(view.queue[r]), at=now
+            )
             view.set_stats(r, routing_stats(snap, now))
         candidates = np.arange(n)
         out[str(n)] = {}
@@ -106,22 +139,54 @@ def replicas_needed(spec: FleetSpec, rate: float, slo_target: float, echo) -> di
         probes[mid] = run["slo_attainment"]
         echo(f"  {mid} replicas: SLO {run['slo_attainment']:.3f}")
         lo, hi = (lo, mid) if run["slo_attainment"] >= slo_target else (mid, hi)
-    auto = replace(spec, replicas=2 * spec.replicas, autoscale=ScalingParams(),
-                   initial_replicas=max(1, spec.replicas // 4), duration_s=max(spec.duration_s, 300.0),
-                   warmup_s=max(spec.warmup_s, 240.0))
+    auto = replace(
+        spec,
+        replicas=2 * spec.replicas,
+        autoscale=ScalingParams(),
+        initial_replicas=max(1, spec.replicas // 4),
+        duration_s=max(spec.duration_s, 300.0),
+        warmup_s=max(spec.warmup_s, 240.0),
+    )
     run = simulate(auto, KVAware(spec.seed), rate)
     trace = run["replicas_trace_1s"]
-    return {"min_fixed_replicas_meeting_slo": hi,
-            "slo_probes": {str(k): v for k, v in sorted(probes.items())},
-            "autoscaler": {"replicas_at_end_of_arrivals": trace[int(auto.duration_s) - 1],
-                           **{k: run[k] for k in ("replicas_mean", "slo_attainment", "goodput_req_s",
-                                                  "mean_kv_utilization", "replicas_trace_1s")}}}
+    return {
+        "min_fixed_replicas_meeting_slo": hi,
+        "slo_probes": {str(k): v for k, v in sorted(probes.items())},
+        "autoscaler": {
+            "replicas_at_end_of_arrivals": trace[int(auto.duration_s) - 1],
+            **{
+                k: run[k]
+                for k in (
+                    "replicas_mean",
+                    "slo_attainment",
+                    "goodput_req_s",
+                    "mean_kv_utilization",
+                    "replicas_trace_1s",
+                )
+            },
+        },
+    }
 
 
-def run_fleet(replicas: int, loads: list[float], routers: list[str], modes: list[str], duration: float,
-              warmup: float, pool_blocks: int, max_seqs: int, vtoken: VTokenConfig, steps_file: Path, measure: bool,
-              steps_model: str, time_scale: float, target_load: float, slo: SloTargets,
-              decision_sizes=DECISION_SIZES, echo=print) -> dict:
+def run_fleet(
+    replicas: int,
+    loads: list[float],
+    routers: list[str],
+    modes: list[str],
+    duration: float,
+    warmup: float,
+    pool_blocks: int,
+    max_seqs: int,
+    vtoken: VTokenConfig,
+    steps_file: Path,
+    measure: bool,
+    steps_model: str,
+    time_scale: float,
+    target_load: float,
+    slo: SloTargets,
+    decision_sizes=DECISION_SIZES,
+    echo=print,
+) -> dict:
     """Every experiment of the module docstring, the replicas running ``vtoken``'s settings (its seed seeds the
     routers and the simulation too); returns the report (JSON-able): ``REPORT_KEYS``."""
     started = time.perf_counter()
@@ -137,16 +202,32 @@ def run_fleet(replicas: int, loads: list[float], routers: list[str], modes: list
     profiles = kv_profiles(WORKLOAD, vtoken)
     caps = {m: capacity(step, profiles[m], WORKLOAD, pool_blocks, max_seqs) for m in MODES}
     base_rate = caps["naive"]["req_s"] * replicas
-    spec = {m: FleetSpec(replicas, pool_blocks, max_seqs, block_size, step, WORKLOAD, profiles[m], slo,
-                         duration_s=duration, warmup_s=warmup, seed=seed) for m in modes}
+    spec = {
+        m: FleetSpec(
+            replicas,
+            pool_blocks,
+            max_seqs,
+            block_size,
+            step,
+            WORKLOAD,
+            profiles[m],
+            slo,
+            duration_s=duration,
+            warmup_s=warmup,
+            seed=seed,
+        )
+        for m in modes
+    }
     runs = []
     for mode in modes:
         for router in routers:
             for load in loads:
                 run = simulate(spec[mode], make_router(router, seed), load * base_rate)
                 runs.append({"mode": mode, "load": load, **run})
-                echo(f"{mode:7} {router:12} load {load:4.2f}: SLO {run['slo_attainment']:.3f}, goodput "
-                     f"{run['goodput_req_s']:8.1f}/s, ttft p99 {run['ttft_p99_s']}, {run['decision_us']} µs")
+                echo(
+                    f"{mode:7} {router:12} load {load:4.2f}: SLO {run['slo_attainment']:.3f}, goodput "
+                    f"{run['goodput_req_s']:8.1f}/s, ttft p99 {run['ttft_p99_s']}, {run['decision_us']} µs"
+                )
     needed = {}
     for mode in modes:
         echo(f"{mode}: replicas needed at load {target_load}")
@@ -155,29 +236,49 @@ def run_fleet(replicas: int, loads: list[float], routers: list[str], modes: list
     return {
         "bench": "fleet",
         "command": "vtoken " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "replicas": replicas, "loads": loads, "routers": routers, "modes": modes,
-        "duration_s": duration, "warmup_s": warmup,
-        "replica": {"pool_blocks": pool_blocks, "max_num_seqs": max_seqs, "block_size": block_size,
-                    "policy": vtoken.policy, "budget": vtoken.budget.to_json()},
+        "replicas": replicas,
+        "loads": loads,
+        "routers": routers,
+        "modes": modes,
+        "duration_s": duration,
+        "warmup_s": warmup,
+        "replica": {
+            "pool_blocks": pool_blocks,
+            "max_num_seqs": max_seqs,
+            "block_size": block_size,
+            "policy": vtoken.policy,
+            "budget": vtoken.budget.to_json(),
+        },
         "workload": [{"prompt": c.prompt, "gen": c.gen, "share": w[c]} for c in WORKLOAD],
-        "kv_per_request_blocks_mean": {m: [round(float(np.mean(p.held)), 2) for p in profiles[m]]
-                                       for m in MODES},
-        "service_times": {"source": "measured engine steps on this machine", "file": str(steps_file),
-                          "model": steps_report["model"], "fit": steps_report["fit"],
-                          "decode_step_ms": steps_report["decode_step_ms"],
-                          "prefill_step_ms": steps_report["prefill_step_ms"], "time_scale": time_scale,
-                          "measured_on": steps_report.get("environment")},
+        "kv_per_request_blocks_mean": {m: [round(float(np.mean(p.held)), 2) for p in profiles[m]] for m in MODES},
+        "service_times": {
+            "source": "measured engine steps on this machine",
+            "file": str(steps_file),
+            "model": steps_report["model"],
+            "fit": steps_report["fit"],
+            "decode_step_ms": steps_report["decode_step_ms"],
+            "prefill_step_ms": steps_report["prefill_step_ms"],
+            "time_scale": time_scale,
+            "measured_on": steps_report.get("environment"),
+        },
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
         "capacity_per_replica": caps,
         "base_rate_req_s": round(base_rate, 2),
-        "project_code": {"kv_router": "vtoken.serve.control.ranking.effective_free_tokens + rank_by_kv",
-                         "autoscaler": "vtoken.serve.control.autoscaling.decide",
-                         "stats": "vtoken.serve.telemetry.stats.routing_stats",
-                         "slo": "vtoken.serve.telemetry.sla.meets_slo", "kv": "vtoken.sim.run_simulation"},
+        "project_code": {
+            "kv_router": "vtoken.serve.control.ranking.effective_free_tokens + rank_by_kv",
+            "autoscaler": "vtoken.serve.control.autoscaling.decide",
+            "stats": "vtoken.serve.telemetry.stats.routing_stats",
+            "slo": "vtoken.serve.telemetry.sla.meets_slo",
+            "kv": "vtoken.sim.run_simulation",
+        },
         "assumptions": ASSUMPTIONS,
         "runs": runs,
-        "replicas_needed": {"load": target_load, "rate_req_s": round(target_load * base_rate, 2),
-                            "slo_target": SLO_TARGET, **needed},
+        "replicas_needed": {
+            "load": target_load,
+            "rate_req_s": round(target_load * base_rate, 2),
+            "slo_target": SLO_TARGET,
+            **needed,
+        },
         "decision_cost_us": decision_cost(decision_sizes, seed=seed),
         "seconds": round(time.perf_counter() - started, 1),
     }
@@ -220,6 +321,8 @@ def summary(report: dict) -> str:
     """A short text table of the runs (for stderr when --json is not given)."""
     lines = [f"{'mode':7} {'router':12} {'load':>5} {'SLO':>6} {'goodput':>8} {'µs/dec':>7}"]
     for r in report["runs"]:
-        lines.append(f"{r['mode']:7} {r['router']:12} {r['load']:5.2f} {r['slo_attainment']:6.3f} "
-                     f"{r['goodput_req_s']:8.1f} {r['decision_us']:7.1f}")
+        lines.append(
+            f"{r['mode']:7} {r['router']:12} {r['load']:5.2f} {r['slo_attainment']:6.3f} "
+            f"{r['goodput_req_s']:8.1f} {r['decision_us']:7.1f}"
+        )
     return "\n".join(lines)

@@ -68,8 +68,7 @@ def kv_profiles(classes=WORKLOAD, vtoken: VTokenConfig = BASE, requests: int = 1
     block_size = vtoken.block_size
     out: dict[str, list[KVProfile]] = {m: [] for m in MODES}
     for c in classes:
-        cfg = SimConfig(vtoken=replace(vtoken, mode=Mode.REPACK), prompt_len=c.prompt, gen_len=c.gen,
-                        requests=requests)
+        cfg = SimConfig(vtoken=replace(vtoken, mode=Mode.REPACK), prompt_len=c.prompt, gen_len=c.gen, requests=requests)
         _, tally = run_simulation(cfg)
         series = tally.mean_series()
         live = tally.live_per_step_sum / tally.requests

@@ -164,8 +164,9 @@ def simulate(spec: FleetSpec, router, rate: float) -> dict:
             target = _autoscale(spec, t, target, pending, samples, fleet, ready_at, draining, held, waiting)
             next_scale += 1.0
         replica_trace.append(int(np.sum(live_mask & ~draining)))
-    return _measure(spec, times, t_first, t_done, gen, rate, preemptions, decision_s, decisions,
-                    replica_trace, kv_trace, router)
+    return _measure(
+        spec, times, t_first, t_done, gen, rate, preemptions, decision_s, decisions, replica_trace, kv_trace, router
+    )
 
 
 class View:
@@ -186,17 +187,31 @@ def _poll(r, t, live_mask, held, live, n_run, waiting, pool, B) -> dict | None:
     if not live_mask[r]:
         return None
     h, n = int(math.ceil(held[r] - 1e-9)), int(n_run[r])
-    snap = KVSnapshot(live_tokens=int(live[r]), held_blocks=h, naive_blocks=h,
-                      packing_bound_blocks=int(math.ceil(live[r] / B)), pool_blocks=pool, block_size=B,
-                      num_requests=n, num_running=n, num_waiting=len(waiting[r]), at=t)
+    snap = KVSnapshot(
+        live_tokens=int(live[r]),
+        held_blocks=h,
+        naive_blocks=h,
+        packing_bound_blocks=int(math.ceil(live[r] / B)),
+        pool_blocks=pool,
+        block_size=B,
+        num_requests=n,
+        num_running=n,
+        num_waiting=len(waiting[r]),
+        at=t,
+    )
     return routing_stats(snap, t)
 
 
 def _autoscale(spec, t, target, pending, samples, fleet, ready_at, draining, held, waiting) -> int:
     """One control-loop tick: ``decide`` on look-back means, Serve's delays, start/drain replicas."""
     running = np.flatnonzero((ready_at <= t) & ~draining)
-    samples.append((t, {int(r): float(held[r] / spec.pool_blocks) for r in running},
-                    {int(r): float(len(waiting[r])) for r in running}))
+    samples.append(
+        (
+            t,
+            {int(r): float(held[r] / spec.pool_blocks) for r in running},
+            {int(r): float(len(waiting[r])) for r in running},
+        )
+    )
     while samples and samples[0][0] < t - spec.look_back_s:
         samples.popleft()
     kv = {r: float(np.mean([s[1][r] for s in samples if r in s[1]])) for r in running.tolist()}
@@ -218,25 +233,33 @@ def _autoscale(spec, t, target, pending, samples, fleet, ready_at, draining, hel
     return d.desired
 
 
-def _measure(spec, times, t_first, t_done, gen, rate, preemptions, decision_s, decisions, replica_trace,
-             kv_trace, router) -> dict:
+def _measure(
+    spec, times, t_first, t_done, gen, rate, preemptions, decision_s, decisions, replica_trace, kv_trace, router
+) -> dict:
     window = (times >= spec.warmup_s) & (times < spec.duration_s)
     done = window & ~np.isnan(t_done)
     ttft = t_first[done] - times[done]
     tpot = (t_done[done] - t_first[done]) / np.maximum(gen[done] - 1, 1)
     e2e = t_done[done] - times[done]
-    met = sum(meets_slo(RequestLatency(float(a), float(b), float(e), int(g), "length"), spec.slo)
-              for a, b, e, g in zip(ttft, tpot, e2e, gen[done]))  # the replicas' own SLO rule
+    met = sum(
+        meets_slo(RequestLatency(float(a), float(b), float(e), int(g), "length"), spec.slo)
+        for a, b, e, g in zip(ttft, tpot, e2e, gen[done])
+    )  # the replicas' own SLO rule
     seconds = spec.duration_s - spec.warmup_s
-    steady = replica_trace[int(spec.warmup_s / spec.tick_s):int(spec.duration_s / spec.tick_s)]
+    steady = replica_trace[int(spec.warmup_s / spec.tick_s) : int(spec.duration_s / spec.tick_s)]
     return {
-        "router": router.name, "rate_req_s": round(rate, 2), "requests": int(window.sum()),
-        "finished": int(done.sum()), "slo_attainment": round(met / max(1, int(window.sum())), 4),
+        "router": router.name,
+        "rate_req_s": round(rate, 2),
+        "requests": int(window.sum()),
+        "finished": int(done.sum()),
+        "slo_attainment": round(met / max(1, int(window.sum())), 4),
         "goodput_req_s": round(met / seconds, 2),
-        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "tpot_p50_s": _pct(tpot, 50, 4),
-        "tpot_p99_s": _pct(tpot, 99, 4), "preemptions": preemptions,
-        "mean_kv_utilization": round(float(np.mean(kv_trace[int(spec.warmup_s / spec.stats_period_s):]
-                                                   or [0.0])), 3),
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p99_s": _pct(ttft, 99),
+        "tpot_p50_s": _pct(tpot, 50, 4),
+        "tpot_p99_s": _pct(tpot, 99, 4),
+        "preemptions": preemptions,
+        "mean_kv_utilization": round(float(np.mean(kv_trace[int(spec.warmup_s / spec.stats_period_s) :] or [0.0])), 3),
         "replicas_mean": round(float(np.mean(steady)), 1) if steady else 0.0,
         "replicas_trace_1s": replica_trace[:: int(round(1 / spec.tick_s))],
         "decision_us": round(1e6 * decision_s / max(1, decisions), 2),

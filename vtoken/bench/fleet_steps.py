@@ -39,10 +39,29 @@ from vtoken.vllm.launch import scheduler_of
 DEFAULT_STEPS_FILE = Path("docs/results/fleet-steps.json")
 # the top-level keys ``measure_steps`` returns (``environment`` included: the steps file is written as is);
 # tests/cpu/test_bench.py holds the committed docs/results/fleet-steps.json to them
-REPORT_KEYS = frozenset({"bench", "command", "what", "model", "block_size", "mode", "policy", "budget",
-                         "decode_context_tokens", "repeats", "statistic", "decode_step_ms",
-                         "prefill_step_ms", "decode_step_ms_median", "prefill_step_ms_median", "fit",
-                         "seconds", "load_average_1_5_15", "environment"})
+REPORT_KEYS = frozenset(
+    {
+        "bench",
+        "command",
+        "what",
+        "model",
+        "block_size",
+        "mode",
+        "policy",
+        "budget",
+        "decode_context_tokens",
+        "repeats",
+        "statistic",
+        "decode_step_ms",
+        "prefill_step_ms",
+        "decode_step_ms_median",
+        "prefill_step_ms_median",
+        "fit",
+        "seconds",
+        "load_average_1_5_15",
+        "environment",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -55,8 +74,7 @@ class StepModel:
     time_scale: float = 1.0
 
     def seconds(self, n_decode, n_prefill_tokens=0):
-        return self.time_scale * (self.base_s + self.per_seq_s * n_decode
-                                  + self.per_token_s * n_prefill_tokens)
+        return self.time_scale * (self.base_s + self.per_seq_s * n_decode + self.per_token_s * n_prefill_tokens)
 
 
 def fit(samples: list[tuple[int, int, float]]) -> dict[str, float]:
@@ -66,9 +84,12 @@ def fit(samples: list[tuple[int, int, float]]) -> dict[str, float]:
     coef, *_ = np.linalg.lstsq(a, y, rcond=None)
     coef = np.maximum(coef, 0.0)
     residual = y - a @ coef
-    return {"base_ms": round(float(coef[0]), 4), "per_seq_ms": round(float(coef[1]), 5),
-            "per_token_ms": round(float(coef[2]), 6),
-            "max_abs_error_pct": round(float(np.max(np.abs(residual) / y)) * 100, 1)}
+    return {
+        "base_ms": round(float(coef[0]), 4),
+        "per_seq_ms": round(float(coef[1]), 5),
+        "per_token_ms": round(float(coef[2]), 6),
+        "max_abs_error_pct": round(float(np.max(np.abs(residual) / y)) * 100, 1),
+    }
 
 
 def load_steps(path: Path, time_scale: float = 1.0) -> tuple[StepModel, dict]:
@@ -85,12 +106,23 @@ def _engine(model: str, cfg: VTokenConfig):
     from vtoken.vllm import engine_kwargs
     from vtoken.vllm.launch import scoped_env
 
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    }
     with scoped_env(**env):
-        return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
-                   max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False,
-                   gpu_memory_utilization=0.5, **engine_kwargs(cfg))
+        return LLM(
+            model=model,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=2048,
+            seed=0,
+            max_num_seqs=64,
+            max_num_batched_tokens=2048,
+            enable_prefix_caching=False,
+            gpu_memory_utilization=0.5,
+            **engine_kwargs(cfg),
+        )
 
 
 def _run(llm, prompts: list[list[int]], gen: int, tag: str) -> tuple[list[float], list[float]]:
@@ -100,12 +132,14 @@ def _run(llm, prompts: list[list[int]], gen: int, tag: str) -> tuple[list[float]
     eng = llm.llm_engine
     sched = scheduler_of(llm)
     for i, p in enumerate(prompts):
-        eng.add_request(f"{tag}-{i}", {"prompt_token_ids": p},
-                        SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True))
+        eng.add_request(
+            f"{tag}-{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
+        )
     prefill, decode = [], []
     while eng.has_unfinished_requests():
         decoding = len(sched.running) == len(prompts) and all(
-            r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
+            r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running
+        )
         fresh = not sched.running
         t0 = time.perf_counter()
         eng.step()
@@ -114,9 +148,15 @@ def _run(llm, prompts: list[list[int]], gen: int, tag: str) -> tuple[list[float]
     return prefill, decode
 
 
-def measure_steps(model: str = "tiny-llama", vtoken: VTokenConfig = BASE, decode_batches=(1, 2, 4, 8, 16),
-                  prefill_lens=(64, 256, 1024), context: int = 256, decode_steps: int = 16,
-                  repeats: int = 4) -> dict:
+def measure_steps(
+    model: str = "tiny-llama",
+    vtoken: VTokenConfig = BASE,
+    decode_batches=(1, 2, 4, 8, 16),
+    prefill_lens=(64, 256, 1024),
+    context: int = 256,
+    decode_steps: int = 16,
+    repeats: int = 4,
+) -> dict:
     """Time decode and prefill steps of a real engine with ``vtoken``'s settings (the fleet's replicas'); returns
     the report (see the module docstring): ``REPORT_KEYS``."""
     from transformers import AutoConfig
@@ -153,9 +193,13 @@ def measure_steps(model: str = "tiny-llama", vtoken: VTokenConfig = BASE, decode
         "bench": "fleet-steps",
         "command": f"vtoken bench fleet --measure-steps --steps-model {shlex.quote(model)}",
         "what": "engine step wall times of one in-process vLLM engine with vToken, measured on this machine",
-        "model": path, "block_size": vtoken.block_size, "mode": vtoken.mode.value, "policy": vtoken.policy,
+        "model": path,
+        "block_size": vtoken.block_size,
+        "mode": vtoken.mode.value,
+        "policy": vtoken.policy,
         "budget": vtoken.budget.to_json(),
-        "decode_context_tokens": context, "repeats": repeats,
+        "decode_context_tokens": context,
+        "repeats": repeats,
         "statistic": "10th percentile of each shape's steps (fit); medians beside",
         "decode_step_ms": {str(b): round(ms, 3) for b, ms in decode_ms.items()},
         "prefill_step_ms": {str(p): round(ms, 3) for p, ms in prefill_ms.items()},

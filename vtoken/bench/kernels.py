@@ -42,10 +42,29 @@ from vtoken.kernels.gpu_layout import BACKEND_LAYOUTS, LAYOUT_NAMES
 
 # the top-level keys ``run_kernels`` returns on any device; ``--device cuda`` adds ``timings`` and
 # ``report.emit`` adds ``environment``
-REPORT_KEYS = frozenset({"bench", "command", "backend", "device", "layout", "kv_cache_layout", "dtype",
-                         "shape", "plan", "capacity", "moves", "moves_exact", "moves_mismatched_elements",
-                         "score_queries", "scores_max_abs_err", "bits_mismatched",
-                         "bits_mismatched_near_threshold", "bits_near_tie_rtol", "scores_bits_ok"})
+REPORT_KEYS = frozenset(
+    {
+        "bench",
+        "command",
+        "backend",
+        "device",
+        "layout",
+        "kv_cache_layout",
+        "dtype",
+        "shape",
+        "plan",
+        "capacity",
+        "moves",
+        "moves_exact",
+        "moves_mismatched_elements",
+        "score_queries",
+        "scores_max_abs_err",
+        "bits_mismatched",
+        "bits_mismatched_near_threshold",
+        "bits_near_tie_rtol",
+        "scores_bits_ok",
+    }
+)
 
 
 def problems(
@@ -73,9 +92,7 @@ def problems(
     return out
 
 
-def run_kernels(
-    backend: str, device: str, layout: str, shape: Shape, requests: int, seed: int, capacity: int
-) -> dict:
+def run_kernels(backend: str, device: str, layout: str, shape: Shape, requests: int, seed: int, capacity: int) -> dict:
     """The report (see module doc; ``REPORT_KEYS``, plus ``timings`` on CUDA). Allocates two sets of caches
     of ``shape`` on ``device``."""
     plan = scheduler_plan(np.random.default_rng(seed), requests, shape.blocks, shape.block_size)
@@ -87,10 +104,15 @@ def run_kernels(
         "layout": layout,
         "kv_cache_layout": "cpu (vec ISA)" if layout == "cpu" else BACKEND_LAYOUTS.get(layout, layout),
         "dtype": str(shape.dtype).removeprefix("torch."),
-        "shape": {"layers": shape.layers, "kv_heads": shape.kv_heads, "q_heads": shape.q_heads,
-                  "head_dim": shape.head_dim, "block_size": shape.block_size, "blocks": shape.blocks},
-        "plan": {"requests": len(plan.rows), "moves": int(plan.src.numel()),
-                 "ranges_overlap": plan.ranges_overlap},
+        "shape": {
+            "layers": shape.layers,
+            "kv_heads": shape.kv_heads,
+            "q_heads": shape.q_heads,
+            "head_dim": shape.head_dim,
+            "block_size": shape.block_size,
+            "blocks": shape.blocks,
+        },
+        "plan": {"requests": len(plan.rows), "moves": int(plan.src.numel()), "ranges_overlap": plan.ranges_overlap},
         "capacity": capacity,
     }
     # the plan on the host, as the worker hands it over (Triton: one direct launch), then on the device
@@ -111,21 +133,22 @@ def timings(backend: str, layout: str, shape: Shape, plan, seed: int, capacity: 
     mover = make_mover(backend, layout, lay, capacity)
     src, dst = plan.src.cuda(), plan.dst.cuda()
     move_ms = timed(lambda: mover.move(caches, src, dst), "cuda")
-    moved = (
-        2 * int(src.numel()) * shape.layers * token_bytes(shape)
-    )  # read each source, write each destination
+    moved = 2 * int(src.numel()) * shape.layers * token_bytes(shape)  # read each source, write each destination
     a = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     copy_ms = timed(lambda: b.copy_(a), "cuda")
     specs = score_specs(plan, np.random.default_rng(seed))
     query = torch.randn(specs[-1][1], shape.q_heads, shape.head_dim, device="cuda").to(shape.dtype)
     score_ms = timed(
-        lambda: run_scores(
-            make_accumulator(backend, layout, lay), caches, specs, query, shape.head_dim**-0.5
-        ),
+        lambda: run_scores(make_accumulator(backend, layout, lay), caches, specs, query, shape.head_dim**-0.5),
         "cuda",
     )
-    return {"moves_ms": round(move_ms, 4), "moves_gb_s": round(moved / move_ms / 1e6, 2),
-            "copy_same_bytes_ms": round(copy_ms, 4), "copy_gb_s": round(moved / copy_ms / 1e6, 2),
-            "score_step_ms": round(score_ms, 4), "score_ms_per_layer": round(score_ms / shape.layers, 4),
-            "note": "score_step_ms includes building the step's metadata and finish() (host side)"}
+    return {
+        "moves_ms": round(move_ms, 4),
+        "moves_gb_s": round(moved / move_ms / 1e6, 2),
+        "copy_same_bytes_ms": round(copy_ms, 4),
+        "copy_gb_s": round(moved / copy_ms / 1e6, 2),
+        "score_step_ms": round(score_ms, 4),
+        "score_ms_per_layer": round(score_ms / shape.layers, 4),
+        "note": "score_step_ms includes building the step's metadata and finish() (host side)",
+    }

@@ -1,6 +1,7 @@
 """``vtoken bench overhead``: what vToken's hooks cost per decode step, with no memory pressure.
 
-Three in-process engines (alive together, variants interleaved run by run) on the same model, the same batch and the same prompts (a large KV pool, so
+Three in-process engines (alive together, variants interleaved run by run) on the same model, the same batch and
+the same prompts (a large KV pool, so
 nothing is ever preempted or queued):
 
 * ``none``       vanilla vLLM (no vToken hooks at all)
@@ -25,7 +26,8 @@ others run by run, so the policies' steps are compared in one run: variants are 
 A decode step is an ``LLMEngine.step()`` in which every request of the batch is past its prompt; its wall
 time includes the scheduler hook (policy, plan, block frees), the worker hook (moves, seq_len / slot
 mapping) and the forward. Each variant runs ``--repeats`` times; the median over all its decode steps is
-reported (robust to bursts of contention on a shared machine), with the p90 and each run's mean. Prints JSON with the command that produced it (progress bar on stderr).
+reported (robust to bursts of contention on a shared machine), with the p90 and each run's mean. Prints JSON with
+the command that produced it (progress bar on stderr).
 """
 
 from __future__ import annotations
@@ -48,10 +50,26 @@ from vtoken.vllm.launch import scheduler_of, vllm_logs_to_stderr
 # the top-level keys ``run_overhead`` always returns; besides them ``policy`` (one policy) or ``policies``
 # (several), and with a query-free policy ``SCORE_COLLECTION_KEYS``; ``report.emit`` adds ``environment``
 # (tests/cpu/test_bench.py holds the committed overhead-*.json to them)
-REPORT_KEYS = frozenset({"command", "model", "block_size", "batch", "prompt_len", "gen_len", "budget",
-                         "repeats", "scores", "decode_step_ms", "decode_step_ms_p90",
-                         "decode_step_ms_run_means", "moves_per_run", "overhead_vs_none_pct",
-                         "repack_vs_naive_pct", "score_layers_default"})
+REPORT_KEYS = frozenset(
+    {
+        "command",
+        "model",
+        "block_size",
+        "batch",
+        "prompt_len",
+        "gen_len",
+        "budget",
+        "repeats",
+        "scores",
+        "decode_step_ms",
+        "decode_step_ms_p90",
+        "decode_step_ms_run_means",
+        "moves_per_run",
+        "overhead_vs_none_pct",
+        "repack_vs_naive_pct",
+        "score_layers_default",
+    }
+)
 SCORE_COLLECTION_KEYS = frozenset({"score_collection_pct", "score_layers", "scores_vs_repack_ratio"})
 
 
@@ -59,8 +77,11 @@ SCORE_COLLECTION_KEYS = frozenset({"score_collection_pct", "score_layers", "scor
 # mode) and every token evictable (scope all); ``--policy`` may name others. The mode, policy and score_layers
 # are set per variant (``settings.configure``'s ``own``).
 BASE = replace(EVICTING, policy="random", budget=0.5)
-OWN = {"mode": "every variant runs its own", "policy": "--policy, repeatable",
-       "score_layers": "--score-layers; the default and every layer always run"}
+OWN = {
+    "mode": "every variant runs its own",
+    "policy": "--policy, repeatable",
+    "score_layers": "--score-layers; the default and every layer always run",
+}
 
 
 def _engine(model: str, cfg: VTokenConfig, scores: str, max_model_len: int, tp: int = 1):
@@ -72,15 +93,35 @@ def _engine(model: str, cfg: VTokenConfig, scores: str, max_model_len: int, tp: 
 
     kw = engine_kwargs(cfg, scores=scores) if cfg.mode.evicts else {"block_size": cfg.block_size}
     tp_kw, tp_env = tp_engine_kwargs(tp)
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           **tp_env}
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        **tp_env,
+    }
     with scoped_env(**env):
-        return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=0,
-                   enable_prefix_caching=False, gpu_memory_utilization=0.5, **tp_kw, **kw)
+        return LLM(
+            model=model,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            seed=0,
+            enable_prefix_caching=False,
+            gpu_memory_utilization=0.5,
+            **tp_kw,
+            **kw,
+        )
 
 
-def _decode_steps(llm, prompts: list[list[int]], gen_len: int, mode: str | None, tag: str, advance,
-                  score_layers: int | None = DEFAULT_SCORE_LAYERS, policy: str = "random") -> list[float]:
+def _decode_steps(
+    llm,
+    prompts: list[list[int]],
+    gen_len: int,
+    mode: str | None,
+    tag: str,
+    advance,
+    score_layers: int | None = DEFAULT_SCORE_LAYERS,
+    policy: str = "random",
+) -> list[float]:
     """Run ``prompts`` to completion on ``llm`` (per-request ``mode`` and ``score_layers``: ``None`` = every
     layer); returns the wall time of each decode step (every request past its prompt) and calls ``advance``
     after each."""
@@ -90,8 +131,11 @@ def _decode_steps(llm, prompts: list[list[int]], gen_len: int, mode: str | None,
     sched = scheduler_of(llm)
     extra = {"vtoken": {"mode": mode, "policy": policy, "salt": 1, "score_layers": score_layers}} if mode else None
     for i, p in enumerate(prompts):
-        eng.add_request(f"{tag}-{i}", {"prompt_token_ids": p},
-                        SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True, extra_args=extra))
+        eng.add_request(
+            f"{tag}-{i}",
+            {"prompt_token_ids": p},
+            SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True, extra_args=extra),
+        )
     times: list[float] = []
     while eng.has_unfinished_requests():
         decode = len(sched.running) == len(prompts) and all(
@@ -106,9 +150,17 @@ def _decode_steps(llm, prompts: list[list[int]], gen_len: int, mode: str | None,
     return times
 
 
-def run_overhead(model: str, vtoken: VTokenConfig, batch: int, prompt_len: int, gen_len: int, repeats: int,
-                 tensor_parallel_size: int = 1, score_layers: tuple[int, ...] = (),
-                 policies: tuple[str, ...] = ()) -> dict:
+def run_overhead(
+    model: str,
+    vtoken: VTokenConfig,
+    batch: int,
+    prompt_len: int,
+    gen_len: int,
+    repeats: int,
+    tensor_parallel_size: int = 1,
+    score_layers: tuple[int, ...] = (),
+    policies: tuple[str, ...] = (),
+) -> dict:
     """Measure every variant; returns the JSON-able report (see the module docstring; its keys:
     ``REPORT_KEYS``, ``policy`` or ``policies``, and ``SCORE_COLLECTION_KEYS`` with a query-free policy).
     The engines run ``vtoken``'s settings; ``policies`` (default: ``vtoken``'s) are the evicting variants'.
@@ -137,34 +189,60 @@ def run_overhead(model: str, vtoken: VTokenConfig, batch: int, prompt_len: int, 
         return m if len(policies) == 1 else f"{m}/{p}"
 
     # (engine label, engine mode, scores, [(variant, request mode, score_layers, policy)]) — one engine per label
-    plan = [("none", "none", "never", [("none", None, default, policy)]),
-            ("hooks", "repack", "auto" if attention else "never",
-             [(named(m, p), m, default, p) for p in policies for m in ("naive", "repack", "reuse+repack")])]
+    plan = [
+        ("none", "none", "never", [("none", None, default, policy)]),
+        (
+            "hooks",
+            "repack",
+            "auto" if attention else "never",
+            [(named(m, p), m, default, p) for p in policies for m in ("naive", "repack", "reuse+repack")],
+        ),
+    ]
     if not attention:
-        plan.append(("scores", "repack", "always",
-                     [("repack+scores", "repack", default, policy), ("repack+scores@all", "repack", None, policy),
-                      *((f"repack+scores@{n}", "repack", n, policy) for n in score_layers if n != default)]))
+        plan.append(
+            (
+                "scores",
+                "repack",
+                "always",
+                [
+                    ("repack+scores", "repack", default, policy),
+                    ("repack+scores@all", "repack", None, policy),
+                    *((f"repack+scores@{n}", "repack", n, policy) for n in score_layers if n != default),
+                ],
+            )
+        )
     runs = [(label, *run) for label, _, _, label_runs in plan for run in label_runs]
     variants = tuple(name for _, name, _, _, _ in runs)
     per_run: dict[str, list[float]] = {v: [] for v in variants}
     steps: dict[str, list[float]] = {v: [] for v in variants}
     moves: dict[str, int] = {}
-    engines = {label: _engine(path, replace(vtoken, mode=mode, policy=policy), scores, max_model_len,
-                              tensor_parallel_size) for label, mode, scores, _ in plan}
+    engines = {
+        label: _engine(path, replace(vtoken, mode=mode, policy=policy), scores, max_model_len, tensor_parallel_size)
+        for label, mode, scores, _ in plan
+    }
     total = len(runs) * repeats * (gen_len - 1)
     with Progress(transient=True) as progress:
         task = progress.add_task("decode steps", total=total)
         for label, llm in engines.items():
-            _decode_steps(llm, prompts[:2], 4, None if label == "none" else "repack", f"warm-{label}", lambda: None,
-                          policy=policy)
+            _decode_steps(
+                llm, prompts[:2], 4, None if label == "none" else "repack", f"warm-{label}", lambda: None, policy=policy
+            )
         for r in range(repeats):  # variants interleaved, so bursts of contention hit them evenly
             for label, name, m, layers, p in runs:
                 llm = engines[label]
                 sched = scheduler_of(llm)
                 before = sched.vtoken_stats().counters.repack_moves if m else 0
                 progress.update(task, description=f"{name} (run {r + 1}/{repeats})")
-                t = _decode_steps(llm, prompts, gen_len, m, f"{name}-{r}", lambda: progress.advance(task),
-                                  score_layers=layers, policy=p)
+                t = _decode_steps(
+                    llm,
+                    prompts,
+                    gen_len,
+                    m,
+                    f"{name}-{r}",
+                    lambda: progress.advance(task),
+                    score_layers=layers,
+                    policy=p,
+                )
                 per_run[name].append(statistics.fmean(t) * 1e3)
                 steps[name].extend(x * 1e3 for x in t)
                 if m:
@@ -201,16 +279,27 @@ def run_overhead(model: str, vtoken: VTokenConfig, batch: int, prompt_len: int, 
     report["score_collection_pct"] = round(100 * (ms["repack+scores"] / ms["repack"] - 1), 1)
     report["score_layers"] = list(score_layers)
     # each repack+scores variant over repack: the target of issue 9 is ≤ 1.10 for the default
-    report["scores_vs_repack_ratio"] = {v: round(ms[v] / ms["repack"], 3) for v in variants
-                                        if v.startswith("repack+scores")}
+    report["scores_vs_repack_ratio"] = {
+        v: round(ms[v] / ms["repack"], 3) for v in variants if v.startswith("repack+scores")
+    }
     return report
 
 
-def overhead(model: str, vtoken: VTokenConfig, batch: int, prompt_len: int, gen_len: int, repeats: int,
-             out: str | None, tensor_parallel_size: int = 1, score_layers: tuple[int, ...] = (),
-             policies: tuple[str, ...] = ()) -> None:
+def overhead(
+    model: str,
+    vtoken: VTokenConfig,
+    batch: int,
+    prompt_len: int,
+    gen_len: int,
+    repeats: int,
+    out: str | None,
+    tensor_parallel_size: int = 1,
+    score_layers: tuple[int, ...] = (),
+    policies: tuple[str, ...] = (),
+) -> None:
     """Decode-step overhead of repack vs naive vs none (no memory pressure), and of score collection."""
     vllm_logs_to_stderr()
-    report = run_overhead(model, vtoken, batch, prompt_len, gen_len, repeats, tensor_parallel_size, score_layers,
-                          policies)
+    report = run_overhead(
+        model, vtoken, batch, prompt_len, gen_len, repeats, tensor_parallel_size, score_layers, policies
+    )
     emit(report, out)

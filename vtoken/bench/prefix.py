@@ -7,7 +7,8 @@ prompt's blocks. Per variant the prefix cache is reset, then the same prompts ru
 set per request (``none`` = no eviction in the hooked engine). Per request: ``num_cached_tokens`` (vLLM's
 prefix-cache hit count) and TTFT (submission to the first sampled token, the engine stepped by hand);
 per variant: the engine's vToken counter deltas (moves, copy-on-write copies and blocks, fallbacks).
-Variants are interleaved over ``repeats`` runs, after one unmeasured warm-up request. Side effects: starts one engine in this process.
+Variants are interleaved over ``repeats`` runs, after one unmeasured warm-up request. Side effects: starts one
+engine in this process.
 """
 
 from __future__ import annotations
@@ -30,8 +31,22 @@ BASE = replace(EVICTING, budget=0.3)
 OWN = {"mode": "--modes picks the modes, one per request"}
 # the top-level keys ``run_prefix`` returns (``report.emit`` adds ``environment``); tests/cpu/test_bench.py
 # holds the committed prefix-*.json to them
-REPORT_KEYS = frozenset({"command", "model", "block_size", "policy", "budget", "requests", "system_len",
-                         "user_len", "gen_len", "repeats", "rows", "runs"})
+REPORT_KEYS = frozenset(
+    {
+        "command",
+        "model",
+        "block_size",
+        "policy",
+        "budget",
+        "requests",
+        "system_len",
+        "user_len",
+        "gen_len",
+        "repeats",
+        "rows",
+        "runs",
+    }
+)
 
 
 def _one(llm, rid: str, prompt: list[int], params) -> tuple[float, int, list[int]]:
@@ -51,8 +66,17 @@ def _one(llm, rid: str, prompt: list[int], params) -> tuple[float, int, list[int
     return float(ttft or 0.0), int(hits), tokens
 
 
-def run_prefix(model: str, cfg: VTokenConfig, modes: list[str], requests: int, system_len: int, user_len: int,
-               gen_len: int, repeats: int, seed: int) -> dict:
+def run_prefix(
+    model: str,
+    cfg: VTokenConfig,
+    modes: list[str],
+    requests: int,
+    system_len: int,
+    user_len: int,
+    gen_len: int,
+    repeats: int,
+    seed: int,
+) -> dict:
     """Every mode ``repeats`` times on one engine with ``cfg``'s settings (module docstring); returns the report:
     ``REPORT_KEYS``."""
     from vllm import LLM, SamplingParams
@@ -64,16 +88,27 @@ def run_prefix(model: str, cfg: VTokenConfig, modes: list[str], requests: int, s
     path = str(resolve_model(model))
     block_size, policy, budget = cfg.block_size, cfg.policy, cfg.budget.to_json()
     with scoped_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1"):
-        llm = LLM(model=path, dtype="float32", enforce_eager=True, seed=seed,
-                  max_model_len=system_len + user_len + gen_len + block_size, enable_prefix_caching=True,
-                  max_num_batched_tokens=max(system_len + user_len, 256), **engine_kwargs(cfg))
+        llm = LLM(
+            model=path,
+            dtype="float32",
+            enforce_eager=True,
+            seed=seed,
+            max_model_len=system_len + user_len + gen_len + block_size,
+            enable_prefix_caching=True,
+            max_num_batched_tokens=max(system_len + user_len, 256),
+            **engine_kwargs(cfg),
+        )
     sched = scheduler_of(llm)
     rng = np.random.default_rng(seed)
     system = rng.integers(10, 500, system_len).tolist()
     prompts = [system + rng.integers(10, 500, user_len).tolist() for _ in range(requests)]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
-    warm = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True,
-                          extra_args={"vtoken": {"mode": modes[0], "policy": policy, "budget": budget}})
+    warm = SamplingParams(
+        max_tokens=gen_len,
+        temperature=0.0,
+        ignore_eos=True,
+        extra_args={"vtoken": {"mode": modes[0], "policy": policy, "budget": budget}},
+    )
     _one(llm, "warm-up", rng.integers(10, 500, system_len + user_len).tolist(), warm)  # not measured
     for rep in range(repeats):
         for mode in modes:
@@ -81,34 +116,64 @@ def run_prefix(model: str, cfg: VTokenConfig, modes: list[str], requests: int, s
             c0 = sched.vtoken_stats().counters
             per = []
             for i, p in enumerate(prompts):
-                params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True,
-                                        extra_args={"vtoken": {"mode": mode, "policy": policy, "budget": budget,
-                                                               "salt": 1000 + i}})
+                params = SamplingParams(
+                    max_tokens=gen_len,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    extra_args={"vtoken": {"mode": mode, "policy": policy, "budget": budget, "salt": 1000 + i}},
+                )
                 ttft, hits, _ = _one(llm, f"{mode}-{rep}-{i}", p, params)
                 per.append({"hits": hits, "ttft_s": ttft})
             c1 = sched.vtoken_stats().counters
-            delta = {k: getattr(c1, k) - getattr(c0, k) for k in
-                     ("evicted_tokens", "repack_moves", "cow_blocks", "cow_moves", "cow_fallbacks")}
+            delta = {
+                k: getattr(c1, k) - getattr(c0, k)
+                for k in ("evicted_tokens", "repack_moves", "cow_blocks", "cow_moves", "cow_fallbacks")
+            }
             runs[mode].append({"requests": per, **delta})
     rows = []
     for mode in modes:
         later = [r for run in runs[mode] for r in run["requests"][1:]]
         prompt_tokens = system_len + user_len
-        rows.append({
-            "mode": mode,
-            "hits_per_request": [r["hits"] for r in runs[mode][0]["requests"]],
-            "hit_rate_after_first": sum(r["hits"] for r in later) / (len(later) * prompt_tokens) if later else 0.0,
-            "ttft_p50_s_after_first": statistics.median(r["ttft_s"] for r in later) if later else 0.0,
-            "ttft_min_s_after_first": min(r["ttft_s"] for r in later) if later else 0.0,
-            **{k: statistics.median(run[k] for run in runs[mode]) for k in
-               ("evicted_tokens", "repack_moves", "cow_blocks", "cow_moves", "cow_fallbacks")},
-        })
+        rows.append(
+            {
+                "mode": mode,
+                "hits_per_request": [r["hits"] for r in runs[mode][0]["requests"]],
+                "hit_rate_after_first": sum(r["hits"] for r in later) / (len(later) * prompt_tokens) if later else 0.0,
+                "ttft_p50_s_after_first": statistics.median(r["ttft_s"] for r in later) if later else 0.0,
+                "ttft_min_s_after_first": min(r["ttft_s"] for r in later) if later else 0.0,
+                **{
+                    k: statistics.median(run[k] for run in runs[mode])
+                    for k in ("evicted_tokens", "repack_moves", "cow_blocks", "cow_moves", "cow_fallbacks")
+                },
+            }
+        )
     llm.llm_engine.engine_core.shutdown()
-    return {"command": "vtoken " + shlex.join(sys.argv[1:]), "model": model, "block_size": block_size,
-            "policy": policy, "budget": budget, "requests": requests, "system_len": system_len,
-            "user_len": user_len, "gen_len": gen_len, "repeats": repeats, "rows": rows, "runs": runs}
+    return {
+        "command": "vtoken " + shlex.join(sys.argv[1:]),
+        "model": model,
+        "block_size": block_size,
+        "policy": policy,
+        "budget": budget,
+        "requests": requests,
+        "system_len": system_len,
+        "user_len": user_len,
+        "gen_len": gen_len,
+        "repeats": repeats,
+        "rows": rows,
+        "runs": runs,
+    }
 
 
-def prefix(model: str, cfg: VTokenConfig, modes: list[str], requests: int, system_len: int, user_len: int,
-           gen_len: int, repeats: int, seed: int, out: str | None) -> None:
+def prefix(
+    model: str,
+    cfg: VTokenConfig,
+    modes: list[str],
+    requests: int,
+    system_len: int,
+    user_len: int,
+    gen_len: int,
+    repeats: int,
+    seed: int,
+    out: str | None,
+) -> None:
     emit(run_prefix(model, cfg, modes, requests, system_len, user_len, gen_len, repeats, seed), out)

@@ -140,16 +140,38 @@ SETTING_DEFAULTS = {f.name: f.default for f in fields(Point) if f.name != "budge
 
 # the top-level keys ``run_quality`` returns; the CLI adds ``plot`` with ``--plot`` and ``report.emit`` adds
 # ``environment`` (tests/cpu/test_bench.py holds the builder and the committed quality-*.json to them)
-REPORT_KEYS = frozenset({"bench", "command", "model", "setup", "full_cache", "points", "retrieval",
-                         "language_modelling", "ruler", "fidelity", "parity", "seconds"})
+REPORT_KEYS = frozenset(
+    {
+        "bench",
+        "command",
+        "model",
+        "setup",
+        "full_cache",
+        "points",
+        "retrieval",
+        "language_modelling",
+        "ruler",
+        "fidelity",
+        "parity",
+        "seconds",
+    }
+)
 
 
 # what ``--set vtoken.KEY=VALUE`` sets in a quality run: an engine setting (``QualitySetup``'s field) or a point's
 # setting, then one value in every point instead of its flag's sweep (the ``QualitySetup`` field it replaces)
 ENGINE_KEYS = ("block_size", "sinks", "recent")
-SWEEPS = {"policy": "policies", "budget": "budgets", "granularity": "granularities", "score_layers": "score_layers",
-          "prompt_tail": "prompt_tails", "scope": "scopes", "prompt_scores": "prompt_scores",
-          "keep_mass": "keep_masses", "score_pool": "score_pools"}
+SWEEPS = {
+    "policy": "policies",
+    "budget": "budgets",
+    "granularity": "granularities",
+    "score_layers": "score_layers",
+    "prompt_tail": "prompt_tails",
+    "scope": "scopes",
+    "prompt_scores": "prompt_scores",
+    "keep_mass": "keep_masses",
+    "score_pool": "score_pools",
+}
 
 
 def apply_sets(setup: QualitySetup, sets) -> QualitySetup:
@@ -166,19 +188,32 @@ def apply_sets(setup: QualitySetup, sets) -> QualitySetup:
         return setup
     carried = (*ENGINE_KEYS, *SWEEPS)
     if other := [k for k in over if k not in carried]:
-        raise ConfigError(f"--set {', '.join('vtoken.' + k for k in other)}: quality carries only "
-                          f"{', '.join(carried)} (mode follows --granularities, seed is --seed)")
+        raise ConfigError(
+            f"--set {', '.join('vtoken.' + k for k in other)}: quality carries only "
+            f"{', '.join(carried)} (mode follows --granularities, seed is --seed)"
+        )
     cfg = with_sets(setup.base(), sets)
     as_run = cfg.to_dict()  # the budget as its number, enums as their strings: as the flags give them
-    return replace(setup, **{k: as_run[k] for k in ENGINE_KEYS if k in over},
-                   **{SWEEPS[k]: (as_run[k],) for k in SWEEPS if k in over})
+    return replace(
+        setup,
+        **{k: as_run[k] for k in ENGINE_KEYS if k in over},
+        **{SWEEPS[k]: (as_run[k],) for k in SWEEPS if k in over},
+    )
 
 
 def points(setup: QualitySetup) -> list[Point]:
-    return [FULL] + [Point(p, g, b, n, t, s, q, m, w) for p in setup.policies for g in setup.granularities
-                     for b in setup.budgets for n in setup.score_layers for t in setup.prompt_tails
-                     for s in setup.scopes for q in setup.prompt_scores for m in setup.keep_masses
-                     for w in setup.score_pools]
+    return [FULL] + [
+        Point(p, g, b, n, t, s, q, m, w)
+        for p in setup.policies
+        for g in setup.granularities
+        for b in setup.budgets
+        for n in setup.score_layers
+        for t in setup.prompt_tails
+        for s in setup.scopes
+        for q in setup.prompt_scores
+        for m in setup.keep_masses
+        for w in setup.score_pools
+    ]
 
 
 def run_retrieval(setup: QualitySetup, tokenizer, pts: list[Point], on_phase) -> dict:
@@ -194,19 +229,32 @@ def run_retrieval(setup: QualitySetup, tokenizer, pts: list[Point], on_phase) ->
     # one prefill step per prompt, whatever else runs: with chunking, concurrent decodes would split
     # some prompts and the policy would evict between their chunks (not this task's setting)
     max_len = longest + setup.answer_tokens + 8
-    results = run_on_engine(setup, cases, pts, params_for, max_model_len=max_len,
-                            max_num_batched_tokens=max_len + 256, enable_chunked_prefill=False)
+    results = run_on_engine(
+        setup,
+        cases,
+        pts,
+        params_for,
+        max_model_len=max_len,
+        max_num_batched_tokens=max_len + 256,
+        enable_chunked_prefill=False,
+    )
     out = {}
     for pt in pts:
         rows = [(c, *results[(pt.key, c.name)]) for c in cases]
         correct = [c.correct(o.outputs[0].text) for c, o, _ in rows]
-        by_depth = {f"{d:g}": statistics.fmean(ok for (c, _, _), ok in zip(rows, correct) if c.depth == d)
-                    for d in setup.depths}
-        out[pt.key] = {"accuracy": round(statistics.fmean(correct), 4), "accuracy_by_depth": by_depth,
-                       "ci95": rate(sum(correct), len(correct))["ci95"],
-                       **blocks_summary([t for _, _, t in rows])}
-    return {"cases": [{"name": c.name, "depth": c.depth, "prompt_tokens": len(c.prompt_ids)} for c in cases],
-            "points": out}
+        by_depth = {
+            f"{d:g}": statistics.fmean(ok for (c, _, _), ok in zip(rows, correct) if c.depth == d) for d in setup.depths
+        }
+        out[pt.key] = {
+            "accuracy": round(statistics.fmean(correct), 4),
+            "accuracy_by_depth": by_depth,
+            "ci95": rate(sum(correct), len(correct))["ci95"],
+            **blocks_summary([t for _, _, t in rows]),
+        }
+    return {
+        "cases": [{"name": c.name, "depth": c.depth, "prompt_tokens": len(c.prompt_ids)} for c in cases],
+        "points": out,
+    }
 
 
 def run_language_modelling(setup: QualitySetup, tokenizer, pts: list[Point], on_phase) -> dict:
@@ -218,8 +266,15 @@ def run_language_modelling(setup: QualitySetup, tokenizer, pts: list[Point], on_
     def params_for(extra, case):
         return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, extra_args=extra)
 
-    results = run_on_engine(setup, windows, pts, params_for, max_model_len=setup.window_tokens + 8,
-                            max_num_batched_tokens=setup.chunk, enable_chunked_prefill=True)
+    results = run_on_engine(
+        setup,
+        windows,
+        pts,
+        params_for,
+        max_model_len=setup.window_tokens + 8,
+        max_num_batched_tokens=setup.chunk,
+        enable_chunked_prefill=True,
+    )
     out = {}
     for pt in pts:
         lps, traces = [], []
@@ -228,8 +283,10 @@ def run_language_modelling(setup: QualitySetup, tokenizer, pts: list[Point], on_
             lps += [d[tok].logprob for d, tok in zip(o.prompt_logprobs[1:], w.prompt_ids[1:])]
             traces.append(t)
         out[pt.key] = {"perplexity": round(perplexity(lps), 4), "tokens_scored": len(lps), **blocks_summary(traces)}
-    return {"windows": [{"name": w.name, "offset": w.offset, "tokens": len(w.prompt_ids)} for w in windows],
-            "points": out}
+    return {
+        "windows": [{"name": w.name, "offset": w.offset, "tokens": len(w.prompt_ids)} for w in windows],
+        "points": out,
+    }
 
 
 def parity_budgets(merged_points: list[dict]) -> list[dict]:
@@ -253,8 +310,14 @@ def parity_budgets(merged_points: list[dict]) -> list[dict]:
             if not (p["ruler"]["at_parity"] and (fidelity is None or fidelity["keeps_fidelity"])):
                 break
             best = p["budget"]
-        out.append({**dict(zip(SETTING_DEFAULTS, key)), "budget_kind": kind,
-                    "budgets": sorted(p["budget"] for p in group), "parity_budget": best})
+        out.append(
+            {
+                **dict(zip(SETTING_DEFAULTS, key)),
+                "budget_kind": kind,
+                "budgets": sorted(p["budget"] for p in group),
+                "parity_budget": best,
+            }
+        )
     return out
 
 
@@ -268,24 +331,40 @@ def run_quality(setup: QualitySetup, on_phase=lambda text: None) -> dict:
     pts = points(setup)
     retrieval = run_retrieval(setup, tokenizer, pts, on_phase)
     lm = run_language_modelling(setup, tokenizer, pts, on_phase)
-    ruler = (run_ruler(setup, tokenizer, pts, on_phase) if setup.ruler_tasks
-             else {"tasks": [], "skipped": [], "points": {}})
-    fidelity = (run_fidelity(setup, tokenizer, pts, on_phase) if setup.fidelity_prompts
-                else {"prompts": [], "points": {}})
+    ruler = (
+        run_ruler(setup, tokenizer, pts, on_phase) if setup.ruler_tasks else {"tasks": [], "skipped": [], "points": {}}
+    )
+    fidelity = (
+        run_fidelity(setup, tokenizer, pts, on_phase) if setup.fidelity_prompts else {"prompts": [], "points": {}}
+    )
 
     def merged(pt: Point) -> dict:
         r, m = retrieval["points"][pt.key], lm["points"][pt.key]
+
         def both(key: str) -> float | None:  # the two tasks' means, weighted equally
             values = [x for x in (r[key], m[key]) if x is not None]
             return round(statistics.fmean(values), 3) if values else None
 
-        return {"policy": pt.policy, "granularity": pt.granularity, "mode": pt.mode, "budget": pt.budget,
-                "score_layers": pt.score_layers, "prompt_tail": pt.prompt_tail, "scope": pt.scope,
-                "prompt_scores": pt.prompt_scores, "keep_mass": pt.keep_mass, "score_pool": pt.score_pool,
-                "accuracy": r["accuracy"], "perplexity": m["perplexity"],
-                "retained_blocks_mean": both("retained_blocks_mean"),
-                "packing_bound_mean": both("packing_bound_mean"), "retrieval": r, "language_modelling": m,
-                "ruler": ruler["points"].get(pt.key, {}), "fidelity": fidelity["points"].get(pt.key)}
+        return {
+            "policy": pt.policy,
+            "granularity": pt.granularity,
+            "mode": pt.mode,
+            "budget": pt.budget,
+            "score_layers": pt.score_layers,
+            "prompt_tail": pt.prompt_tail,
+            "scope": pt.scope,
+            "prompt_scores": pt.prompt_scores,
+            "keep_mass": pt.keep_mass,
+            "score_pool": pt.score_pool,
+            "accuracy": r["accuracy"],
+            "perplexity": m["perplexity"],
+            "retained_blocks_mean": both("retained_blocks_mean"),
+            "packing_bound_mean": both("packing_bound_mean"),
+            "retrieval": r,
+            "language_modelling": m,
+            "ruler": ruler["points"].get(pt.key, {}),
+            "fidelity": fidelity["points"].get(pt.key),
+        }
 
     full = merged(FULL)
     for key in ("budget", *SETTING_DEFAULTS):

@@ -21,23 +21,43 @@ def plot_quality(report: dict, path: str | Path) -> None:
     policies = sorted({p["policy"] for p in report["points"]})
     colours = {name: plt.cm.tab10(i % 10) for i, name in enumerate(policies)}
     full = report["full_cache"]
-    for ax, metric, task, label in ((axes[0], "accuracy", "retrieval", "pass-key accuracy (higher is better)"),
-                                    (axes[1], "perplexity", "language_modelling",
-                                     "perplexity (lower is better)")):
+    for ax, metric, task, label in (
+        (axes[0], "accuracy", "retrieval", "pass-key accuracy (higher is better)"),
+        (axes[1], "perplexity", "language_modelling", "perplexity (lower is better)"),
+    ):
         for p in report["points"]:
             blocks = p[task]["retained_blocks_mean"]
             filled = p["granularity"] == "token"
-            ax.scatter(blocks, p[metric], s=40, marker="o" if filled else "s",
-                       facecolors=colours[p["policy"]] if filled else "none", edgecolors=colours[p["policy"]])
+            ax.scatter(
+                blocks,
+                p[metric],
+                s=40,
+                marker="o" if filled else "s",
+                facecolors=colours[p["policy"]] if filled else "none",
+                edgecolors=colours[p["policy"]],
+            )
         for name in policies:  # one line per policy and granularity, in budget order
             for gran, style in (("token", "-"), ("block", ":")):
-                row = sorted((p for p in report["points"] if p["policy"] == name and p["granularity"] == gran),
-                             key=lambda p: p[task]["retained_blocks_mean"] or 0)
+                row = sorted(
+                    (p for p in report["points"] if p["policy"] == name and p["granularity"] == gran),
+                    key=lambda p: p[task]["retained_blocks_mean"] or 0,
+                )
                 if row:
-                    ax.plot([p[task]["retained_blocks_mean"] for p in row], [p[metric] for p in row], style,
-                            color=colours[name], linewidth=1, label=f"{name} ({gran})")
-        ax.axhline(full[metric], color="black", linestyle="--", linewidth=1,
-                   label=f"full cache ({full[task]['retained_blocks_mean']:.1f} blocks)")
+                    ax.plot(
+                        [p[task]["retained_blocks_mean"] for p in row],
+                        [p[metric] for p in row],
+                        style,
+                        color=colours[name],
+                        linewidth=1,
+                        label=f"{name} ({gran})",
+                    )
+        ax.axhline(
+            full[metric],
+            color="black",
+            linestyle="--",
+            linewidth=1,
+            label=f"full cache ({full[task]['retained_blocks_mean']:.1f} blocks)",
+        )
         ax.set_xlabel("retained KV blocks per request (vLLM's block rows)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -60,11 +80,15 @@ def quality_table(report: dict) -> str:
         return f"{p['accuracy']:.2f} | {p['perplexity']:.2f} | {r:.1f} / {m:.1f}"
 
     full = report["full_cache"]
-    head = ("| policy | budget | token: accuracy | perplexity | blocks | block: accuracy | perplexity | blocks |\n"
-            "|---|---|---|---|---|---|---|---|\n")
+    head = (
+        "| policy | budget | token: accuracy | perplexity | blocks | block: accuracy | perplexity | blocks |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+    )
     lines = [f"| full cache (`none`) | – | {cell(full)} | | | |"]
     by = {(p["policy"], p["budget"], p["granularity"]): p for p in report["points"]}
     for policy, budget in sorted({(p["policy"], p["budget"]) for p in report["points"]}):
-        lines.append(f"| {policy} | {budget:g} | {cell(by.get((policy, budget, 'token')))} | "
-                     f"{cell(by.get((policy, budget, 'block')))} |")
+        lines.append(
+            f"| {policy} | {budget:g} | {cell(by.get((policy, budget, 'token')))} | "
+            f"{cell(by.get((policy, budget, 'block')))} |"
+        )
     return head + "\n".join(lines) + "\n"

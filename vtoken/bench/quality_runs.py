@@ -34,9 +34,17 @@ def run_on_engine(setup, cases, pts, params_for, **engine) -> dict:
     from vtoken.vllm.launch import start_engine
 
     with tempfile.TemporaryDirectory(prefix="vtoken-quality-") as tmp:
-        llm = start_engine(setup.model, setup.block_size, tmp, sinks=setup.sinks, recent=setup.recent,
-                           seed=setup.seed, check=False, tensor_parallel_size=setup.tensor_parallel_size,
-                           **engine)
+        llm = start_engine(
+            setup.model,
+            setup.block_size,
+            tmp,
+            sinks=setup.sinks,
+            recent=setup.recent,
+            seed=setup.seed,
+            check=False,
+            tensor_parallel_size=setup.tensor_parallel_size,
+            **engine,
+        )
         try:
             return run_points(llm, tmp, cases, pts, params_for)
         finally:
@@ -47,6 +55,8 @@ def blocks_summary(traces) -> dict:
     """Mean blocks held per step (vLLM's block rows), the packing bound, and the tokens evicted."""
     held = [statistics.fmean(t.held_blocks) for t in traces if t.held_blocks]
     bound = [statistics.fmean(t.packing_bound) for t in traces if t.packing_bound]
-    return {"retained_blocks_mean": round(statistics.fmean(held), 3) if held else None,
-            "packing_bound_mean": round(statistics.fmean(bound), 3) if bound else None,
-            "evicted_tokens": sum(t.evicted for t in traces)}
+    return {
+        "retained_blocks_mean": round(statistics.fmean(held), 3) if held else None,
+        "packing_bound_mean": round(statistics.fmean(bound), 3) if bound else None,
+        "evicted_tokens": sum(t.evicted for t in traces),
+    }

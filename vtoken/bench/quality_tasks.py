@@ -20,9 +20,7 @@ import random
 from dataclasses import dataclass
 from importlib import resources
 
-FILLER = (
-    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-)
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 INSTRUCTION = "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it."
 QUESTION = "What is the pass key?"
 
@@ -50,8 +48,9 @@ class TextWindow:
     prompt_ids: tuple[int, ...]
 
 
-def passkey_cases(tokenizer, context_tokens: int, depths: tuple[float, ...], per_depth: int,
-                  seed: int) -> list[PasskeyCase]:
+def passkey_cases(
+    tokenizer, context_tokens: int, depths: tuple[float, ...], per_depth: int, seed: int
+) -> list[PasskeyCase]:
     """``per_depth`` instances at each depth (± one filler sentence group, drawn from the seed), about
     ``context_tokens`` of filler each (pure given the seed)."""
     rng = random.Random(seed)
@@ -74,8 +73,9 @@ def _ask(tokenizer, content: str) -> list[int]:
     270M) as plain text that starts the answer, with the tokenizer's own special tokens (its ``<bos>``)."""
     if not getattr(tokenizer, "chat_template", None):
         return list(tokenizer(f"{content}\nAnswer: The pass key is")["input_ids"])
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=True,
-                                        add_generation_prompt=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=True, add_generation_prompt=True
+    )
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 

@@ -73,6 +73,7 @@ def emit(report: dict, out: str | None) -> None:
 def partial_writer(out: str | None):
     """A ``checkpoint(report)`` callback that writes a long benchmark's report so far to ``out`` (with its
     ``environment``), or does nothing without ``out``; the final ``emit`` overwrites it."""
+
     def write(report: dict) -> None:
         if out:
             report = {**report, "environment": environment()}

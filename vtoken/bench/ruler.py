@@ -40,25 +40,45 @@ def run_ruler(setup, tokenizer, pts, on_phase) -> dict:
     def params_for(extra, case):
         return SamplingParams(max_tokens=case.max_tokens, temperature=0.0, extra_args=extra)
 
-    results = run_on_engine(setup, cases, pts, params_for, max_model_len=longest + 8,
-                            max_num_batched_tokens=longest + 256, enable_chunked_prefill=False)
+    results = run_on_engine(
+        setup,
+        cases,
+        pts,
+        params_for,
+        max_model_len=longest + 8,
+        max_num_batched_tokens=longest + 256,
+        enable_chunked_prefill=False,
+    )
     out: dict[str, dict] = {}
     for pt in pts:
         per_task = {}
         for name, group in groups.items():
             texts = [results[(pt.key, c.name)][0].outputs[0].text for c in group]
             solved = [bool(c.solved(t)) for c, t in zip(group, texts)]
-            per_task[name] = {"score": round(statistics.fmean(c.score(t) for c, t in zip(group, texts)), 4),
-                              **rate(sum(solved), len(group)),
-                              **blocks_summary([results[(pt.key, c.name)][1] for c in group]), "per_sample": solved}
+            per_task[name] = {
+                "score": round(statistics.fmean(c.score(t) for c, t in zip(group, texts)), 4),
+                **rate(sum(solved), len(group)),
+                **blocks_summary([results[(pt.key, c.name)][1] for c in group]),
+                "per_sample": solved,
+            }
         out[pt.key] = per_task
     full = out[pts[0].key]  # the full cache comes first (quality.points)
     for pt in pts[1:]:
         out[pt.key]["at_parity"] = all(inside(r["rate"], full[name]["ci95"]) for name, r in out[pt.key].items())
         out[pt.key]["rule"] = task_rule(out[pt.key], full)
-    return {"tasks": [{"task": g[0].task, "length": g[0].length, "samples": len(g),
-                       "prompt_tokens_max": max(len(c.prompt_ids) for c in g)} for g in groups.values()],
-            "skipped": skipped, "points": out}
+    return {
+        "tasks": [
+            {
+                "task": g[0].task,
+                "length": g[0].length,
+                "samples": len(g),
+                "prompt_tokens_max": max(len(c.prompt_ids) for c in g),
+            }
+            for g in groups.values()
+        ],
+        "skipped": skipped,
+        "points": out,
+    }
 
 
 def task_rule(point: dict, full: dict) -> dict:

@@ -25,16 +25,24 @@ from importlib import resources
 
 REPEAT = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {kind} for {key} is: {value}."
-NIAH_TEMPLATE = ("Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
-                 "I will quiz you about the {kind} afterwards.\n{context}\n"
-                 "What are all the special magic {kind} for {query} mentioned in the provided text?")
-VT_TEMPLATE = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
-               "Question: Find all variables that are assigned the value {query} in the text above.")
-VT_PREFIX = ("Answer: According to the chain(s) of variable assignment in the text above, {n} variables are "
-             "assgined the value {query}, they are:")  # lm-eval's spelling, kept so prompts are identical
-CWE_TEMPLATE = ("Below is a numbered list of words. In these words, some appear more often than others. "
-                "Memorize the ones that appear most often.\n{context}\n"
-                "Question: What are the 10 most common words in the above list?")
+NIAH_TEMPLATE = (
+    "Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the {kind} afterwards.\n{context}\n"
+    "What are all the special magic {kind} for {query} mentioned in the provided text?"
+)
+VT_TEMPLATE = (
+    "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+    "Question: Find all variables that are assigned the value {query} in the text above."
+)
+VT_PREFIX = (
+    "Answer: According to the chain(s) of variable assignment in the text above, {n} variables are "
+    "assgined the value {query}, they are:"
+)  # lm-eval's spelling, kept so prompts are identical
+CWE_TEMPLATE = (
+    "Below is a numbered list of words. In these words, some appear more often than others. "
+    "Memorize the ones that appear most often.\n{context}\n"
+    "Question: What are the 10 most common words in the above list?"
+)
 CWE_PREFIX = "Answer: The top 10 words that appear most often in the list are:"
 
 
@@ -57,16 +65,18 @@ class RulerTask:
     step: int = 5  # haystack units added per sizing step (lm-eval's ``incremental`` below 4k tokens)
 
 
-TASKS = {t.name: t for t in (
-    RulerTask("niah_single_1", "niah"),
-    RulerTask("niah_multikey_2", "niah", haystack="needle"),
-    RulerTask("niah_multikey_3", "niah", haystack="needle", key_kind="uuids", value_kind="uuids",
-              answer_tokens=48),
-    RulerTask("niah_multivalue", "niah", num_v=4, answer_tokens=64),
-    RulerTask("niah_multiquery", "niah", num_k=4, num_q=4, answer_tokens=64),
-    RulerTask("vt", "vt", budget_tokens=30, answer_tokens=30),
-    RulerTask("cwe", "cwe", budget_tokens=120, answer_tokens=80, step=10),
-)}
+TASKS = {
+    t.name: t
+    for t in (
+        RulerTask("niah_single_1", "niah"),
+        RulerTask("niah_multikey_2", "niah", haystack="needle"),
+        RulerTask("niah_multikey_3", "niah", haystack="needle", key_kind="uuids", value_kind="uuids", answer_tokens=48),
+        RulerTask("niah_multivalue", "niah", num_v=4, answer_tokens=64),
+        RulerTask("niah_multiquery", "niah", num_k=4, num_q=4, answer_tokens=64),
+        RulerTask("vt", "vt", budget_tokens=30, answer_tokens=30),
+        RulerTask("cwe", "cwe", budget_tokens=120, answer_tokens=80, step=10),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -120,8 +130,10 @@ def _niah(task: RulerTask, units: int, rng: random.Random) -> tuple[str, tuple[s
         needles += [NEEDLE.format(kind=task.value_kind, key=keys[-1], value=v) for v in values[-1]]
     rng.shuffle(needles)
     if task.haystack == "needle":
-        lines = [NEEDLE.format(kind=task.value_kind, key=_draw(rng, task.key_kind), value=_draw(rng, task.value_kind))
-                 for _ in range(units)]
+        lines = [
+            NEEDLE.format(kind=task.value_kind, key=_draw(rng, task.key_kind), value=_draw(rng, task.value_kind))
+            for _ in range(units)
+        ]
     else:
         lines = [REPEAT] * units
     for index, needle in zip(sorted(rng.sample(range(units), len(needles)), reverse=True), needles):
@@ -135,8 +147,7 @@ def _niah(task: RulerTask, units: int, rng: random.Random) -> tuple[str, tuple[s
         template = template.replace("Some", "A").replace("are all", "is").replace("are", "is")
         kind = kind[:-1]
     text = template.format(kind=kind, context="\n".join(lines), query=query)
-    prefix = (f"The special magic {kind} for {query} mentioned in the provided text "
-              + ("is" if single else "are"))
+    prefix = f"The special magic {kind} for {query} mentioned in the provided text " + ("is" if single else "are")
     return text + " " + prefix, tuple(v for i in asked for v in values[i])
 
 
@@ -172,8 +183,13 @@ def _cwe(task: RulerTask, units: int, rng: random.Random) -> tuple[str, tuple[st
         return " ".join(f"{i + 1}. {w}" for i, w in enumerate(items)), common
 
     ex_context, ex_common = listing(20, 3)  # lm-eval below 4k tokens: example 3×, task 6×, others once
-    example = (CWE_TEMPLATE.format(context=ex_context) + " " + CWE_PREFIX + " "
-               + " ".join(f"{i + 1}. {w}" for i, w in enumerate(ex_common)))
+    example = (
+        CWE_TEMPLATE.format(context=ex_context)
+        + " "
+        + CWE_PREFIX
+        + " "
+        + " ".join(f"{i + 1}. {w}" for i, w in enumerate(ex_common))
+    )
     context, common = listing(max(units, 11), 6)
     return example + "\n" + CWE_TEMPLATE.format(context=context) + " " + CWE_PREFIX, tuple(common)
 
@@ -213,6 +229,7 @@ def ruler_cases(tokenizer, task: str, length: int, samples: int, seed: int) -> l
         if made is None:
             raise ValueError(f"task {task}: sample {i} does not fit {length} tokens")
         ids, answers = made
-        cases.append(RulerCase(f"{task}@{length}-{i}", task, length, answers, tuple(int(t) for t in ids),
-                               spec.answer_tokens))
+        cases.append(
+            RulerCase(f"{task}@{length}-{i}", task, length, answers, tuple(int(t) for t in ids), spec.answer_tokens)
+        )
     return cases

@@ -59,13 +59,18 @@ def legacy_finish(meta: dict, requests: dict[str, RequestScores]) -> dict[str, S
         start += len(keep)
         last = [qi for qi in keep if qi >= rs.n_q - HISTORY_BITS]
         visible = np.arange(rs.seq_len)[None, :] < (np.array(last)[:, None] + rs.seq_len - rs.n_q + 1)
-        stats = {"accumulated": sums[r, : rs.seq_len] / rs.layers, "last": by_q[rs.n_q - 1].copy(),
-                 "unimportant": unimportance_bits(np.stack([by_q[qi] for qi in last]), visible)}
+        stats = {
+            "accumulated": sums[r, : rs.seq_len] / rs.layers,
+            "last": by_q[rs.n_q - 1].copy(),
+            "unimportant": unimportance_bits(np.stack([by_q[qi] for qi in last]), visible),
+        }
         if rs.window:
             stats["window"] = sum(by_q[qi] for qi in range(max(rs.window - OBSERVATION_WINDOW, 0), rs.window))
         attention[id(rs)] = stats
-    return {rid: SlotScores(n_queries=rs.n_q, seq_len=rs.seq_len, **attention.get(id(rs), {}))
-            for rid, rs in requests.items()}
+    return {
+        rid: SlotScores(n_queries=rs.n_q, seq_len=rs.seq_len, **attention.get(id(rs), {}))
+        for rid, rs in requests.items()
+    }
 
 
 def _tables(cfg: VTokenConfig, n_req: int, live: int, generated: int) -> list[TokenTable]:
@@ -84,8 +89,9 @@ def _accumulator(n_req: int, live: int, first: int, sums: np.ndarray) -> TritonS
     acc = TritonScoreAccumulator(layout)
     row = torch.zeros(-(-live // 16), dtype=torch.int64)
     for i in range(n_req):
-        acc.requests[f"r{i}"] = RequestScores(i, i + 1, live, row, want_attention=True, want_key_norm=False,
-                                              first=first, layers=1)
+        acc.requests[f"r{i}"] = RequestScores(
+            i, i + 1, live, row, want_attention=True, want_key_norm=False, first=first, layers=1
+        )
     acc._meta = acc._plan(list(acc.requests.values()), torch.device("cpu"))
     acc._meta["sums"] = torch.from_numpy(np.ascontiguousarray(sums[:, first:]))
     return acc
@@ -122,19 +128,36 @@ def measure(n_req: int, live: int, scope: str, policy: str, generated: int, repe
     old_s = _timed(lambda: _fold(legacy_finish(old_meta, old_acc.requests), old_tables), repeats)
     new_s = _timed(lambda: _fold(new_acc.finish(), new_tables), repeats)
     keep = protected_prefix(cfg, prompt)
-    same = all(np.array_equal(getattr(a, s)[keep:live], getattr(b, s)[keep:live])
-               for a, b in zip(new_tables, old_tables) for s in STATS)
+    same = all(
+        np.array_equal(getattr(a, s)[keep:live], getattr(b, s)[keep:live])
+        for a, b in zip(new_tables, old_tables)
+        for s in STATS
+    )
     old_bytes = 2 * sums.nbytes  # sums and a row per query
     new_bytes = sum(int(t.numel()) * 4 for t in new_acc.linear_buffers()[0])
-    return {"requests": n_req, "live_tokens": live, "scope": scope, "first_scored": first,
-            "old_ms": round(old_s * 1e3, 3), "new_ms": round(new_s * 1e3, 3),
-            "ratio": round(old_s / new_s, 1), "readback_bytes_old": old_bytes, "readback_bytes_new": new_bytes,
-            "same_statistics": bool(same)}
+    return {
+        "requests": n_req,
+        "live_tokens": live,
+        "scope": scope,
+        "first_scored": first,
+        "old_ms": round(old_s * 1e3, 3),
+        "new_ms": round(new_s * 1e3, 3),
+        "ratio": round(old_s / new_s, 1),
+        "readback_bytes_old": old_bytes,
+        "readback_bytes_new": new_bytes,
+        "same_statistics": bool(same),
+    }
 
 
-def run_score_host(policy: str, generated: int, repeats: int, seed: int,
-                   shapes: tuple[tuple[int, int], ...] = SHAPES, scopes: tuple[str, ...] = ("generated", "all"),
-                   on_row=None) -> dict:
+def run_score_host(
+    policy: str,
+    generated: int,
+    repeats: int,
+    seed: int,
+    shapes: tuple[tuple[int, int], ...] = SHAPES,
+    scopes: tuple[str, ...] = ("generated", "all"),
+    on_row=None,
+) -> dict:
     """The report: one row per shape × scope (``measure``); ``on_row(row)`` after each. Pure apart from
     the time it takes."""
     load = [round(x, 2) for x in os.getloadavg()]  # a shared machine: what else ran (1, 5, 15 min)
@@ -147,12 +170,13 @@ def run_score_host(policy: str, generated: int, repeats: int, seed: int,
     return {
         "bench": "score-host",
         "command": "vtoken bench score-host " + shlex.join(sys.argv[3:]) if len(sys.argv) > 2 else None,
-        "policy": policy, "generated": generated, "repeats": repeats,
+        "policy": policy,
+        "generated": generated,
+        "repeats": repeats,
         "what": "median host seconds (after one warm-up call) of one decode step's finish() + by_logical + "
-                "observe over host buffers "
-                "(no device work, no device→host copy: readback_bytes_* is what that copy moves); old = the "
-                "frozen pre-change path (legacy_finish), new = the scored range",
+        "observe over host buffers "
+        "(no device work, no device→host copy: readback_bytes_* is what that copy moves); old = the "
+        "frozen pre-change path (legacy_finish), new = the scored range",
         "rows": rows,
-        "load_average": {"before": load, "after": [round(x, 2) for x in os.getloadavg()],
-                         "cpus": os.cpu_count()},
+        "load_average": {"before": load, "after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()},
     }

@@ -56,19 +56,53 @@ def server_command(config_path: str, port: int) -> list[str]:
     return [sys.executable, "-m", "vtoken.cli", "serve", "--config", config_path, "--port", str(port)]
 
 
-def client_command(s: ServeBenchSetup, url: str, model_path: str, rate: float, result_dir: str,
-                   name: str, repeat: int = 0) -> list[str]:
+def client_command(
+    s: ServeBenchSetup, url: str, model_path: str, rate: float, result_dir: str, name: str, repeat: int = 0
+) -> list[str]:
     """argv of one ``vllm bench serve`` run of repeat ``repeat`` (pure; its workload seed is
     ``s.repeat_seed(repeat)``); the ``vllm`` script next to this interpreter."""
-    cmd = [str(Path(sys.executable).with_name("vllm")), "bench", "serve", "--backend", "openai",
-           "--base-url", url, "--endpoint", "/v1/completions", "--model", served_name(s.model),
-           "--tokenizer", model_path, "--dataset-name", "random", "--random-input-len", str(s.input_len),
-           "--random-output-len", str(s.output_len), "--num-prompts", str(s.num_prompts),
-           "--request-rate", str(rate), "--seed", str(s.repeat_seed(repeat)), "--ignore-eos", "--disable-tqdm",
-           "--goodput", f"ttft:{s.ttft_ms:g}", f"tpot:{s.tpot_ms:g}",
-           "--percentile-metrics", "ttft,tpot,e2el",
-           "--metric-percentiles", "50,90,99", "--save-result", "--save-detailed", "--result-dir", result_dir,
-           "--result-filename", name]
+    cmd = [
+        str(Path(sys.executable).with_name("vllm")),
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        served_name(s.model),
+        "--tokenizer",
+        model_path,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(s.input_len),
+        "--random-output-len",
+        str(s.output_len),
+        "--num-prompts",
+        str(s.num_prompts),
+        "--request-rate",
+        str(rate),
+        "--seed",
+        str(s.repeat_seed(repeat)),
+        "--ignore-eos",
+        "--disable-tqdm",
+        "--goodput",
+        f"ttft:{s.ttft_ms:g}",
+        f"tpot:{s.tpot_ms:g}",
+        "--percentile-metrics",
+        "ttft,tpot,e2el",
+        "--metric-percentiles",
+        "50,90,99",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        result_dir,
+        "--result-filename",
+        name,
+    ]
     if s.dataset == "chat":
         cmd += ["--random-prefix-len", str(s.prefix_len)]
     if s.spread():
@@ -78,8 +112,14 @@ def client_command(s: ServeBenchSetup, url: str, model_path: str, rate: float, r
     return cmd
 
 
-def variant_config(s: ServeBenchSetup, mode: str, policy: str | None, admission: bool = False,
-                   metrics_port: int = 9500, shape: PoolShape | None = None):
+def variant_config(
+    s: ServeBenchSetup,
+    mode: str,
+    policy: str | None,
+    admission: bool = False,
+    metrics_port: int = 9500,
+    shape: PoolShape | None = None,
+):
     """The ``ServeAppConfig`` of one variant's server: one replica, the fixed pool, the variant's mode,
     policy, budget and scope ``all`` (the benchmark's own, not the engine's default) and ``slo.admission``,
     the benchmark's SLOs (what admission targets and ``vtoken:slo_met`` counts), then ``s.extra``
@@ -94,18 +134,29 @@ def variant_config(s: ServeBenchSetup, mode: str, policy: str | None, admission:
     block_size = ServeAppConfig.model_validate({"model": s.model, "vtoken": vt}).vtoken.block_size
     shape = shape or PoolShape(windows=(FULL,), block_size=block_size, in_flight_tokens=0)
     if shape.need(s.longest_request()) > s.pool_blocks:
-        raise ValueError(f"--pool-blocks {s.pool_blocks} cannot hold the longest request "
-                         f"({s.longest_request()} tokens) in every KV cache group: "
-                         f"{shape.describe(s.longest_request())} = {shape.need(s.longest_request())} blocks")
+        raise ValueError(
+            f"--pool-blocks {s.pool_blocks} cannot hold the longest request "
+            f"({s.longest_request()} tokens) in every KV cache group: "
+            f"{shape.describe(s.longest_request())} = {shape.need(s.longest_request())} blocks"
+        )
     # max_model_len: what the pool holds in every group. Not the longest request itself: the client
     # re-tokenizes its random prompts, and a small-vocabulary tokenizer can make them much longer than asked.
-    config = ServeAppConfig.model_validate({
-        "model": s.model, "vtoken": vt, "deployment": {"num_replicas": 1},
-        "engine": {"kv_cache_blocks": s.pool_blocks, "max_num_seqs": s.max_num_seqs,
-                   "max_model_len": shape.longest_len(s.pool_blocks)},
-        "limits": {"max_tokens": s.longest_output()}, "metrics": {"port": metrics_port},
-        # the server's SLO (metrics, admission) = the client's
-        "slo": {"ttft_ms": s.ttft_ms, "tpot_ms": s.tpot_ms, "admission": admission}})
+    config = ServeAppConfig.model_validate(
+        {
+            "model": s.model,
+            "vtoken": vt,
+            "deployment": {"num_replicas": 1},
+            "engine": {
+                "kv_cache_blocks": s.pool_blocks,
+                "max_num_seqs": s.max_num_seqs,
+                "max_model_len": shape.longest_len(s.pool_blocks),
+            },
+            "limits": {"max_tokens": s.longest_output()},
+            "metrics": {"port": metrics_port},
+            # the server's SLO (metrics, admission) = the client's
+            "slo": {"ttft_ms": s.ttft_ms, "tpot_ms": s.tpot_ms, "admission": admission},
+        }
+    )
     extra = {}
     for item in s.extra:
         key, sep, value = item.partition("=")
@@ -164,8 +215,15 @@ def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
             proc.wait(30)
 
 
-def run_variant(s: ServeBenchSetup, variant: tuple[str, str | None, bool], model_path: str, log,
-                echo, shape: PoolShape | None = None, repeat: int = 0) -> dict:
+def run_variant(
+    s: ServeBenchSetup,
+    variant: tuple[str, str | None, bool],
+    model_path: str,
+    log,
+    echo,
+    shape: PoolShape | None = None,
+    repeat: int = 0,
+) -> dict:
     """Start one server, run every rate of repeat ``repeat`` against it, stop it; returns the variant's
     report (with the workload ``seed`` it ran)."""
     from vtoken.serve.launch.local import free_port
@@ -181,19 +239,36 @@ def run_variant(s: ServeBenchSetup, variant: tuple[str, str | None, bool], model
     with tempfile.TemporaryDirectory(prefix="vtoken-bench-serve-") as tmp:
         config_path = Path(tmp, "serve.json")
         config_path.write_text(config.model_dump_json(exclude_unset=True))
-        proc = subprocess.Popen(server_command(str(config_path), port), stdout=log, stderr=log,
-                                start_new_session=True)
+        proc = subprocess.Popen(server_command(str(config_path), port), stdout=log, stderr=log, start_new_session=True)
         try:
             _drive(s, proc, url, metrics_port, model_path, variant, tmp, runs, echo, started, repeat)
         finally:
             stop(proc)
-    return {"mode": mode, "policy": policy, "admission": admission, "seed": s.repeat_seed(repeat), "runs": runs,
-            "max_rate_at_target": max_rate_meeting(runs), "rate_at_target_interpolated": rate_at_target(runs),
-            "peak_running": max((r["peak_running"] for r in runs), default=0)}
+    return {
+        "mode": mode,
+        "policy": policy,
+        "admission": admission,
+        "seed": s.repeat_seed(repeat),
+        "runs": runs,
+        "max_rate_at_target": max_rate_meeting(runs),
+        "rate_at_target_interpolated": rate_at_target(runs),
+        "peak_running": max((r["peak_running"] for r in runs), default=0),
+    }
 
 
-def _drive(s: ServeBenchSetup, proc, url: str, metrics_port: int, model_path: str, variant: tuple, tmp: str,
-           runs: list, echo, started: float, repeat: int) -> None:
+def _drive(
+    s: ServeBenchSetup,
+    proc,
+    url: str,
+    metrics_port: int,
+    model_path: str,
+    variant: tuple,
+    tmp: str,
+    runs: list,
+    echo,
+    started: float,
+    repeat: int,
+) -> None:
     """Wait for the server, then one ``vllm bench serve`` run per rate, ascending (appends to ``runs``), until
     ``sweep_done``."""
     mode, policy, admission = variant
@@ -203,17 +278,30 @@ def _drive(s: ServeBenchSetup, proc, url: str, metrics_port: int, model_path: st
     for rate in sorted(s.rates):
         name = f"{mode}-{policy}-{int(admission)}-{rate}.json".replace("+", "_")
         with ReplicaMetrics(f"http://127.0.0.1:{metrics_port}/metrics") as seen:
-            out = subprocess.run(client_command(s, url, model_path, rate, tmp, name, repeat), capture_output=True,
-                                 text=True, timeout=3600)
+            out = subprocess.run(
+                client_command(s, url, model_path, rate, tmp, name, repeat),
+                capture_output=True,
+                text=True,
+                timeout=3600,
+            )
         if out.returncode != 0:
             raise RuntimeError(f"vllm bench serve failed ({label}, rate {rate}):\n{out.stderr[-2000:]}")
-        run = run_summary(json.loads(Path(tmp, name).read_text()), s, rate, seen.peak,
-                          (seen.prefix_hits, seen.prefix_queries), seen.limit_low, seen.preemptions,
-                          seen.timeline)
-        echo(f"{label}: rate {rate} → {run['request_throughput']} req/s, goodput {run['goodput_req_s']}, "
-             f"attainment {run['slo_attainment']}, peak running {run['peak_running']}, "
-             f"admission limit ≥ {run['admission_limit_min']}, "
-             f"prefix-cache hits {run['prefix_cache_hit_rate']}, preemptions {run['preemptions']}")
+        run = run_summary(
+            json.loads(Path(tmp, name).read_text()),
+            s,
+            rate,
+            seen.peak,
+            (seen.prefix_hits, seen.prefix_queries),
+            seen.limit_low,
+            seen.preemptions,
+            seen.timeline,
+        )
+        echo(
+            f"{label}: rate {rate} → {run['request_throughput']} req/s, goodput {run['goodput_req_s']}, "
+            f"attainment {run['slo_attainment']}, peak running {run['peak_running']}, "
+            f"admission limit ≥ {run['admission_limit_min']}, "
+            f"prefix-cache hits {run['prefix_cache_hit_rate']}, preemptions {run['preemptions']}"
+        )
         runs.append(run)
         if sweep_done(runs, s.stop_after_misses):
             echo(f"{label}: {s.stop_after_misses} rate(s) in a row under the target, higher rates not run")
@@ -240,8 +328,13 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_serve_bench(s: ServeBenchSetup, echo=lambda line: None, log_path: str | None = None,
-                    checkpoint=lambda report: None, shape: PoolShape | None = None) -> dict:
+def run_serve_bench(
+    s: ServeBenchSetup,
+    echo=lambda line: None,
+    log_path: str | None = None,
+    checkpoint=lambda report: None,
+    shape: PoolShape | None = None,
+) -> dict:
     """Every variant, one after another (one server at a time on this machine), ``s.repeats`` times; returns
     the report. ``checkpoint(report)`` gets the report of the repeats done so far after each repeat (the CLI
     writes it to ``--out``, so a long run stopped part-way keeps its finished repeats). SIGTERM stops the
@@ -266,8 +359,9 @@ def run_serve_bench(s: ServeBenchSetup, echo=lambda line: None, log_path: str | 
 
 # the top-level keys ``_report`` writes (``report.emit`` adds ``environment``); tests/cpu/test_bench.py holds
 # the builder and every committed docs/results/serve-*.json to them
-REPORT_KEYS = frozenset({"bench", "command", "model", "setup", "slo", "client", "variants", "repeats",
-                         "repeats_done", "summary", "seconds"})
+REPORT_KEYS = frozenset(
+    {"bench", "command", "model", "setup", "slo", "client", "variants", "repeats", "repeats_done", "summary", "seconds"}
+)
 
 
 def _report(s: ServeBenchSetup, model_path: str, repeats: list[list[dict]], started: float) -> dict:

@@ -41,9 +41,12 @@ def plot_serve(report: dict, path: str | Path) -> None:
         ax.grid(alpha=0.3)
     att.legend(fontsize=8)
     setup = report["setup"]
-    fig.suptitle(f"vtoken bench serve: {setup['num_prompts']} requests of {setup['input_len']}+"
-                 f"{setup['output_len']} tokens, pool {setup['pool_blocks']} blocks, budget {setup['budget']}, "
-                 f"SLO TTFT ≤ {slo['ttft_ms']:g} ms, TPOT ≤ {slo['tpot_ms']:g} ms", fontsize=10)
+    fig.suptitle(
+        f"vtoken bench serve: {setup['num_prompts']} requests of {setup['input_len']}+"
+        f"{setup['output_len']} tokens, pool {setup['pool_blocks']} blocks, budget {setup['budget']}, "
+        f"SLO TTFT ≤ {slo['ttft_ms']:g} ms, TPOT ≤ {slo['tpot_ms']:g} ms",
+        fontsize=10,
+    )
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

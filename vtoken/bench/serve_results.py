@@ -8,6 +8,7 @@ pure but ``ReplicaMetrics`` (a polling thread, HTTP GETs).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
@@ -95,10 +96,8 @@ class ReplicaMetrics:
         return int(self.growth(NUM_PREEMPTIONS)) if NUM_PREEMPTIONS.name in self._last else None
 
     def _scrape(self, http: httpx.Client) -> None:
-        try:
+        with contextlib.suppress(httpx.HTTPError):
             self.read(http.get(self.url).text)
-        except httpx.HTTPError:
-            pass
 
     def __enter__(self) -> ReplicaMetrics:
         self._http = httpx.Client(timeout=5)
@@ -120,9 +119,16 @@ class ReplicaMetrics:
         self._http.close()
 
 
-def run_summary(result: dict, s: ServeBenchSetup, rate: float, peak: int,
-                prefix: tuple[float, float] = (0, 0), limit_low: int | None = None,
-                preemptions: int | None = None, timeline: list | None = None) -> dict:
+def run_summary(
+    result: dict,
+    s: ServeBenchSetup,
+    rate: float,
+    peak: int,
+    prefix: tuple[float, float] = (0, 0),
+    limit_low: int | None = None,
+    preemptions: int | None = None,
+    timeline: list | None = None,
+) -> dict:
     """One run's numbers from vLLM's saved result (pure). Attainment counts failed requests as misses.
     ``limit_low``: the lowest running-batch limit SLO-aware admission set during the run (``None``: off);
     ``preemptions``: requests vLLM preempted for KV blocks during the run (``None``: not measured);
@@ -131,13 +137,18 @@ def run_summary(result: dict, s: ServeBenchSetup, rate: float, peak: int,
     goodput = float(result.get("request_goodput") or 0.0)
     met, completed = round(goodput * duration), int(result.get("completed", 0))
     return {
-        "rate": rate, "completed": completed, "failed": s.num_prompts - completed,
+        "rate": rate,
+        "completed": completed,
+        "failed": s.num_prompts - completed,
         "duration_s": round(duration, 2),
         "request_throughput": round(float(result.get("request_throughput", 0)), 4),
-        "goodput_req_s": round(goodput, 4), "slo_attainment": round(met / s.num_prompts, 4),
+        "goodput_req_s": round(goodput, 4),
+        "slo_attainment": round(met / s.num_prompts, 4),
         "output_tok_s": round(float(result.get("output_throughput", 0)), 2),
         **{f"{m}_{q}_ms": _ms(result, m, q) for m in ("ttft", "tpot") for q in ("p50", "p99")},
-        "peak_running": peak, "admission_limit_min": limit_low, "preemptions": preemptions,
+        "peak_running": peak,
+        "admission_limit_min": limit_low,
+        "preemptions": preemptions,
         "prefix_cache_hit_rate": round(prefix[0] / prefix[1], 4) if prefix[1] else None,  # tokens hit / asked
         "errors": sorted({str(e)[:300] for e in result.get("errors") or () if e})[:3],  # why requests failed
         "timeline": timeline or [],

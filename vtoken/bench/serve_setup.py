@@ -39,8 +39,9 @@ class ServeBenchSetup:
         """Prompt + generated tokens of the longest request the client sends (the engine's
         ``max_model_len``): ``chat`` draws prompts up to 1.5 × ``input_len`` after the shared prefix, and
         the prompts' decode/re-encode round trip may add a few tokens."""
-        prompt = self.prefix_len + self._widest(self.input_len) if self.dataset == "chat" else \
-            self._widest(self.input_len)
+        prompt = (
+            self.prefix_len + self._widest(self.input_len) if self.dataset == "chat" else self._widest(self.input_len)
+        )
         return prompt + TOKENIZER_SLACK + self.longest_output() + 1
 
     def longest_output(self) -> int:

@@ -34,8 +34,13 @@ def spread(values: list[float | None]) -> dict:
     nums = [v for v in values if v is not None]
     if not nums:
         return {"median": None, "min": None, "max": None, "n": 0, "values": values}
-    return {"median": round(statistics.median(nums), 4), "min": round(min(nums), 4),
-            "max": round(max(nums), 4), "n": len(nums), "values": values}
+    return {
+        "median": round(statistics.median(nums), 4),
+        "min": round(min(nums), 4),
+        "max": round(max(nums), 4),
+        "n": len(nums),
+        "values": values,
+    }
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -50,8 +55,11 @@ def _key(v: dict) -> tuple:
 def at_grid_top(v: dict | None) -> bool:
     """The variant met the highest rate it ran: its max rate is a lower bound, not its limit."""
     runs = (v or {}).get("runs") or []
-    return bool(runs) and v.get("max_rate_at_target") is not None and \
-        v["max_rate_at_target"] >= max(r["rate"] for r in runs)
+    return (
+        bool(runs)
+        and v.get("max_rate_at_target") is not None
+        and v["max_rate_at_target"] >= max(r["rate"] for r in runs)
+    )
 
 
 def baselines(variant: tuple) -> list[tuple[str, tuple]]:
@@ -76,17 +84,23 @@ def summarize(repeats: list[list[dict]]) -> dict:
     variants, ratios = {}, {}
     for key in order:
         label = variant_label(*key)
-        variants[label] = {k: spread([rep[key][k] if key in rep else None for rep in by_repeat])
-                           for k in RATE_KEYS}
+        variants[label] = {k: spread([rep[key][k] if key in rep else None for rep in by_repeat]) for k in RATE_KEYS}
         for name, base in baselines(key):
             if base not in by_repeat[0]:
                 continue
             ratios[f"{label} / {variant_label(*base)}"] = {
                 "baseline": name,
-                **{k: spread([_ratio(rep.get(key, {}).get(k), rep.get(base, {}).get(k)) for rep in by_repeat])
-                   for k in RATE_KEYS},
-                "lower_bounds": sum(at_grid_top(rep.get(key)) and not at_grid_top(rep.get(base))
-                                    and bool(rep.get(base, {}).get("max_rate_at_target")) for rep in by_repeat)}
+                **{
+                    k: spread([_ratio(rep.get(key, {}).get(k), rep.get(base, {}).get(k)) for rep in by_repeat])
+                    for k in RATE_KEYS
+                },
+                "lower_bounds": sum(
+                    at_grid_top(rep.get(key))
+                    and not at_grid_top(rep.get(base))
+                    and bool(rep.get(base, {}).get("max_rate_at_target"))
+                    for rep in by_repeat
+                ),
+            }
     return {"repeats": len(repeats), "variants": variants, "ratios": ratios}
 
 
@@ -99,7 +113,9 @@ def headline(summary: dict) -> list[str]:
             lines.append(f"{name}: undefined (the baseline met no rate in any repeat)")
         else:
             bounds = r.get("lower_bounds", 0)
-            lines.append(f"{name}: {'≥ ' if bounds == s['n'] else ''}{s['median']:g}× (min {s['min']:g}, "
-                         f"max {s['max']:g}; {s['n']} of {summary['repeats']} repeats"
-                         + (f"; {bounds} a lower bound: met the grid's top)" if 0 < bounds < s["n"] else ")"))
+            lines.append(
+                f"{name}: {'≥ ' if bounds == s['n'] else ''}{s['median']:g}× (min {s['min']:g}, "
+                f"max {s['max']:g}; {s['n']} of {summary['repeats']} repeats"
+                + (f"; {bounds} a lower bound: met the grid's top)" if 0 < bounds < s["n"] else ")")
+            )
     return lines

@@ -19,8 +19,7 @@ __all__ = ["EVICTING", "configure"]
 EVICTING = VTokenConfig(budget=0.2, scope=Scope.ALL)
 
 
-def configure(base: VTokenConfig, sets: Iterable[str], *, own: Mapping[str, str] = {},
-              **flags: Any) -> VTokenConfig:
+def configure(base: VTokenConfig, sets: Iterable[str], *, own: Mapping[str, str] = {}, **flags: Any) -> VTokenConfig:
     """``base`` with the command's ``flags`` (``VTokenConfig`` keys; ``None``: not given, the base's value) and
     the ``--set vtoken.KEY=VALUE`` items over them. ``own``: the keys the bench sets itself per variant or
     cell, each with the flag that does (a ``--set`` of one is refused naming it). ``ConfigError`` names an
@@ -31,4 +30,3 @@ def configure(base: VTokenConfig, sets: Iterable[str], *, own: Mapping[str, str]
         raise ConfigError("; ".join(f"--set {SET_PREFIX}{k}: this bench sets {k} itself ({own[k]})" for k in taken))
     given = {k: v for k, v in flags.items() if v is not None}
     return with_sets(replace(base, **given) if given else base, sets)
-

@@ -17,8 +17,18 @@ BASE = replace(SimConfig().vtoken, block_size=32)
 OWN = {"mode": "every mode runs"}
 # the top-level keys of the report ``run_sim_scale`` emits (``report.emit`` adds ``environment``); ``result``
 # is ``run_simulation``'s (``vtoken.sim.run.RESULT_KEYS``)
-REPORT_KEYS = frozenset({"bench", "command", "tokens_per_request", "request_steps", "seconds",
-                         "request_steps_per_second", "machine", "result"})
+REPORT_KEYS = frozenset(
+    {
+        "bench",
+        "command",
+        "tokens_per_request",
+        "request_steps",
+        "seconds",
+        "request_steps_per_second",
+        "machine",
+        "result",
+    }
+)
 
 
 def run_sim_scale(cfg: SimConfig, out: str | None) -> dict:
@@ -26,8 +36,15 @@ def run_sim_scale(cfg: SimConfig, out: str | None) -> dict:
     from rich.progress import BarColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
 
     requests, gen_len = cfg.requests, cfg.gen_len
-    with Progress("{task.description}", BarColumn(), "{task.completed}/{task.total}", TimeElapsedColumn(),
-                  TimeRemainingColumn(), transient=True, console=None) as bar:
+    with Progress(
+        "{task.description}",
+        BarColumn(),
+        "{task.completed}/{task.total}",
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        transient=True,
+        console=None,
+    ) as bar:
         task = bar.add_task("requests", total=requests)
         result, _ = run_simulation(cfg, on_requests=lambda n: bar.advance(task, n))
     report = {

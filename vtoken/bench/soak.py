@@ -45,9 +45,25 @@ HELD, CHECKS, VIOLATIONS = mn.HELD_BLOCKS.name, mn.INVARIANT_CHECKS.total, mn.IN
 SERVED = mn.REQUESTS.total  # a replica that served nothing has never gone idle after a request: no check due
 PREEMPTIONS = mn.NUM_PREEMPTIONS.total
 
-REPORT_KEYS = frozenset({"bench", "command", "setup", "requests", "outcomes", "by_kind", "unaccounted",
-                         "killed_replica", "preemptions", "replicas", "replay", "processes_left", "checks", "passed",
-                         "seconds"})
+REPORT_KEYS = frozenset(
+    {
+        "bench",
+        "command",
+        "setup",
+        "requests",
+        "outcomes",
+        "by_kind",
+        "unaccounted",
+        "killed_replica",
+        "preemptions",
+        "replicas",
+        "replay",
+        "processes_left",
+        "checks",
+        "passed",
+        "seconds",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -69,16 +85,17 @@ class SoakSetup:
 def app_config(setup: SoakSetup, metrics_port: int):
     from vtoken.serve.config import ServeAppConfig
 
-    return ServeAppConfig.model_validate({
-        "model": "tiny-llama",
-        "vtoken": {"mode": "repack", "policy": "h2o", "budget": 0.5, "sinks": 4, "recent": 16,
-                   "scope": "all"},
-        "engine": {"kv_cache_blocks": setup.pool_blocks, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 8},
-        "limits": {"max_tokens": 800, "max_n": 2, "max_prompt_chars": 8000, "max_body_bytes": 65536},
-        "deployment": {"num_replicas": setup.replicas, "num_cpus": 0.5, "health_check_period_s": 2.0},
-        "router": {"stats_period_s": 0.5, "stale_after_s": 3.0},
-        "metrics": {"port": metrics_port, "port_span": 4},
-    })
+    return ServeAppConfig.model_validate(
+        {
+            "model": "tiny-llama",
+            "vtoken": {"mode": "repack", "policy": "h2o", "budget": 0.5, "sinks": 4, "recent": 16, "scope": "all"},
+            "engine": {"kv_cache_blocks": setup.pool_blocks, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 8},
+            "limits": {"max_tokens": 800, "max_n": 2, "max_prompt_chars": 8000, "max_body_bytes": 65536},
+            "deployment": {"num_replicas": setup.replicas, "num_cpus": 0.5, "health_check_period_s": 2.0},
+            "router": {"stats_period_s": 0.5, "stale_after_s": 3.0},
+            "metrics": {"port": metrics_port, "port_span": 4},
+        }
+    )
 
 
 def scrape(metrics_port: int, span: int, names: tuple[str, ...]) -> dict[str, dict[str, float]]:
@@ -103,8 +120,9 @@ def scrape(metrics_port: int, span: int, names: tuple[str, ...]) -> dict[str, di
 def _idle(row: dict[str, float]) -> bool:
     """A replica with nothing running or waiting that checked its KV invariants since its last request (a
     replica that served nothing yet, e.g. the one Serve started after the kill, has nothing to check)."""
-    return (row.get(RUNNING, 1) == 0 and row.get(WAITING, 1) == 0
-            and (row.get(CHECKS, 0) >= 1 or row.get(SERVED, 0) == 0))
+    return (
+        row.get(RUNNING, 1) == 0 and row.get(WAITING, 1) == 0 and (row.get(CHECKS, 0) >= 1 or row.get(SERVED, 0) == 0)
+    )
 
 
 def _running(cfg) -> int:
@@ -126,8 +144,7 @@ def _kill_busy_replica(cfg, metrics_port: int, span: int, deadline: float) -> st
     from vtoken.serve.launch import procs
 
     def busy() -> str | None:
-        return next((r for r, row in scrape(metrics_port, span, (RUNNING,)).items() if row.get(RUNNING, 0) >= 1),
-                    None)
+        return next((r for r, row in scrape(metrics_port, span, (RUNNING,)).items() if row.get(RUNNING, 0) >= 1), None)
 
     try:
         replica = procs.wait_for(busy, "a replica running a request", max(deadline - time.monotonic(), 0.0), 0.5)
@@ -148,8 +165,14 @@ def _replay(setup: SoakSetup, sent: dict[int, SoakRequest], outcomes: list[Outco
     from vtoken.models.tiny import tiny_model
     from vtoken.vllm.launch import start_engine
 
-    chosen = [o for o in outcomes if o.outcome == COMPLETED and sent[o.index].greedy
-              and sent[o.index].body["vllm_xargs"]["vtoken.mode"] == "none" and sent[o.index].body["n"] == 1]
+    chosen = [
+        o
+        for o in outcomes
+        if o.outcome == COMPLETED
+        and sent[o.index].greedy
+        and sent[o.index].body["vllm_xargs"]["vtoken.mode"] == "none"
+        and sent[o.index].body["n"] == 1
+    ]
     chosen = chosen[: setup.replay_max]
     if not chosen:
         return {"compared": 0, "mismatches": []}
@@ -158,8 +181,12 @@ def _replay(setup: SoakSetup, sent: dict[int, SoakRequest], outcomes: list[Outco
         mismatches = []
         for o in chosen:
             b = sent[o.index].body
-            p = SamplingParams(max_tokens=b["max_tokens"], temperature=0.0, ignore_eos=b["ignore_eos"],
-                               extra_args={"vtoken": {"mode": "none"}})
+            p = SamplingParams(
+                max_tokens=b["max_tokens"],
+                temperature=0.0,
+                ignore_eos=b["ignore_eos"],
+                extra_args={"vtoken": {"mode": "none"}},
+            )
             text = llm.generate([b["prompt"]], [p], use_tqdm=False)[0].outputs[0].text
             if text != o.texts[0]:
                 mismatches.append({"index": o.index, "served": o.texts[0][:120], "replayed": text[:120]})
@@ -193,8 +220,9 @@ def run_soak(setup: SoakSetup, on_phase=lambda text: None) -> dict:
                 while time.monotonic() < stop_at:
                     with lock:
                         i = next(counter)
-                    req = draw(i, setup.seed, "tiny-llama", setup.policies, setup.modes, setup.abort_rate,
-                               setup.max_tokens)
+                    req = draw(
+                        i, setup.seed, "tiny-llama", setup.policies, setup.modes, setup.abort_rate, setup.max_tokens
+                    )
                     with lock:
                         sent[i] = req
                     out = send(c, url, req, setup.request_timeout_s)
@@ -233,12 +261,17 @@ def run_soak(setup: SoakSetup, on_phase=lambda text: None) -> dict:
         except TimeoutError:  # reported: the checks below fail on what the replicas say now
             rows = scrape(metrics_port, span, names)
     on_phase("checking processes and replaying greedy requests")
-    left = [pid for pid in procs.alive(pid for pid, _, _ in procs.snapshot() if procs.is_engine(pid))
-            if pid not in engines_before]
+    left = [
+        pid
+        for pid in procs.alive(pid for pid, _, _ in procs.snapshot() if procs.is_engine(pid))
+        if pid not in engines_before
+    ]
     replay = _replay(setup, sent, outcomes)
     tally = Counter(o.outcome for o in outcomes)
-    kinds = Counter((("stream" if sent[o.index].body["stream"] else "plain") + f"/n{sent[o.index].body['n']}",
-                     o.outcome) for o in outcomes)
+    kinds = Counter(
+        (("stream" if sent[o.index].body["stream"] else "plain") + f"/n{sent[o.index].body['n']}", o.outcome)
+        for o in outcomes
+    )
     checks = {
         "every request accounted for": tally.get(UNACCOUNTED, 0) == 0 and sum(tally.values()) == len(sent),
         "requests completed": tally.get(COMPLETED, 0) > 0,

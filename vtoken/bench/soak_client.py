@@ -28,8 +28,28 @@ SYSTEM_PROMPTS = (
     "System: the following is a transcript of a meeting about storage systems and their failure modes. " * 5,
     "Instruction: summarise the text below in plain words for a reader new to the field. " * 6,
 )
-WORDS = ("cache", "block", "token", "river", "engine", "paper", "window", "signal", "garden", "number",
-         "table", "stream", "memory", "replica", "router", "queue", "budget", "policy", "metric", "node")
+WORDS = (
+    "cache",
+    "block",
+    "token",
+    "river",
+    "engine",
+    "paper",
+    "window",
+    "signal",
+    "garden",
+    "number",
+    "table",
+    "stream",
+    "memory",
+    "replica",
+    "router",
+    "queue",
+    "budget",
+    "policy",
+    "metric",
+    "node",
+)
 COMPLETED, ERROR, ABORTED, UNACCOUNTED = "completed", "error", "aborted", "unaccounted"
 OUTCOMES = (COMPLETED, ERROR, ABORTED, UNACCOUNTED)
 
@@ -62,17 +82,30 @@ class Outcome:
     texts: list[str] = field(default_factory=list)  # per choice, when completed
 
 
-def draw(index: int, seed: int, model: str, policies: tuple[str, ...], modes: tuple[str, ...],
-         abort_rate: float, max_tokens: int) -> SoakRequest:
+def draw(
+    index: int,
+    seed: int,
+    model: str,
+    policies: tuple[str, ...],
+    modes: tuple[str, ...],
+    abort_rate: float,
+    max_tokens: int,
+) -> SoakRequest:
     """Request ``index`` of the soak with ``seed`` (pure: the same arguments give the same request)."""
     rng = random.Random(seed * 1_000_003 + index)
     user = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 120)))
     greedy = rng.random() < 0.6
-    body = {"model": model, "prompt": rng.choice(SYSTEM_PROMPTS) + f"Request {index}: " + user,
-            "max_tokens": rng.choice((8, 32, 64, max_tokens)), "stream": rng.random() < 0.5,
-            "n": 1 if greedy or rng.random() < 0.6 else 2, "ignore_eos": rng.random() < 0.7,
-            "temperature": 0.0 if greedy else 0.8, "seed": index,
-            "vllm_xargs": {"vtoken.policy": rng.choice(policies), "vtoken.mode": rng.choice(modes)}}
+    body = {
+        "model": model,
+        "prompt": rng.choice(SYSTEM_PROMPTS) + f"Request {index}: " + user,
+        "max_tokens": rng.choice((8, 32, 64, max_tokens)),
+        "stream": rng.random() < 0.5,
+        "n": 1 if greedy or rng.random() < 0.6 else 2,
+        "ignore_eos": rng.random() < 0.7,
+        "temperature": 0.0 if greedy else 0.8,
+        "seed": index,
+        "vllm_xargs": {"vtoken.policy": rng.choice(policies), "vtoken.mode": rng.choice(modes)},
+    }
     abort_after = timeout = None
     if rng.random() < abort_rate:
         if body["stream"]:
@@ -122,7 +155,7 @@ def _stream(client: httpx.Client, url: str, req: SoakRequest, timeout: float) ->
         for n_chunks, line in enumerate(line for line in r.iter_lines() if line.startswith("data: ")):
             if req.abort_after is not None and n_chunks >= req.abort_after:
                 return Outcome(req.index, ABORTED, 200, f"closed after {n_chunks} chunks")
-            last = line[len("data: "):]
+            last = line[len("data: ") :]
             if last == "[DONE]":
                 break
             event = json.loads(last)

@@ -16,8 +16,21 @@ from vtoken.bench.quality import parity_budgets
 from vtoken.core.config import DEFAULT_SCORE_LAYERS
 
 # what ``vtoken bench yardstick`` writes (``merge_reports``)
-REPORT_KEYS = frozenset({"bench", "command", "model", "reports", "fidelity_from", "commands", "ruler", "fidelity",
-                         "full_cache", "points", "parity"})
+REPORT_KEYS = frozenset(
+    {
+        "bench",
+        "command",
+        "model",
+        "reports",
+        "fidelity_from",
+        "commands",
+        "ruler",
+        "fidelity",
+        "full_cache",
+        "points",
+        "parity",
+    }
+)
 
 
 def setting(point: dict) -> str:
@@ -65,21 +78,28 @@ def merge_reports(runs: list[tuple[str, dict]], fidelity_from: list[str]) -> dic
 
     def yardstick(r: dict) -> tuple:
         full = r["full_cache"]["ruler"]
-        return (Path(r["model"]).name, _tasks(r), r["setup"]["ruler_samples"], r["setup"]["seed"],
-                [full[t]["solved"] for t in _tasks(r)])
+        return (
+            Path(r["model"]).name,
+            _tasks(r),
+            r["setup"]["ruler_samples"],
+            r["setup"]["seed"],
+            [full[t]["solved"] for t in _tasks(r)],
+        )
 
     for name, r in ruler_runs[1:]:
         if yardstick(r) != yardstick(ref):
-            raise ValueError(f"{name}: model, tasks, samples, seed or full-cache rates differ from {ref_name}'s "
-                             f"({yardstick(r)} vs {yardstick(ref)})")
+            raise ValueError(
+                f"{name}: model, tasks, samples, seed or full-cache rates differ from {ref_name}'s "
+                f"({yardstick(r)} vs {yardstick(ref)})"
+            )
+
     def fidelity_setup(r: dict) -> tuple:
         return r["fidelity"]["prompts"], r["fidelity"]["tokens"], r["fidelity"]["top1_bound"]
 
     for name, r in fid_runs:
         if not r["fidelity"].get("prompts"):
             raise ValueError(f"{name}: measured no fidelity (--fidelity-prompts 0)")
-        if (Path(r["model"]).name != Path(ref["model"]).name
-                or fidelity_setup(r) != fidelity_setup(fid_runs[0][1])):
+        if Path(r["model"]).name != Path(ref["model"]).name or fidelity_setup(r) != fidelity_setup(fid_runs[0][1]):
             raise ValueError(f"{name}: model or fidelity prompts, tokens or bound differ from {fid_runs[0][0]}'s")
     points: dict[tuple, dict] = {}
     for name, r in runs:
@@ -100,8 +120,9 @@ def merge_reports(runs: list[tuple[str, dict]], fidelity_from: list[str]) -> dic
         "fidelity_from": list(fidelity_from),
         "commands": {n: r.get("command") for n, r in runs},
         "ruler": {"tasks": ref["ruler"]["tasks"], "samples": ref["setup"]["ruler_samples"]},
-        "fidelity": (dict(zip(("prompts", "tokens", "top1_bound"), fidelity_setup(fid_runs[-1][1])))
-                     if fid_runs else {}),
+        "fidelity": (
+            dict(zip(("prompts", "tokens", "top1_bound"), fidelity_setup(fid_runs[-1][1]))) if fid_runs else {}
+        ),
         "full_cache": full,
         "points": list(points.values()),
         "parity": parity_budgets(list(points.values())),
@@ -125,22 +146,37 @@ def plot_yardstick(report: dict, path: str | Path) -> None:
     full = report["full_cache"]
     for ax, panel in zip(axes.ravel(), panels):
         for name in policies:
-            row = sorted((p for p in report["points"] if setting(p) == name and p["granularity"] == "token"
-                          and (p.get("fidelity") if panel == "fidelity" else panel in p.get("ruler", {}))),
-                         key=lambda p: p["budget"])
+            row = sorted(
+                (
+                    p
+                    for p in report["points"]
+                    if setting(p) == name
+                    and p["granularity"] == "token"
+                    and (p.get("fidelity") if panel == "fidelity" else panel in p.get("ruler", {}))
+                ),
+                key=lambda p: p["budget"],
+            )
             if not row:
                 continue
             if panel == "fidelity":
                 xs = [p["fidelity"]["retained_blocks_mean"] for p in row]
-                ax.plot(xs, [p["fidelity"]["top1_agreement"] for p in row], "-", marker=styles[name][1],
-                        color=styles[name][0])
+                ax.plot(
+                    xs,
+                    [p["fidelity"]["top1_agreement"] for p in row],
+                    "-",
+                    marker=styles[name][1],
+                    color=styles[name][0],
+                )
                 continue
             xs = [p["ruler"][panel]["retained_blocks_mean"] for p in row]
             ys = [p["ruler"][panel]["rate"] for p in row]
-            err = [[y - p["ruler"][panel]["ci95"][0] for y, p in zip(ys, row)],
-                   [p["ruler"][panel]["ci95"][1] - y for y, p in zip(ys, row)]]
-            ax.errorbar(xs, ys, yerr=err, fmt="-", marker=styles[name][1], color=styles[name][0], capsize=3,
-                        linewidth=1)
+            err = [
+                [y - p["ruler"][panel]["ci95"][0] for y, p in zip(ys, row)],
+                [p["ruler"][panel]["ci95"][1] - y for y, p in zip(ys, row)],
+            ]
+            ax.errorbar(
+                xs, ys, yerr=err, fmt="-", marker=styles[name][1], color=styles[name][0], capsize=3, linewidth=1
+            )
         if panel == "fidelity":
             ax.axhline(report["fidelity"]["top1_bound"], color="black", linestyle=":", linewidth=1)
             ax.set_ylabel("top-1 agreement with the full cache")
@@ -154,14 +190,15 @@ def plot_yardstick(report: dict, path: str | Path) -> None:
             ax.set_ylim(-0.05, 1.05)
         ax.set_xlabel("retained KV blocks per request")
         ax.grid(alpha=0.3)
-    for ax in axes.ravel()[len(panels):]:
+    for ax in axes.ravel()[len(panels) :]:
         ax.axis("off")
     handles = [plt.Line2D([], [], color=c, marker=m, label=name) for name, (c, m) in styles.items()]
-    handles.append(plt.Rectangle((0, 0), 1, 1, color="grey", alpha=0.25,
-                                 label="full cache's 95 % interval (dashed: its rate)"))
+    handles.append(
+        plt.Rectangle((0, 0), 1, 1, color="grey", alpha=0.25, label="full cache's 95 % interval (dashed: its rate)")
+    )
     if "fidelity" in panels:
         handles.append(plt.Line2D([], [], color="black", linestyle=":", label="stated top-1 bound"))
-    spare = axes.ravel()[len(panels):]
+    spare = axes.ravel()[len(panels) :]
     where = (spare[0], "center") if len(spare) else (axes.ravel()[0], "best")
     where[0].legend(handles=handles, fontsize=7, loc=where[1], ncol=1 + len(handles) // 16)
     fig.suptitle(f"Quality yardstick (token granularity, repack) — {Path(report['model']).name}")
@@ -180,8 +217,10 @@ def yardstick_table(report: dict) -> str:
 
     def cells(p: dict) -> list[str]:
         ruler = p.get("ruler", {})
-        out = [f"{ruler[t]['rate']:.2f} [{ruler[t]['ci95'][0]:.2f}, {ruler[t]['ci95'][1]:.2f}]" if t in ruler
-               else "–" for t in tasks]
+        out = [
+            f"{ruler[t]['rate']:.2f} [{ruler[t]['ci95'][0]:.2f}, {ruler[t]['ci95'][1]:.2f}]" if t in ruler else "–"
+            for t in tasks
+        ]
         if fid:
             f = p.get("fidelity")
             out.append(f"{f['top1_agreement']:.3f} / {f['tokens_to_divergence_median']:g}" if f else "–")
@@ -190,8 +229,9 @@ def yardstick_table(report: dict) -> str:
     head = ["policy", "budget", *tasks, *(["top-1 / divergence"] if fid else []), "at parity"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines.append("| " + " | ".join(["full cache", "–", *cells(report["full_cache"]), "–"]) + " |")
-    for p in sorted((p for p in report["points"] if p["granularity"] == "token"),
-                    key=lambda p: (setting(p), p["budget"])):
+    for p in sorted(
+        (p for p in report["points"] if p["granularity"] == "token"), key=lambda p: (setting(p), p["budget"])
+    ):
         halves = [p.get("ruler", {}).get("at_parity")]
         if fid:
             halves.append(p["fidelity"]["keeps_fidelity"] if p.get("fidelity") else None)

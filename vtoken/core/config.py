@@ -6,6 +6,7 @@ CLI flag or in vLLM's ``--additional-config`` fails at start-up, not mid-request
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import typing
@@ -18,8 +19,20 @@ from vtoken.errors import ConfigError
 from vtoken.policies import get_policy_class, make_policy
 from vtoken.policies.context import Stat
 
-__all__ = ["Budget", "Granularity", "Mode", "PromptScores", "Scope", "Trigger", "VTokenConfig", "check_block_size",
-           "parse_sets", "reject_unknown", "score_layer_indices", "with_sets"]
+__all__ = [
+    "Budget",
+    "Granularity",
+    "Mode",
+    "PromptScores",
+    "Scope",
+    "Trigger",
+    "VTokenConfig",
+    "check_block_size",
+    "parse_sets",
+    "reject_unknown",
+    "score_layer_indices",
+    "with_sets",
+]
 
 
 def _edge_schema(parse: Callable[[Any], Any], dump: Callable[[Any], Any], values: tuple[str, ...] = ()) -> Any:
@@ -90,6 +103,7 @@ class Mode(_Choice):
     def _names(cls) -> tuple[str, str]:
         return "reclamation mode", "modes"
 
+
 class Trigger(_Choice):
     """When eviction (and so a repack) runs.
 
@@ -111,6 +125,7 @@ class Trigger(_Choice):
     @classmethod
     def _names(cls) -> tuple[str, str]:
         return "repack trigger", "triggers"
+
 
 class Granularity(_Choice):
     """What one eviction removes.
@@ -204,22 +219,24 @@ class Budget:
             return cls(count=int(text)) if text.lstrip("+-").isdigit() else cls(fraction=float(text))
         except ValueError:  # also ConfigError from the range checks
             raise ConfigError(
-                f"invalid budget {value!r}: give a fraction in (0, 1] (e.g. 0.2) or a positive token count "
-                "(e.g. 512)"
+                f"invalid budget {value!r}: give a fraction in (0, 1] (e.g. 0.2) or a positive token count (e.g. 512)"
             ) from None
 
     def tokens(self, seen: int) -> int:
         """Tokens a request that has seen ``seen`` tokens may keep (never more than ``seen``)."""
         if self.count is not None:
             return min(self.count, seen)
-        return min(seen, math.ceil(self.fraction * seen - 1e-9))
+        fraction = self.fraction if self.fraction is not None else 1.0  # exactly one is set (__post_init__)
+        return min(seen, math.ceil(fraction * seen - 1e-9))
 
     def __str__(self) -> str:
         return str(self.count) if self.count is not None else f"{self.fraction:g}"
 
     def to_json(self) -> int | float:
         """The token count or the fraction, as written in a config (``parse`` reads it back)."""
-        return self.count if self.count is not None else self.fraction
+        if self.count is not None:
+            return self.count
+        return self.fraction if self.fraction is not None else 1.0  # exactly one is set (__post_init__)
 
     @classmethod
     def __get_pydantic_core_schema__(cls, source, handler):
@@ -331,13 +348,15 @@ class VTokenConfig:
                 raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
         n = self.score_layers
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ConfigError(f"score_layers must be a positive integer (layers scored) or null (every layer), "
-                              f"got {n!r}")
+            raise ConfigError(
+                f"score_layers must be a positive integer (layers scored) or null (every layer), got {n!r}"
+            )
         cls = get_policy_class(self.policy)
-        if self.trigger is Trigger.PRESSURE and (
-                self.keep_mass is not None or self.granularity is Granularity.BLOCK):
-            raise ConfigError("trigger 'pressure' evicts single tokens down to at most the budget's floor; "
-                              "it does not combine with keep_mass or granularity 'block'")
+        if self.trigger is Trigger.PRESSURE and (self.keep_mass is not None or self.granularity is Granularity.BLOCK):
+            raise ConfigError(
+                "trigger 'pressure' evicts single tokens down to at most the budget's floor; "
+                "it does not combine with keep_mass or granularity 'block'"
+            )
         self._check_keep_mass(cls)
         self._check_score_pool(cls)
 
@@ -346,16 +365,16 @@ class VTokenConfig:
         if m is None:
             return
         if isinstance(m, str):  # the OpenAI API's vllm_xargs and CLI values may carry it as text
-            try:
+            with contextlib.suppress(ValueError):
                 m = float(m)
-            except ValueError:
-                pass
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 < m < 1.0:
             raise ConfigError(f"keep_mass must be a fraction in (0, 1) (attention mass kept) or null, got {m!r}")
         object.__setattr__(self, "keep_mass", float(m))
         if not cls.attention_mass:
-            raise ConfigError(f"keep_mass needs a policy that scores attention mass, not {self.policy!r}; "
-                              f"valid: {_attention_mass_policies()}")
+            raise ConfigError(
+                f"keep_mass needs a policy that scores attention mass, not {self.policy!r}; "
+                f"valid: {_attention_mass_policies()}"
+            )
         if self.granularity is Granularity.BLOCK:
             raise ConfigError("keep_mass evicts single tokens; it does not combine with granularity 'block'")
 
@@ -363,11 +382,14 @@ class VTokenConfig:
         if not self.score_pool:
             return
         if not cls.attention_mass:
-            raise ConfigError(f"score_pool pools attention scores; policy {self.policy!r} has none; "
-                              f"valid: {_attention_mass_policies()}")
+            raise ConfigError(
+                f"score_pool pools attention scores; policy {self.policy!r} has none; "
+                f"valid: {_attention_mass_policies()}"
+            )
         if self.keep_mass is not None:
-            raise ConfigError("score_pool does not combine with keep_mass (pooled scores do not add up to a "
-                              "mass); set one of them")
+            raise ConfigError(
+                "score_pool does not combine with keep_mass (pooled scores do not add up to a mass); set one of them"
+            )
 
     @property
     def question_aware(self) -> bool:
@@ -446,14 +468,16 @@ def _typed(name: str, text: str) -> Any:
         try:
             return int(text)
         except ValueError:
-            raise ConfigError(f"{name} must be an integer{' or null' if type(None) in args else ''}, "
-                              f"got {text!r}") from None
+            raise ConfigError(
+                f"{name} must be an integer{' or null' if type(None) in args else ''}, got {text!r}"
+            ) from None
     if float in args:
         try:
             return float(text)
         except ValueError:
-            raise ConfigError(f"{name} must be a number{' or null' if type(None) in args else ''}, "
-                              f"got {text!r}") from None
+            raise ConfigError(
+                f"{name} must be a number{' or null' if type(None) in args else ''}, got {text!r}"
+            ) from None
     return text
 
 

@@ -88,7 +88,11 @@ class StepDecision:
 
 
 def decide_step(
-    table: TokenTable, policy: ScorerPolicy, cfg: VTokenConfig, salt: int, n_new: int,
+    table: TokenTable,
+    policy: ScorerPolicy,
+    cfg: VTokenConfig,
+    salt: int,
+    n_new: int,
     victims: np.ndarray | None = None,
 ) -> StepDecision:
     """Evict down to the budget, place a lone new token into a hole (reuse+repack), plan and apply the

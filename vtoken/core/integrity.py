@@ -41,6 +41,4 @@ def check_integrity(manager: CacheManager, dense: bool = False) -> None:
         if table.mode is Mode.NONE and table.live != table.seen:
             raise IntegrityError("4: positions", f"mode none lost tokens in {rid!r}")
     if len(held) + pool.num_free != pool.num_blocks:
-        raise IntegrityError(
-            "2: free + held = pool", f"{len(held)} held + {pool.num_free} free != {pool.num_blocks}"
-        )
+        raise IntegrityError("2: free + held = pool", f"{len(held)} held + {pool.num_free} free != {pool.num_blocks}")

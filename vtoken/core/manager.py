@@ -161,4 +161,3 @@ class CacheManager:
 
     def packing_bound(self) -> int:
         return sum(t.packing_bound() for t in self.tables.values())
-

@@ -65,8 +65,18 @@ class Candidate:
     keys: np.ndarray = field(default_factory=_empty_f)
 
     @classmethod
-    def repack(cls, key: str, live: int, held: int, n_new: int, need0: int, order: np.ndarray | None = None,
-               keys: np.ndarray | None = None, *, block_size: int) -> Candidate:
+    def repack(
+        cls,
+        key: str,
+        live: int,
+        held: int,
+        n_new: int,
+        need0: int,
+        order: np.ndarray | None = None,
+        keys: np.ndarray | None = None,
+        *,
+        block_size: int,
+    ) -> Candidate:
         """A dense repacking row: ``after[0] = held + need0`` (the mode's count without eviction, e.g. a
         reused hole), ``after[k] = ⌈(live − k + n_new)/B⌉``. Pure."""
         order = _empty_i() if order is None else np.asarray(order, np.int64)
@@ -122,8 +132,9 @@ def batch_keys(ranked: np.ndarray, total_mass: float | None) -> np.ndarray:
     return np.arange(1, n + 1, dtype=np.float64) / (n + 1)
 
 
-def plan_pressure(cands: list[Candidate], free: int, fixed: int, margin: int, block_size: int,
-                  admit: int = 0) -> PressureDecision:
+def plan_pressure(
+    cands: list[Candidate], free: int, fixed: int, margin: int, block_size: int, admit: int = 0
+) -> PressureDecision:
     """The batch's victims under the rule of the module docstring (pure). ``fixed``: blocks the step takes
     for requests that are not candidates; ``admit``: blocks the queue's head needs to be admitted (0: none
     waits)."""
@@ -178,8 +189,9 @@ def candidate(key: str, table, policy, cfg, salt: int, held: int, n_new: int) ->
         raise ValueError(f"policy {policy.name!r} returned non-finite scores")
     chosen = cand[np.lexsort((logicals[cand], ranked[cand]))][:avail]
     mass = float(ranked.sum()) if policy.attention_mass else None
-    c = Candidate.repack(key, table.live, held, n_new, need0, logicals[chosen], batch_keys(ranked[chosen], mass),
-                         block_size=B)
+    c = Candidate.repack(
+        key, table.live, held, n_new, need0, logicals[chosen], batch_keys(ranked[chosen], mass), block_size=B
+    )
     if table.mode is Mode.NAIVE:
         c = replace(c, after=naive_after(table, c.order, n_new))
     return c

@@ -29,11 +29,19 @@ def attribute_docs(cls: type) -> dict[str, str]:
     """``{field: docstring}`` for every annotated field of ``cls`` followed by a string literal (cleaned with
     ``inspect.cleandoc``), in declaration order."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
+    first = tree.body[0]
+    if not isinstance(first, ast.ClassDef):
+        raise TypeError(f"{cls!r}: its source is not a class definition")
+    body = first.body
     out = {}
     for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             out[node.target.id] = inspect.cleandoc(after.value.value)
     return out
 
@@ -52,8 +60,9 @@ def shown_default(value: Any) -> str:
     return str(value)
 
 
-def settings_rows(cls: type, prefix: str = "", skip: Iterable[str] = (),
-                  shown: Mapping[str, str] | None = None) -> list[tuple[str, str, str]]:
+def settings_rows(
+    cls: type, prefix: str = "", skip: Iterable[str] = (), shown: Mapping[str, str] | None = None
+) -> list[tuple[str, str, str]]:
     """``(name, default, meaning)`` per field of the dataclass ``cls`` but ``skip``, in declaration order:
     ``prefix`` + name, the default in backticks (``shown`` replaces it by field name, e.g. where another layer
     supplies it) and the docstring on one line. ``ValueError`` names a field without a docstring or a
@@ -85,6 +94,7 @@ def settings_table(rows: Iterable[tuple[str, str, str]]) -> str:
 def sync(text: str, tables: Mapping[str, str]) -> str:
     """``text`` with every marked region replaced by its table (``tables[NAME]``); ``KeyError`` names a region
     without a table. A region is the lines between ``<!-- settings:begin NAME -->`` and ``<!-- settings:end -->``."""
+
     def fill(m: re.Match) -> str:
         name = m.group("name")
         if name not in tables:

@@ -142,8 +142,11 @@ class TokenTable:
         kept logical range ``kept = [lo, hi)`` (the protected prompt, ``VTokenConfig.kept_prompt``)."""
         shared_tokens = self.shared_blocks * self.block_size
         lo, hi = kept
-        return ((logicals >= max(sinks, shared_tokens)) & (logicals < self.seen - recent)
-                & ((logicals < lo) | (logicals >= hi)))
+        return (
+            (logicals >= max(sinks, shared_tokens))
+            & (logicals < self.seen - recent)
+            & ((logicals < lo) | (logicals >= hi))
+        )
 
     # ---------------------------------------------------------------- mutations
     def place(self, n: int, key_norm: np.ndarray | None = None) -> np.ndarray:

@@ -115,8 +115,16 @@ def fill_random(caches: list[torch.Tensor], seed: int) -> None:
 def copy_caches(name: str, caches: list[torch.Tensor], shape: Shape) -> list[torch.Tensor]:
     """A second set of layer views in the same layout holding the same values (``clone`` would not keep
     the layout's strides)."""
-    out = allocate_kv_caches(name, shape.layers, shape.blocks, shape.block_size, shape.kv_heads,
-                             shape.head_dim, shape.dtype, caches[0].device)
+    out = allocate_kv_caches(
+        name,
+        shape.layers,
+        shape.blocks,
+        shape.block_size,
+        shape.kv_heads,
+        shape.head_dim,
+        shape.dtype,
+        caches[0].device,
+    )
     for a, b in zip(out, caches):
         a.copy_(b)
     return out
@@ -144,14 +152,23 @@ def make_accumulator(backend: str, name: str, layout: PagedLayout) -> ScoreAccum
 
 
 def setup(name: str, shape: Shape, device: str, seed: int) -> tuple[list[torch.Tensor], PagedLayout]:
-    caches = allocate_kv_caches(name, shape.layers, shape.blocks, shape.block_size, shape.kv_heads,
-                                shape.head_dim, shape.dtype, device)
+    caches = allocate_kv_caches(
+        name, shape.layers, shape.blocks, shape.block_size, shape.kv_heads, shape.head_dim, shape.dtype, device
+    )
     fill_random(caches, seed)
     return caches, layout_for(name, caches[0])
 
 
-def check_moves(backend: str, name: str, shape: Shape, device: str, plan: Plan, seed: int,
-                capacity: int = 512, plan_on_device: bool = False) -> dict:
+def check_moves(
+    backend: str,
+    name: str,
+    shape: Shape,
+    device: str,
+    plan: Plan,
+    seed: int,
+    capacity: int = 512,
+    plan_on_device: bool = False,
+) -> dict:
     """Run ``plan`` with the backend and with the reference on equal caches; compare every element. The
     plan is handed over on the host, as the worker does (the Triton mover then sees it is disjoint: one
     direct launch), or with ``plan_on_device`` already on ``device`` (Triton: the staged pair)."""
@@ -203,8 +220,9 @@ class BitsComparison:
         return BitsComparison(self.mismatched + other.mismatched, self.near_threshold + other.near_threshold)
 
 
-def compare_unimportance_bits(got: np.ndarray, ref: np.ndarray, probs: np.ndarray, visible: np.ndarray,
-                              rtol: float = NEAR_TIE_RTOL) -> BitsComparison:
+def compare_unimportance_bits(
+    got: np.ndarray, ref: np.ndarray, probs: np.ndarray, visible: np.ndarray, rtol: float = NEAR_TIE_RTOL
+) -> BitsComparison:
     """Compare two ``unimportance_bits`` results (uint64 ``[k]``) where ``ref`` was computed from ``probs``
     and ``visible`` (``[q, k]``, oldest query first, as ``unimportance_bits`` takes them). A bit is set where
     a row's probability is below ``1 / visible keys``; a disagreement counts as a near-tie when the reference
@@ -225,15 +243,20 @@ def compare_unimportance_bits(got: np.ndarray, ref: np.ndarray, probs: np.ndarra
 def compare_scores(got: dict, ref: dict, ref_acc: ScoreAccumulator) -> dict:
     """``got`` vs ``ref`` (``finish`` results; ``ref_acc``: the reference accumulator after its ``finish``):
     max |Δ| over ``accumulated`` and ``last``, the unimportance bits' mismatches (near-ties apart). Pure."""
-    err = max(float(np.max(np.abs(getattr(got[k], f) - getattr(ref[k], f)))) for k in ref
-              for f in ("accumulated", "last"))
+    err = max(
+        float(np.max(np.abs(getattr(got[k], f) - getattr(ref[k], f)))) for k in ref for f in ("accumulated", "last")
+    )
     bits = BitsComparison(0, 0)
     for k in ref:
         probs, visible = layer_mean_probs(ref_acc.requests[k])
         bits += compare_unimportance_bits(got[k].unimportant, ref[k].unimportant, probs, visible)
-    return {"scores_max_abs_err": err, "bits_mismatched": bits.mismatched,
-            "bits_mismatched_near_threshold": bits.near_threshold, "bits_near_tie_rtol": NEAR_TIE_RTOL,
-            "scores_bits_ok": bits.ok}
+    return {
+        "scores_max_abs_err": err,
+        "bits_mismatched": bits.mismatched,
+        "bits_mismatched_near_threshold": bits.near_threshold,
+        "bits_near_tie_rtol": NEAR_TIE_RTOL,
+        "scores_bits_ok": bits.ok,
+    }
 
 
 def check_scores(backend: str, name: str, shape: Shape, device: str, plan: Plan, seed: int) -> dict:
@@ -261,8 +284,9 @@ def empty_kv_caches(name: str, shape: Shape, device: str) -> list[torch.Tensor]:
     return [five[layer] for layer in range(shape.layers)]
 
 
-def large_offsets_check(name: str, shape: Shape, device: str, seed: int = 0,
-                        caches: list[torch.Tensor] | None = None) -> dict:
+def large_offsets_check(
+    name: str, shape: Shape, device: str, seed: int = 0, caches: list[torch.Tensor] | None = None
+) -> dict:
     """Moves (direct and staged) and scores on the four highest blocks, every kv head, of every layer of an
     uninitialised ``shape`` cache (``empty_kv_caches``), against the int64 torch reference; block 0 too, so
     a plan spans the whole view. Sized so that ``head * head_stride`` and the layer offsets pass 2^31
@@ -275,17 +299,28 @@ def large_offsets_check(name: str, shape: Shape, device: str, seed: int = 0,
     slots = (used[:, None] * bs + torch.arange(bs, device=device)).reshape(-1)
     gen = torch.Generator().manual_seed(seed)
     for kv in caches:  # random values in the used blocks only
-        scatter(kv, layout, slots, torch.randn(slots.numel(), shape.kv_heads, layout.width, generator=gen)
-                .to(shape.dtype).to(device))
+        scatter(
+            kv,
+            layout,
+            slots,
+            torch.randn(slots.numel(), shape.kv_heads, layout.width, generator=gen).to(shape.dtype).to(device),
+        )
     from vtoken.kernels.triton_moves import TritonSlotMover
 
     last_layer = (caches[-1].data_ptr() - caches[0].data_ptr()) // caches[0].element_size()
-    report = {"layout": name, "blocks": shape.blocks, "layers": shape.layers, "dtype": str(shape.dtype),
-              "layer_view_elements": shape.blocks * shape.kv_heads * bs * layout.width,
-              "max_element_offset": last_layer + int(element_offsets(layout, slots).max())}
+    report = {
+        "layout": name,
+        "blocks": shape.blocks,
+        "layers": shape.layers,
+        "dtype": str(shape.dtype),
+        "layer_view_elements": shape.blocks * shape.kv_heads * bs * layout.width,
+        "max_element_offset": last_layer + int(element_offsets(layout, slots).max()),
+    }
     # top → top-2 (direct: a host plan, disjoint), then top-1 → 0 staged (the plan on the device)
-    for key, src_block, dst_block, where in (("moves_exact", top, top - 2, "cpu"),
-                                             ("staged_moves_exact", top - 1, 0, device)):
+    for key, src_block, dst_block, where in (
+        ("moves_exact", top, top - 2, "cpu"),
+        ("staged_moves_exact", top - 1, 0, device),
+    ):
         src = torch.arange(bs, device=device) + src_block * bs
         dst = torch.arange(bs, device=device).flip(0) + dst_block * bs
         others = slots[~torch.isin(slots, dst)]
@@ -293,7 +328,8 @@ def large_offsets_check(name: str, shape: Shape, device: str, seed: int = 0,
         keep = [gather(kv, layout, others) for kv in caches]
         TritonSlotMover(layout, capacity=bs).move(caches, src.to(where), dst.to(where))
         report[key] = all(torch.equal(gather(kv, layout, dst), w) for kv, w in zip(caches, want)) and all(
-            torch.equal(gather(kv, layout, others), k) for kv, k in zip(caches, keep))
+            torch.equal(gather(kv, layout, others), k) for kv, k in zip(caches, keep)
+        )
     # two requests over the highest blocks (rows [top, top-3] and [top-1, 0, top-2]), decode + chunk
     from vtoken.kernels.triton_scores import TritonScoreAccumulator
 

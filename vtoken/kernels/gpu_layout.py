@@ -47,9 +47,14 @@ from vtoken.kernels.moves import unique_caches
 from vtoken.kernels.scores import ScoreAccumulator
 
 # vllm/v1/kv_cache_layout.py, KVCacheLayout: physical order of the logical axes [L, B, H, N, C]
-KV_CACHE_LAYOUTS: dict[str, tuple[int, ...]] = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4),
-                                                "LHBNC": (0, 2, 1, 3, 4), "BLHNC": (1, 0, 2, 3, 4),
-                                                "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
+KV_CACHE_LAYOUTS: dict[str, tuple[int, ...]] = {
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
 # What each CUDA backend resolves to on an H200 (SM90) with VLLM_KV_CACHE_LAYOUT unset (see above).
 BACKEND_LAYOUTS: dict[str, str] = {"flash_attn": "LBNHC", "triton_attn": "LBNHC", "flashinfer": "LBNHC"}
 LAYOUT_NAMES: tuple[str, ...] = ("cpu", *BACKEND_LAYOUTS, *KV_CACHE_LAYOUTS)
@@ -73,8 +78,16 @@ class PagedLayout:
         return 2 * self.head_dim
 
     def to(self, device: torch.device | str) -> PagedLayout:
-        return PagedLayout(self.name, self.block_size, self.num_kv_heads, self.head_dim, self.block_stride,
-                           self.head_stride, self.index.to(device), self.token_stride)
+        return PagedLayout(
+            self.name,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_stride,
+            self.head_stride,
+            self.index.to(device),
+            self.token_stride,
+        )
 
 
 def paged_layout(view: torch.Tensor, name: str = "", token_layout: TokenLayout | None = None) -> PagedLayout:
@@ -88,20 +101,27 @@ def paged_layout(view: torch.Tensor, name: str = "", token_layout: TokenLayout |
         return PagedLayout(name or "cpu", bs, heads, width // 2, sb, sh, token_layout.index.to(view.device))
     o = torch.arange(bs, device=view.device).unsqueeze(1)
     c = torch.arange(width, device=view.device).unsqueeze(0)
-    return PagedLayout(
-        name, bs, heads, width // 2, sb, sh, (o * sn + c * sc).to(torch.int64), sn if sc == 1 else None
-    )
+    return PagedLayout(name, bs, heads, width // 2, sb, sh, (o * sn + c * sc).to(torch.int64), sn if sc == 1 else None)
 
 
-def allocate_kv_caches(name: str, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_dim: int, dtype: torch.dtype,
-                       device: torch.device | str = "cpu") -> list[torch.Tensor]:
+def allocate_kv_caches(
+    name: str,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> list[torch.Tensor]:
     """Per-layer ``[B, H, N, 2D]`` views exactly as vLLM 0.32 builds them for layout ``name`` (zeros; one
     backing buffer for all layers, like ``create_kv_cache_views``); ``cpu``: one tensor per layer (CPU
     worker). Raises ``ValueError`` naming an unknown layout."""
     if name == "cpu":
-        return [torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_dim, dtype=dtype, device=device)
-                for _ in range(num_layers)]
+        return [
+            torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_dim, dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
     order = KV_CACHE_LAYOUTS.get(BACKEND_LAYOUTS.get(name, name))
     if order is None:
         raise ValueError(f"unknown KV layout {name!r}; valid: {', '.join(LAYOUT_NAMES)}")
@@ -151,9 +171,7 @@ def scatter(view: torch.Tensor, layout: PagedLayout, slots: torch.Tensor, values
     _storage(view)[element_offsets(layout, slots.to(view.device))] = values
 
 
-def read_kv(
-    view: torch.Tensor, layout: PagedLayout, slots: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def read_kv(view: torch.Tensor, layout: PagedLayout, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the tokens at ``slots``, each ``[n, H, D]`` (pure)."""
     vals = gather(view, layout, slots)
     return vals[..., : layout.head_dim], vals[..., layout.head_dim :]
@@ -165,8 +183,9 @@ def key_offsets(layout: PagedLayout, slots: torch.Tensor) -> torch.Tensor:
     return element_offsets(layout, slots)[..., : layout.head_dim]
 
 
-def read_k(view: torch.Tensor, layout: PagedLayout, slots: torch.Tensor,
-           offsets: torch.Tensor | None = None) -> torch.Tensor:
+def read_k(
+    view: torch.Tensor, layout: PagedLayout, slots: torch.Tensor, offsets: torch.Tensor | None = None
+) -> torch.Tensor:
     """K only, ``[n, H, D]`` (pure). ``offsets``: ``key_offsets(layout, slots)`` on ``view``'s device when the
     caller has them already."""
     offs = key_offsets(layout, slots.to(view.device)) if offsets is None else offsets
@@ -176,8 +195,11 @@ def read_k(view: torch.Tensor, layout: PagedLayout, slots: torch.Tensor,
 def check_view(view: torch.Tensor, layout: PagedLayout) -> None:
     """Raise ``ValueError`` unless ``view`` is a ``[B, H, N, 2D]`` view with ``layout``'s block/head strides
     (a ``clone()`` of a layer view is contiguous, i.e. another layout)."""
-    if (view.dim() != 4 or tuple(view.shape[1:]) != (layout.num_kv_heads, layout.block_size, layout.width)
-        or (view.stride(0), view.stride(1)) != (layout.block_stride, layout.head_stride)):
+    if (
+        view.dim() != 4
+        or tuple(view.shape[1:]) != (layout.num_kv_heads, layout.block_size, layout.width)
+        or (view.stride(0), view.stride(1)) != (layout.block_stride, layout.head_stride)
+    ):
         raise ValueError(f"cache {tuple(view.shape)} strides {view.stride()} is not layout {layout.name!r}")
 
 

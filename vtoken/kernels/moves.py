@@ -37,8 +37,9 @@ def flat_offsets(layout: TokenLayout, slots: torch.Tensor, num_kv_heads: int) ->
     once per step and each layer is one 1-D gather and one 1-D scatter (pure)."""
     blocks, elements = token_index(layout, slots)
     heads = torch.arange(num_kv_heads, device=slots.device) * layout.region
-    return (blocks[:, :, None] * (num_kv_heads * layout.region) + heads[None, :, None]
-            + elements[:, None, :]).reshape(-1)
+    return (blocks[:, :, None] * (num_kv_heads * layout.region) + heads[None, :, None] + elements[:, None, :]).reshape(
+        -1
+    )
 
 
 def gather_tokens(kv_cache: torch.Tensor, layout: TokenLayout, slots: torch.Tensor) -> torch.Tensor:
@@ -87,8 +88,10 @@ class TorchSlotMover:
             key = (kv.device, kv.shape[1])
             if key not in where:
                 layout = self.layout if self.layout.index.device == kv.device else self.layout.to(kv.device)
-                where[key] = (flat_offsets(layout, src.to(kv.device), kv.shape[1]),
-                              flat_offsets(layout, dst.to(kv.device), kv.shape[1]))
+                where[key] = (
+                    flat_offsets(layout, src.to(kv.device), kv.shape[1]),
+                    flat_offsets(layout, dst.to(kv.device), kv.shape[1]),
+                )
             s, d = where[key]
             flat = kv.view(-1)  # a layer tensor is contiguous (vLLM allocates each; a view error says otherwise)
             flat[d] = flat[s]  # the gather copies first: exact even if a destination is another pair's source

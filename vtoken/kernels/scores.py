@@ -219,8 +219,11 @@ class ScoreAccumulator:
             stats: dict[str, np.ndarray] = {}
             if rs.probs is not None and rs.layers:
                 probs, visible = layer_mean_probs(rs)
-                stats.update(accumulated=probs.sum(axis=0), last=probs[-1].copy(),
-                             unimportant=unimportance_bits(probs, visible, visible_counts(rs.n_q, rs.seq_len)))
+                stats.update(
+                    accumulated=probs.sum(axis=0),
+                    last=probs[-1].copy(),
+                    unimportant=unimportance_bits(probs, visible, visible_counts(rs.n_q, rs.seq_len)),
+                )
                 if rs.window:
                     stats["window"] = probs[max(rs.window - OBSERVATION_WINDOW, 0) : rs.window].sum(axis=0)
             if rs.key_norm is not None and rs.norm_layers:
@@ -269,8 +272,14 @@ class LayerGroups:
     def requests(self) -> dict[str, RequestScores]:
         return {rid: rs for _, acc in self.groups for rid, rs in acc.requests.items()}
 
-    def add_layer(self, query: torch.Tensor, key: torch.Tensor | None, kv_cache: torch.Tensor, scale: float,
-                  layer: int | None = None) -> None:
+    def add_layer(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        scale: float,
+        layer: int | None = None,
+    ) -> None:
         """Fold attention layer ``layer`` (forward order; ``None``: fold into every group) into the groups
         that score it."""
         for layers, acc in self.groups:

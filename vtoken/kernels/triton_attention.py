@@ -19,11 +19,35 @@ from vtoken.kernels.triton_runtime import TritonKernel, next_pow2
 from vtoken.kernels.triton_scores import _MAX, _SUM, _kv_tile, _logits, _query_tile
 
 
-def _paged_decode(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, seq_ptr, out_ptr, o_st, o_sh,
-                  block_stride, head_stride, token_stride, scale, GROUP: tl.constexpr, G_P2: tl.constexpr,
-                  D: tl.constexpr, D_P2: tl.constexpr, WIDTH: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, STRIDED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                  ALIGN: tl.constexpr, Q_ALIGN: tl.constexpr):
+def _paged_decode(
+    q_ptr,
+    q_st,
+    q_sh,
+    cache_ptr,
+    bt_ptr,
+    bt_stride,
+    index_ptr,
+    seq_ptr,
+    out_ptr,
+    o_st,
+    o_sh,
+    block_stride,
+    head_stride,
+    token_stride,
+    scale,
+    GROUP: tl.constexpr,
+    G_P2: tl.constexpr,
+    D: tl.constexpr,
+    D_P2: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STRIDED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    ALIGN: tl.constexpr,
+    Q_ALIGN: tl.constexpr,
+):
     """Program (r, g): out[r, heads of group g] for request r's single query over its seq_len keys."""
     r = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -33,12 +57,48 @@ def _paged_decode(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, se
     den = tl.full([G_P2], 0.0, tl.float32)
     acc = tl.full([G_P2, D_P2], 0.0, tl.float32)
     for start in range(0, seq, BLOCK_N):
-        k, pos, valid = _kv_tile(cache_ptr, bt_ptr, index_ptr, r, g, start, seq, block_stride, head_stride,
-                                 token_stride, bt_stride, BLOCK_SIZE, BLOCK_N, D, D_P2, WIDTH, STRIDED,
-                                 ALIGN, 0)
-        v, pos, valid = _kv_tile(cache_ptr, bt_ptr, index_ptr, r, g, start, seq, block_stride, head_stride,
-                                 token_stride, bt_stride, BLOCK_SIZE, BLOCK_N, D, D_P2, WIDTH, STRIDED,
-                                 ALIGN, D)
+        k, pos, valid = _kv_tile(
+            cache_ptr,
+            bt_ptr,
+            index_ptr,
+            r,
+            g,
+            start,
+            seq,
+            block_stride,
+            head_stride,
+            token_stride,
+            bt_stride,
+            BLOCK_SIZE,
+            BLOCK_N,
+            D,
+            D_P2,
+            WIDTH,
+            STRIDED,
+            ALIGN,
+            0,
+        )
+        v, pos, valid = _kv_tile(
+            cache_ptr,
+            bt_ptr,
+            index_ptr,
+            r,
+            g,
+            start,
+            seq,
+            block_stride,
+            head_stride,
+            token_stride,
+            bt_stride,
+            BLOCK_SIZE,
+            BLOCK_N,
+            D,
+            D_P2,
+            WIDTH,
+            STRIDED,
+            ALIGN,
+            D,
+        )
         s = _logits(q, k, 1.0, UPCAST, PRECISION) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.reduce(s, 1, _MAX))
@@ -54,34 +114,72 @@ def _paged_decode(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, se
     h = tl.arange(0, G_P2)[:, None]
     d = tl.arange(0, D_P2)[None, :]
     out = acc / den[:, None]
-    tl.store(out_ptr + r * o_st + (g * GROUP + h).to(tl.int64) * o_sh + d, out.to(out_ptr.dtype.element_ty),
-             mask=(h < GROUP) & (d < D))
+    tl.store(
+        out_ptr + r * o_st + (g * GROUP + h).to(tl.int64) * o_sh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=(h < GROUP) & (d < D),
+    )
 
 
 _DECODE = TritonKernel(_paged_decode, helpers=(_kv_tile, _query_tile, _logits))
 
 
-def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, layout: PagedLayout, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, out: torch.Tensor, block_n: int = 32) -> None:
+def paged_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layout: PagedLayout,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    block_n: int = 32,
+) -> None:
     """``out[r] = attention of query[r]`` (``[R, Hq, D]``) over request r's ``seq_lens[r]`` keys (writes
     ``out``). ``block_table``: int32 ``[R, max_blocks]``; ``seq_lens``: int32 ``[R]``; all on the cache's
     device (no host copies: capturable in a CUDA graph)."""
     heads, d = query.shape[1], query.shape[2]
     group = heads // layout.num_kv_heads
-    _DECODE.launch(kv_cache.device, (query.shape[0], layout.num_kv_heads), query, query.stride(0),
-                   query.stride(1), kv_cache, block_table, block_table.stride(0), layout.index, seq_lens, out,
-                   out.stride(0), out.stride(1), layout.block_stride, layout.head_stride,
-                   layout.token_stride or 0, float(scale), GROUP=group, G_P2=max(16, next_pow2(group)), D=d,
-                   D_P2=max(16, next_pow2(d)), WIDTH=layout.width, BLOCK_SIZE=layout.block_size,
-                   BLOCK_N=block_n, STRIDED=layout.token_stride is not None,
-                   PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-                   UPCAST=kv_cache.device.type == "cpu",
-                   ALIGN=math.gcd(16, layout.block_stride, layout.head_stride, layout.token_stride or 1),
-                   Q_ALIGN=math.gcd(16, query.stride(0), query.stride(1)))
+    _DECODE.launch(
+        kv_cache.device,
+        (query.shape[0], layout.num_kv_heads),
+        query,
+        query.stride(0),
+        query.stride(1),
+        kv_cache,
+        block_table,
+        block_table.stride(0),
+        layout.index,
+        seq_lens,
+        out,
+        out.stride(0),
+        out.stride(1),
+        layout.block_stride,
+        layout.head_stride,
+        layout.token_stride or 0,
+        float(scale),
+        GROUP=group,
+        G_P2=max(16, next_pow2(group)),
+        D=d,
+        D_P2=max(16, next_pow2(d)),
+        WIDTH=layout.width,
+        BLOCK_SIZE=layout.block_size,
+        BLOCK_N=block_n,
+        STRIDED=layout.token_stride is not None,
+        PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        UPCAST=kv_cache.device.type == "cpu",
+        ALIGN=math.gcd(16, layout.block_stride, layout.head_stride, layout.token_stride or 1),
+        Q_ALIGN=math.gcd(16, query.stride(0), query.stride(1)),
+    )
 
 
-def paged_decode_reference(query: torch.Tensor, kv_cache: torch.Tensor, layout: PagedLayout,
-                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layout: PagedLayout,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """The same in torch (fp32), one request at a time: ``[R, Hq, D]`` float32 (pure)."""
     outs = []
     for r in range(query.shape[0]):

@@ -50,8 +50,9 @@ GATHER, SCATTER, DIRECT = 0, 1, 2
 NO_SLOT = -1  # a padded plan entry: the program does nothing
 
 
-def _token_at(layer_off_ptr, index_ptr, layer, slot, block_stride, token_stride, BLOCK_SIZE, WIDTH, WIDTH_P2,
-              STRIDED, ALIGN):
+def _token_at(
+    layer_off_ptr, index_ptr, layer, slot, block_stride, token_stride, BLOCK_SIZE, WIDTH, WIDTH_P2, STRIDED, ALIGN
+):
     """``[1, WIDTH_P2]`` element offsets (kv head 0) of token ``slot`` of ``layer`` from the first layer,
     int64 (a layer's view can exceed 2^31 elements: vLLM's LHBNC on an H200-sized cache)."""
     slot = slot.to(tl.int64)
@@ -64,10 +65,26 @@ def _token_at(layer_off_ptr, index_ptr, layer, slot, block_stride, token_stride,
     return base + tl.load(index_ptr + off * WIDTH + c, mask=c < WIDTH, other=0)
 
 
-def _token_copy(cache_ptr, layer_off_ptr, src_ptr, dst_ptr, stage_ptr, index_ptr, block_stride, head_stride,
-                token_stride, CAP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEADS: tl.constexpr,
-                HEAD_TILE: tl.constexpr, WIDTH: tl.constexpr, WIDTH_P2: tl.constexpr, STRIDED: tl.constexpr,
-                ALIGN: tl.constexpr, MODE: tl.constexpr):
+def _token_copy(
+    cache_ptr,
+    layer_off_ptr,
+    src_ptr,
+    dst_ptr,
+    stage_ptr,
+    index_ptr,
+    block_stride,
+    head_stride,
+    token_stride,
+    CAP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEADS: tl.constexpr,
+    HEAD_TILE: tl.constexpr,
+    WIDTH: tl.constexpr,
+    WIDTH_P2: tl.constexpr,
+    STRIDED: tl.constexpr,
+    ALIGN: tl.constexpr,
+    MODE: tl.constexpr,
+):
     """Program (i, l), MODE GATHER: token src[i] of layer l → stage[l, i]; SCATTER: stage[l, i] → token
     dst[i]; DIRECT: token src[i] → token dst[i]. A padded entry (NO_SLOT, -1) does nothing. ALIGN divides
     every row start (16-byte vector loads on CUDA). Every element offset is int64: ``h * head_stride`` alone
@@ -80,11 +97,33 @@ def _token_copy(cache_ptr, layer_off_ptr, src_ptr, dst_ptr, stage_ptr, index_ptr
     else:
         slot = tl.load(src_ptr + i)
     if slot >= 0:
-        at = _token_at(layer_off_ptr, index_ptr, layer, slot, block_stride, token_stride, BLOCK_SIZE, WIDTH,
-                       WIDTH_P2, STRIDED, ALIGN)
+        at = _token_at(
+            layer_off_ptr,
+            index_ptr,
+            layer,
+            slot,
+            block_stride,
+            token_stride,
+            BLOCK_SIZE,
+            WIDTH,
+            WIDTH_P2,
+            STRIDED,
+            ALIGN,
+        )
         if MODE == 2:  # DIRECT
-            to = _token_at(layer_off_ptr, index_ptr, layer, tl.load(dst_ptr + i), block_stride, token_stride,
-                           BLOCK_SIZE, WIDTH, WIDTH_P2, STRIDED, ALIGN)
+            to = _token_at(
+                layer_off_ptr,
+                index_ptr,
+                layer,
+                tl.load(dst_ptr + i),
+                block_stride,
+                token_stride,
+                BLOCK_SIZE,
+                WIDTH,
+                WIDTH_P2,
+                STRIDED,
+                ALIGN,
+            )
         c = tl.arange(0, WIDTH_P2)[None, :]
         for h0 in range(0, HEADS, HEAD_TILE):
             h = h0 + tl.arange(0, HEAD_TILE)[:, None]
@@ -155,8 +194,9 @@ class TritonSlotMover:
             self._key = key
         if staged and self._stage is None:
             first, lay = self._caches[0], self.layout
-            self._stage = torch.empty(len(self._caches), self.capacity, lay.num_kv_heads, lay.width,
-                                      dtype=first.dtype, device=first.device)
+            self._stage = torch.empty(
+                len(self._caches), self.capacity, lay.num_kv_heads, lay.width, dtype=first.dtype, device=first.device
+            )
 
     def set_plan(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy ≤ ``capacity`` pairs into the persistent slot buffers, the rest NO_SLOT (mutates them
@@ -200,11 +240,28 @@ class TritonSlotMover:
         width_p2 = next_pow2(lay.width)
         head_tile = min(next_pow2(lay.num_kv_heads), max(1, 4096 // width_p2))
         for mode in modes:
-            _COPY.launch(first.device, (self.capacity, len(self._caches)), first, self._offsets, self._src,
-                         self._dst, stage, self._index, lay.block_stride, lay.head_stride,
-                         lay.token_stride or 0, CAP=self.capacity, BLOCK_SIZE=lay.block_size,
-                         HEADS=lay.num_kv_heads, HEAD_TILE=head_tile, WIDTH=lay.width, WIDTH_P2=width_p2,
-                         STRIDED=lay.token_stride is not None, ALIGN=self._align, MODE=mode)
+            _COPY.launch(
+                first.device,
+                (self.capacity, len(self._caches)),
+                first,
+                self._offsets,
+                self._src,
+                self._dst,
+                stage,
+                self._index,
+                lay.block_stride,
+                lay.head_stride,
+                lay.token_stride or 0,
+                CAP=self.capacity,
+                BLOCK_SIZE=lay.block_size,
+                HEADS=lay.num_kv_heads,
+                HEAD_TILE=head_tile,
+                WIDTH=lay.width,
+                WIDTH_P2=width_p2,
+                STRIDED=lay.token_stride is not None,
+                ALIGN=self._align,
+                MODE=mode,
+            )
 
     # ---------------------------------------------------------------- SlotMover
     def move(self, kv_caches: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -220,8 +277,10 @@ class TritonSlotMover:
         check = src.device.type == "cpu" or n > self.capacity
         disjoint = check and not bool(torch.isin(src, dst).any())
         if n > self.capacity and not disjoint:
-            raise ValueError(f"move: {n} moves exceed the capacity {self.capacity} and sources overlap "
-                             "destinations; chunks would not be exact")
+            raise ValueError(
+                f"move: {n} moves exceed the capacity {self.capacity} and sources overlap "
+                "destinations; chunks would not be exact"
+            )
         self.prepare(kv_caches, staged=not disjoint)
         for start in range(0, n, self.capacity):
             self.set_plan(src[start : start + self.capacity], dst[start : start + self.capacity])

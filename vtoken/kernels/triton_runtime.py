@@ -46,6 +46,7 @@ def _scalar_index():
     nothing where Triton has no such function. Interpreter only: compiled kernels never call ``__index__``."""
     try:
         from triton.runtime import interpreter
+
         original = interpreter._patch_lang_tensor
     except (ImportError, AttributeError):
         yield
@@ -85,9 +86,7 @@ class TritonKernel:
     Passed to ``triton.jit`` for both variants (triton 3.6-3.9 spell it ``do_not_specialize``).
     """
 
-    def __init__(
-        self, fn: Callable, helpers: Sequence[Callable] = (), do_not_specialize: Sequence[str] = ()
-    ) -> None:
+    def __init__(self, fn: Callable, helpers: Sequence[Callable] = (), do_not_specialize: Sequence[str] = ()) -> None:
         self.fn = fn
         self.helpers = tuple(helpers)
         self.do_not_specialize = tuple(do_not_specialize)

@@ -50,8 +50,14 @@ import triton.language as tl
 
 from vtoken.core.stats import SlotScores, unimportance_bits
 from vtoken.kernels.gpu_layout import PagedLayout, read_k
-from vtoken.kernels.scores import (RequestScores, ScoreAccumulator, add_redundancy, kv_head_means,
-                                   redundancy_stat, row_slots)
+from vtoken.kernels.scores import (
+    RequestScores,
+    ScoreAccumulator,
+    add_redundancy,
+    kv_head_means,
+    redundancy_stat,
+    row_slots,
+)
 from vtoken.kernels.triton_runtime import TritonKernel, next_pow2
 from vtoken.policies.context import HISTORY_BITS, OBSERVATION_WINDOW
 
@@ -62,8 +68,27 @@ _SUM = tl.standard._sum_combine
 _MAX = tl.standard._elementwise_max
 
 
-def _kv_tile(cache_ptr, bt_ptr, index_ptr, req, g, start, vis, block_stride, head_stride, token_stride,
-             bt_stride, BLOCK_SIZE, BLOCK_N, D, D_P2, WIDTH, STRIDED, ALIGN, C0):
+def _kv_tile(
+    cache_ptr,
+    bt_ptr,
+    index_ptr,
+    req,
+    g,
+    start,
+    vis,
+    block_stride,
+    head_stride,
+    token_stride,
+    bt_stride,
+    BLOCK_SIZE,
+    BLOCK_N,
+    D,
+    D_P2,
+    WIDTH,
+    STRIDED,
+    ALIGN,
+    C0,
+):
     """Keys (C0 = 0) or values (C0 = D) of row positions start..start+BLOCK_N-1 of request ``req``, kv head
     ``g``, through its block table: ``[BLOCK_N, D_P2]`` (0 beyond ``vis`` or D), positions, validity. Element
     offsets are int64 (a layer view of vLLM's LHBNC layout exceeds 2^31 elements on an H200-sized cache:
@@ -101,12 +126,37 @@ def _logits(q, k, scale, UPCAST, PRECISION):
     return tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
 
 
-def _softmax_stats(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, q_tok, q_req, q_vis, m_ptr,
-                   l_ptr, block_stride, head_stride, token_stride, scale, HQ: tl.constexpr,
-                   GROUP: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
-                   WIDTH: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   STRIDED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, ALIGN: tl.constexpr,
-                   Q_ALIGN: tl.constexpr):
+def _softmax_stats(
+    q_ptr,
+    q_st,
+    q_sh,
+    cache_ptr,
+    bt_ptr,
+    bt_stride,
+    index_ptr,
+    q_tok,
+    q_req,
+    q_vis,
+    m_ptr,
+    l_ptr,
+    block_stride,
+    head_stride,
+    token_stride,
+    scale,
+    HQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_P2: tl.constexpr,
+    D: tl.constexpr,
+    D_P2: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STRIDED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    ALIGN: tl.constexpr,
+    Q_ALIGN: tl.constexpr,
+):
     """Program (i, g): m and l of query i's heads in kv group g (writes m_ptr/l_ptr[i, heads])."""
     i = tl.program_id(0)
     g = tl.program_id(1)
@@ -117,9 +167,27 @@ def _softmax_stats(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, q
     m = tl.full([G_P2], float("-inf"), tl.float32)
     den = tl.full([G_P2], 0.0, tl.float32)
     for start in range(0, vis, BLOCK_N):  # interpreted: range() calls vis.__index__ (triton_runtime)
-        k, pos, valid = _kv_tile(cache_ptr, bt_ptr, index_ptr, req, g, start, vis, block_stride, head_stride,
-                                 token_stride, bt_stride, BLOCK_SIZE, BLOCK_N, D, D_P2, WIDTH, STRIDED, ALIGN,
-                                 0)
+        k, pos, valid = _kv_tile(
+            cache_ptr,
+            bt_ptr,
+            index_ptr,
+            req,
+            g,
+            start,
+            vis,
+            block_stride,
+            head_stride,
+            token_stride,
+            bt_stride,
+            BLOCK_SIZE,
+            BLOCK_N,
+            D,
+            D_P2,
+            WIDTH,
+            STRIDED,
+            ALIGN,
+            0,
+        )
         s = _logits(q, k, scale, UPCAST, PRECISION)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.reduce(s, 1, _MAX))
@@ -130,11 +198,43 @@ def _softmax_stats(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, q
     tl.store(l_ptr + i * HQ + g * GROUP + h, den, mask=h < GROUP)
 
 
-def _probs(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, q_tok, q_req, q_vis, q_row, q_first,
-           m_ptr, l_ptr, sums_ptr, rows_ptr, kmax, block_stride, head_stride, token_stride, scale, HQ: tl.constexpr,
-           HKV: tl.constexpr, GROUP: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
-           WIDTH: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, STRIDED: tl.constexpr,
-           PRECISION: tl.constexpr, UPCAST: tl.constexpr, ALIGN: tl.constexpr, Q_ALIGN: tl.constexpr):
+def _probs(
+    q_ptr,
+    q_st,
+    q_sh,
+    cache_ptr,
+    bt_ptr,
+    bt_stride,
+    index_ptr,
+    q_tok,
+    q_req,
+    q_vis,
+    q_row,
+    q_first,
+    m_ptr,
+    l_ptr,
+    sums_ptr,
+    rows_ptr,
+    kmax,
+    block_stride,
+    head_stride,
+    token_stride,
+    scale,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_P2: tl.constexpr,
+    D: tl.constexpr,
+    D_P2: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STRIDED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    ALIGN: tl.constexpr,
+    Q_ALIGN: tl.constexpr,
+):
     """Program (i, j): head-mean probabilities of query i over key tile j of its scored range (row positions
     q_first[i] + j·BLOCK_N ..; m and l cover every key), added into sums (atomic, shared by the request's
     queries) and into rows[q_row[i]] when the query is kept, both at column position − first."""
@@ -149,9 +249,27 @@ def _probs(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, q_tok, q_
         acc = tl.full([BLOCK_N], 0.0, tl.float32)
         for g in range(HKV):
             q = _query_tile(q_ptr, q_st, q_sh, t, g, GROUP, G_P2, D, D_P2, cache_ptr.dtype.element_ty, Q_ALIGN)
-            k, pos, valid = _kv_tile(cache_ptr, bt_ptr, index_ptr, req, g, start, vis, block_stride,
-                                     head_stride, token_stride, bt_stride, BLOCK_SIZE, BLOCK_N, D, D_P2,
-                                     WIDTH, STRIDED, ALIGN, 0)
+            k, pos, valid = _kv_tile(
+                cache_ptr,
+                bt_ptr,
+                index_ptr,
+                req,
+                g,
+                start,
+                vis,
+                block_stride,
+                head_stride,
+                token_stride,
+                bt_stride,
+                BLOCK_SIZE,
+                BLOCK_N,
+                D,
+                D_P2,
+                WIDTH,
+                STRIDED,
+                ALIGN,
+                0,
+            )
             s = _logits(q, k, scale, UPCAST, PRECISION)
             m = tl.load(m_ptr + i * HQ + g * GROUP + h, mask=h < GROUP, other=0.0)
             den = tl.load(l_ptr + i * HQ + g * GROUP + h, mask=h < GROUP, other=1.0)
@@ -169,16 +287,23 @@ def _probs(q_ptr, q_st, q_sh, cache_ptr, bt_ptr, bt_stride, index_ptr, q_tok, q_
             tl.store(rows_ptr + row * kmax + col, old + mean, mask=valid)
 
 
-_STATS = TritonKernel(_softmax_stats, helpers=(_kv_tile, _query_tile, _logits),
-                      do_not_specialize=("q_st", "bt_stride"))
-_PROBS = TritonKernel(_probs, helpers=(_kv_tile, _query_tile, _logits),
-                      do_not_specialize=("q_st", "bt_stride", "kmax"))
+_STATS = TritonKernel(_softmax_stats, helpers=(_kv_tile, _query_tile, _logits), do_not_specialize=("q_st", "bt_stride"))
+_PROBS = TritonKernel(_probs, helpers=(_kv_tile, _query_tile, _logits), do_not_specialize=("q_st", "bt_stride", "kmax"))
 NO_ROW = -1  # a query whose probabilities no kept row records (q_row)
 KERNELS = {"_softmax_stats": _STATS, "_probs": _PROBS}  # by name, for the device check's variant counts
 
 
-def _device_meta(device: torch.device, tok: list[int], req: list[int], vis: list[int], row: list[int],
-                 first: list[int], bt: torch.Tensor, kmax: int, n_rows: int) -> dict:
+def _device_meta(
+    device: torch.device,
+    tok: list[int],
+    req: list[int],
+    vis: list[int],
+    row: list[int],
+    first: list[int],
+    bt: torch.Tensor,
+    kmax: int,
+    n_rows: int,
+) -> dict:
     """The launch metadata on ``device``: int32 query tables (``first``: each query's first scored row
     position), the int32 block table, zeroed fp32 ``sums`` ``[requests, kmax]`` (``kmax``: the longest
     scored range) and ``rows`` ``[n_rows, kmax]`` (``[1, 1]``, never written, without kept rows;
@@ -188,9 +313,18 @@ def _device_meta(device: torch.device, tok: list[int], req: list[int], vis: list
         t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int32)
         return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
-    return dict(tok=dev(tok), req=dev(req), vis=dev(vis), row=dev(row), first=dev(first), bt=dev(bt),
-                kmax=kmax, n_rows=n_rows, sums=torch.zeros(bt.shape[0], kmax, device=device),
-                rows=torch.zeros(n_rows or 1, kmax if n_rows else 1, device=device))
+    return dict(
+        tok=dev(tok),
+        req=dev(req),
+        vis=dev(vis),
+        row=dev(row),
+        first=dev(first),
+        bt=dev(bt),
+        kmax=kmax,
+        n_rows=n_rows,
+        sums=torch.zeros(bt.shape[0], kmax, device=device),
+        rows=torch.zeros(n_rows or 1, kmax if n_rows else 1, device=device),
+    )
 
 
 def kept_queries(rs: RequestScores) -> list[int]:
@@ -235,8 +369,16 @@ class TritonScoreAccumulator(ScoreAccumulator):
         return dict(_device_meta(device, tok, req, vis, row, first, bt, kmax, n_rows), kept=kept, scored=scored)
 
     @classmethod
-    def warmup(cls, layout: PagedLayout, kv_cache: torch.Tensor, num_q_heads: int, head_dim: int,
-               dtype: torch.dtype, scale: float, block_n: int | None = None) -> None:
+    def warmup(
+        cls,
+        layout: PagedLayout,
+        kv_cache: torch.Tensor,
+        num_q_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        scale: float,
+        block_n: int | None = None,
+    ) -> None:
         """Compile (CUDA) the model's one ``_softmax_stats`` and one ``_probs`` variant (module doc): both
         launched once through the same ``_launch`` as a step, for one scratch query of ``num_q_heads ×
         head_dim`` in ``dtype`` that sees no key (visible length 0, no kept row), so neither kernel reads or
@@ -246,17 +388,17 @@ class TritonScoreAccumulator(ScoreAccumulator):
         accumulators' (default: the class default). Raises ``ValueError`` on heads or head_dim that do not
         fit ``layout``."""
         if head_dim != layout.head_dim or num_q_heads < 1 or num_q_heads % layout.num_kv_heads:
-            raise ValueError(f"warmup: {num_q_heads} query heads of {head_dim} do not fit "
-                             f"{layout.num_kv_heads} kv heads of {layout.head_dim}")
+            raise ValueError(
+                f"warmup: {num_q_heads} query heads of {head_dim} do not fit "
+                f"{layout.num_kv_heads} kv heads of {layout.head_dim}"
+            )
         acc = cls(layout) if block_n is None else cls(layout, block_n=block_n)
         device = kv_cache.device
         meta = _device_meta(device, [0], [0], [0], [NO_ROW], [0], torch.zeros(1, 1, dtype=torch.int32), 1, 0)
         query = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
         acc._launch(query, kv_cache, scale, meta)
 
-    def add_layer(
-        self, query: torch.Tensor, key: torch.Tensor | None, kv_cache: torch.Tensor, scale: float
-    ) -> None:
+    def add_layer(self, query: torch.Tensor, key: torch.Tensor | None, kv_cache: torch.Tensor, scale: float) -> None:
         """Fold one layer in (see ``ScoreAccumulator.add_layer``); mutates the step's sums/rows buffers."""
         scored = [rs for rs in self.requests.values() if rs.want_attention]
         if scored:
@@ -286,21 +428,51 @@ class TritonScoreAccumulator(ScoreAccumulator):
         m = torch.empty(nq, heads, dtype=torch.float32, device=kv_cache.device)
         den = torch.empty_like(m)
         index = lay.index.to(device=kv_cache.device, dtype=torch.int32)
-        common = dict(HQ=heads, GROUP=group, G_P2=max(16, next_pow2(group)), D=d, D_P2=max(16, next_pow2(d)),
-                      WIDTH=lay.width, BLOCK_SIZE=lay.block_size, BLOCK_N=self.block_n,
-                      STRIDED=lay.token_stride is not None,
-                      PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-                      UPCAST=kv_cache.device.type == "cpu",
-                      ALIGN=math.gcd(16, lay.block_stride, lay.head_stride, lay.token_stride or 1),
-                      Q_ALIGN=math.gcd(16, query.stride(0), query.stride(1)))
-        head = (query, query.stride(0), query.stride(1), kv_cache, meta["bt"], meta["bt"].stride(0), index,
-                meta["tok"], meta["req"], meta["vis"])
+        common = dict(
+            HQ=heads,
+            GROUP=group,
+            G_P2=max(16, next_pow2(group)),
+            D=d,
+            D_P2=max(16, next_pow2(d)),
+            WIDTH=lay.width,
+            BLOCK_SIZE=lay.block_size,
+            BLOCK_N=self.block_n,
+            STRIDED=lay.token_stride is not None,
+            PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+            UPCAST=kv_cache.device.type == "cpu",
+            ALIGN=math.gcd(16, lay.block_stride, lay.head_stride, lay.token_stride or 1),
+            Q_ALIGN=math.gcd(16, query.stride(0), query.stride(1)),
+        )
+        head = (
+            query,
+            query.stride(0),
+            query.stride(1),
+            kv_cache,
+            meta["bt"],
+            meta["bt"].stride(0),
+            index,
+            meta["tok"],
+            meta["req"],
+            meta["vis"],
+        )
         tail = (lay.block_stride, lay.head_stride, lay.token_stride or 0, float(scale))
         _STATS.launch(kv_cache.device, (nq, lay.num_kv_heads), *head, m, den, *tail, **common)
         tiles = -(-meta["kmax"] // self.block_n)
-        _PROBS.launch(kv_cache.device, (nq, tiles), *head, meta["row"], meta["first"], m, den, meta["sums"],
-                      meta["rows"],
-                      meta["kmax"], *tail, HKV=lay.num_kv_heads, **common)
+        _PROBS.launch(
+            kv_cache.device,
+            (nq, tiles),
+            *head,
+            meta["row"],
+            meta["first"],
+            m,
+            den,
+            meta["sums"],
+            meta["rows"],
+            meta["kmax"],
+            *tail,
+            HKV=lay.num_kv_heads,
+            **common,
+        )
 
     def linear_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``(attention, key norms)`` (see ``ScoreAccumulator.linear_buffers``): the step's sums and kept
@@ -352,8 +524,9 @@ def _widened(sums: np.ndarray, scored: list[RequestScores]) -> np.ndarray | list
     return [sums[r, : rs.seq_len - rs.first].astype(np.float64) / rs.layers for r, rs in enumerate(scored)]
 
 
-def _request_stats(rs: RequestScores, sums: np.ndarray, rows: np.ndarray | None, start: int,
-                   keep: list[int]) -> dict[str, np.ndarray]:
+def _request_stats(
+    rs: RequestScores, sums: np.ndarray, rows: np.ndarray | None, start: int, keep: list[int]
+) -> dict[str, np.ndarray]:
     """One request's attention statistics over its scored range (``seq_len - first`` columns) from the
     host buffers: its ``sums`` row (float64, ÷ layers: ``_widened``) and, from row ``start``, the rows of its
     ``keep`` queries (none for a single query: its row is its sums), each sliced before it is widened. The
@@ -370,8 +543,11 @@ def _request_stats(rs: RequestScores, sums: np.ndarray, rows: np.ndarray | None,
     last = [qi for qi in keep if qi >= rs.n_q - HISTORY_BITS]
     seen = np.array(last)[:, None] + rs.seq_len - rs.n_q + 1  # keys each kept query saw, in all
     visible = np.arange(rs.first, rs.seq_len)[None, :] < seen
-    stats = {"accumulated": acc, "last": by_q[rs.n_q - 1].copy(),
-             "unimportant": unimportance_bits(np.stack([by_q[qi] for qi in last]), visible, seen[:, 0])}
+    stats = {
+        "accumulated": acc,
+        "last": by_q[rs.n_q - 1].copy(),
+        "unimportant": unimportance_bits(np.stack([by_q[qi] for qi in last]), visible, seen[:, 0]),
+    }
     if rs.window:
         rows_w = range(max(rs.window - OBSERVATION_WINDOW, 0), rs.window)
         stats["window"] = sum(by_q[qi] for qi in rows_w)

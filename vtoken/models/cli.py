@@ -14,8 +14,9 @@ import typer
 
 from vtoken.models.default import MODEL_HELP
 
-model_app = typer.Typer(help="Prepare the models vToken runs (converted/built once into the cache).",
-                        no_args_is_help=True)
+model_app = typer.Typer(
+    help="Prepare the models vToken runs (converted/built once into the cache).", no_args_is_help=True
+)
 
 
 def _fail(message: str) -> typer.Exit:

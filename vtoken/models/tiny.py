@@ -85,16 +85,36 @@ class TinySpec:
         return self.hidden // self.heads
 
 
-TINY_SPECS: Mapping[str, TinySpec] = MappingProxyType({  # read-only
-    "llama": TinySpec("llama", "llama", "LlamaForCausalLM", 2, 128, 4, 2, 256, 10_000.0, False),
-    "qwen2": TinySpec("qwen2", "qwen2", "Qwen2ForCausalLM", 3, 192, 6, 1, 384, 1_000_000.0, True),
-    "gemma3": TinySpec("gemma3", "gemma3_text", "Gemma3ForCausalLM", 4, 128, 4, 1, 256, 1_000_000.0, False,
-                       extra=(("sliding_window", 64), ("query_pre_attn_scalar", 32),
-                              ("layer_types", ["sliding_attention"] * 3 + ["full_attention"]),
-                              ("rope_parameters", {
-                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                                  "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}))),
-})
+TINY_SPECS: Mapping[str, TinySpec] = MappingProxyType(
+    {  # read-only
+        "llama": TinySpec("llama", "llama", "LlamaForCausalLM", 2, 128, 4, 2, 256, 10_000.0, False),
+        "qwen2": TinySpec("qwen2", "qwen2", "Qwen2ForCausalLM", 3, 192, 6, 1, 384, 1_000_000.0, True),
+        "gemma3": TinySpec(
+            "gemma3",
+            "gemma3_text",
+            "Gemma3ForCausalLM",
+            4,
+            128,
+            4,
+            1,
+            256,
+            1_000_000.0,
+            False,
+            extra=(
+                ("sliding_window", 64),
+                ("query_pre_attn_scalar", 32),
+                ("layer_types", ["sliding_attention"] * 3 + ["full_attention"]),
+                (
+                    "rope_parameters",
+                    {
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                    },
+                ),
+            ),
+        ),
+    }
+)
 
 
 def default_cache_dir() -> Path:

@@ -29,6 +29,17 @@ def policy_names() -> list[str]:
     return REGISTRY.names()
 
 
-__all__ = ["ATTENTION_STATS", "HISTORY_BITS", "OBSERVATION_WINDOW", "STEP_ATTENTION_STATS", "EvictionContext",
-           "Stat", "ScorerPolicy", "REGISTRY", "register_policy", "get_policy_class", "make_policy",
-           "policy_names"]
+__all__ = [
+    "ATTENTION_STATS",
+    "HISTORY_BITS",
+    "OBSERVATION_WINDOW",
+    "STEP_ATTENTION_STATS",
+    "EvictionContext",
+    "Stat",
+    "ScorerPolicy",
+    "REGISTRY",
+    "register_policy",
+    "get_policy_class",
+    "make_policy",
+    "policy_names",
+]

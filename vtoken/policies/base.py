@@ -95,9 +95,7 @@ class ScorerPolicy:
             raise ValueError(f"policy {self.name!r} returned a negative attention mass")
         return int(np.count_nonzero(np.cumsum(scores) <= (1.0 - keep_mass) * scores.sum()))
 
-    def select_blocks(
-        self, ctx: EvictionContext, n_evict: int, evictable: np.ndarray, block_size: int
-    ) -> np.ndarray:
+    def select_blocks(self, ctx: EvictionContext, n_evict: int, evictable: np.ndarray, block_size: int) -> np.ndarray:
         """Block granularity (1-D context): logical positions of whole original blocks ``b·B .. b·B+B-1``.
 
         A block is a candidate only if all its ``B`` tokens are in ``ctx`` (live) and evictable (no sink, no

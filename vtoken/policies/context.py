@@ -77,3 +77,11 @@ class EvictionContext:
     key_norm: np.ndarray | None = None
     window: np.ndarray | None = None
     redundancy: np.ndarray | None = None
+
+    def stat(self, name: Stat) -> np.ndarray:
+        """The statistic ``name`` (a policy's ``needs``: engines always fill those); ``ValueError`` naming it
+        when it is missing, i.e. an engine did not measure what the policy declared it needs."""
+        value = getattr(self, name.value)
+        if value is None:
+            raise ValueError(f"statistic {name.value!r} was not measured for this step")
+        return value

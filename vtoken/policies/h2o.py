@@ -22,4 +22,4 @@ class H2OPolicy(ScorerPolicy):
     attention_mass = True  # attention probabilities: keep_mass applies
 
     def score(self, ctx: EvictionContext) -> np.ndarray:
-        return ctx.accumulated
+        return ctx.stat(Stat.ACCUMULATED)

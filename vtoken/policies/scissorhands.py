@@ -29,4 +29,4 @@ class ScissorhandsPolicy(ScorerPolicy):
 
     def score(self, ctx: EvictionContext) -> np.ndarray:
         mask = np.uint64((1 << self.history) - 1)
-        return -np.bitwise_count(ctx.unimportant & mask).astype(np.float64)
+        return -np.bitwise_count(ctx.stat(Stat.UNIMPORTANT) & mask).astype(np.float64)

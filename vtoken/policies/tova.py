@@ -21,4 +21,4 @@ class TOVAPolicy(ScorerPolicy):
     attention_mass = True  # attention probabilities: keep_mass applies
 
     def score(self, ctx: EvictionContext) -> np.ndarray:
-        return ctx.last
+        return ctx.stat(Stat.LAST)

@@ -64,8 +64,9 @@ class SloSection(_Section):
     ttft_ms: float = Field(2000.0, gt=0, description="time to first token, arrival → first token")
     tpot_ms: float = Field(200.0, gt=0, description="mean time per output token after the first")
     admission: bool = Field(
-        False, description="SLO-aware admission: the engine admits only as many running requests as meet "
-        "tpot_ms given measured step times (the engine's admission_tpot_ms; never preempts)"
+        False,
+        description="SLO-aware admission: the engine admits only as many running requests as meet "
+        "tpot_ms given measured step times (the engine's admission_tpot_ms; never preempts)",
     )
 
 

@@ -77,10 +77,10 @@ def simulate_exact(
             if check:
                 assert all(np.array_equal(live_sets[0], s) for s in live_sets[1:]), "paired modes diverged"
             t = managers["repack"].tables[rid]
-            tally.add_step(d, np.array([t.live]), np.array([t.packing_bound()]),
-                           {m: np.array([v]) for m, v in retained.items()})
+            tally.add_step(
+                d, np.array([t.live]), np.array([t.packing_bound()]), {m: np.array([v]) for m, v in retained.items()}
+            )
         if on_request is not None:
             on_request()
     tally.add_chunk(R, peaks, {m: tuple(v) for m, v in moves.items()})
     return tally
-

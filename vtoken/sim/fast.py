@@ -174,8 +174,9 @@ class _Columns:
         return source.attention(n, keys)
 
 
-def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, first_request: int = 0,
-                  tally: SimTally | None = None) -> SimTally:
+def simulate_fast(
+    cfg: VTokenConfig, source, prompt_len: int, gen_len: int, first_request: int = 0, tally: SimTally | None = None
+) -> SimTally:
     """Simulate one chunk (all of ``source``'s requests); adds to ``tally`` if given. Raises ``ConfigError``
     for ``granularity=block`` (the exact engine runs it)."""
     if cfg.granularity is Granularity.BLOCK:
@@ -190,8 +191,7 @@ def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, firs
     needs = policy.needs
     tally = tally if tally is not None else SimTally(M)
     salt = np.array([request_salt(request_name(first_request + r)) for r in range(R)], np.uint64)[:, None]
-    cols = _Columns(P, source, source.prefill(P, Stat.UNIMPORTANT in needs, Stat.WINDOW in cfg.measured_stats()),
-                    needs)
+    cols = _Columns(P, source, source.prefill(P, Stat.UNIMPORTANT in needs, Stat.WINDOW in cfg.measured_stats()), needs)
     if cfg.question_aware:  # the prompt scored by its observation window (PromptScores.WINDOW)
         cols.accumulated[:] = cols.window
     live = P
@@ -246,8 +246,12 @@ def simulate_fast(cfg: VTokenConfig, source, prompt_len: int, gen_len: int, firs
                 bits[:] = (bits << np.uint64(1)) | (a < 1.0 / (n + 1)).astype(np.uint64)
         packing = math.ceil(live / B)
         naive = np.maximum(packing, np.count_nonzero(orig_live, axis=1))
-        retained = {"none": np.full(R, math.ceil((n + 1) / B)), "naive": naive,
-                    "repack": np.full(R, packing), "reuse+repack": np.full(R, packing)}
+        retained = {
+            "none": np.full(R, math.ceil((n + 1) / B)),
+            "naive": naive,
+            "repack": np.full(R, packing),
+            "reuse+repack": np.full(R, packing),
+        }
         for m, v in retained.items():
             np.maximum(peaks[m], v, out=peaks[m])
         tally.add_step(d, np.full(R, live), np.full(R, packing), retained)

@@ -67,15 +67,22 @@ def record_trace(model, prompt_ids: list[int], gen_len: int) -> AttentionTrace:
     with torch.inference_mode():
         prompt = torch.tensor([list(prompt_ids)], dtype=torch.long)
         ids = model.generate(
-            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=gen_len, min_new_tokens=gen_len,
-            do_sample=False, temperature=None, top_p=None, top_k=None,
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=gen_len,
+            min_new_tokens=gen_len,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
         )
         out = model(input_ids=ids, output_attentions=True, use_cache=True)
         attn = torch.stack([a[0].float().mean(dim=0) for a in out.attentions]).mean(dim=0)
         layers = out.past_key_values.layers
         knorm = torch.stack([layer.keys[0].float().norm(dim=-1).mean(dim=0) for layer in layers])
-    return AttentionTrace(attn.numpy().astype(np.float32), knorm.mean(dim=0).numpy().astype(np.float32),
-                          len(prompt_ids))
+    return AttentionTrace(
+        attn.numpy().astype(np.float32), knorm.mean(dim=0).numpy().astype(np.float32), len(prompt_ids)
+    )
 
 
 def record_traces(
@@ -103,8 +110,7 @@ def record_traces(
     if not prompts:
         raise ValueError("no prompts to record")
     tok = AutoTokenizer.from_pretrained(str(model_path))
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32,
-                                                 attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32, attn_implementation="eager")
     model.eval()
     arrays: dict[str, np.ndarray] = {}
     for i, text in enumerate(prompts):
@@ -119,7 +125,7 @@ def record_traces(
         arrays[f"prompt_len_{i}"] = np.asarray(trace.prompt_len, dtype=np.int64)
     meta = {
         "model": model_name or str(model_path),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "source": source,
         "gen_len": gen_len,
         "dtype": dtype,

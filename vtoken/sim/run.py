@@ -20,9 +20,28 @@ from vtoken.sim.source import SyntheticConfig, SyntheticSource, TraceSource, che
 ENGINES = ("fast", "exact")
 # the keys of the dict ``run_simulation`` returns (``vtoken simulate``'s JSON, ``vtoken bench sim-scale``'s
 # ``result``)
-RESULT_KEYS = frozenset({"policy", "budget", "block_size", "requests", "prompt_len", "gen_len", "seed",
-                         "sinks", "recent", "trigger", "granularity", "engine", "workers", "source",
-                         "packing_bound_mean", "live_tokens_mean", "modes", "seconds"})
+RESULT_KEYS = frozenset(
+    {
+        "policy",
+        "budget",
+        "block_size",
+        "requests",
+        "prompt_len",
+        "gen_len",
+        "seed",
+        "sinks",
+        "recent",
+        "trigger",
+        "granularity",
+        "engine",
+        "workers",
+        "source",
+        "packing_bound_mean",
+        "live_tokens_mean",
+        "modes",
+        "seconds",
+    }
+)
 # and, for a hybrid model's shape (``window`` set), the whole pool: ``result.whole_pool``
 HYBRID_KEYS = frozenset({"window", "window_groups", "pool"})
 
@@ -52,19 +71,29 @@ class SimConfig:
                 raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {v!r}")
         if self.engine not in ENGINES:
             raise ConfigError(f"unknown engine {self.engine!r}; valid engines: {', '.join(ENGINES)}")
-        if (self.window is None) != (self.window_groups == 0) or (self.window is not None and (
-                isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1
-                or self.window_groups < 1)):
-            raise ConfigError(f"window and window-groups go together, both positive (a hybrid model's sliding "
-                              f"window and its sliding-window KV cache groups), got {self.window!r} and "
-                              f"{self.window_groups!r}")
+        if (self.window is None) != (self.window_groups == 0) or (
+            self.window is not None
+            and (
+                isinstance(self.window, bool)
+                or not isinstance(self.window, int)
+                or self.window < 1
+                or self.window_groups < 1
+            )
+        ):
+            raise ConfigError(
+                f"window and window-groups go together, both positive (a hybrid model's sliding "
+                f"window and its sliding-window KV cache groups), got {self.window!r} and "
+                f"{self.window_groups!r}"
+            )
         if self.engine == "fast" and self.vtoken.granularity is Granularity.BLOCK:
             raise ConfigError("granularity 'block' runs on the exact engine only: pass --engine exact")
         if self.engine == "fast" and self.vtoken.keep_mass is not None:  # requests keep different counts
             raise ConfigError("keep_mass runs on the exact engine only: pass --engine exact")
         if self.vtoken.trigger is Trigger.PRESSURE:  # the simulator has no shared pool to run short
-            raise ConfigError("trigger 'pressure' evicts only when vLLM's shared KV pool runs short; the "
-                              "simulator gives every request its own memory: use trigger 'step' or 'block'")
+            raise ConfigError(
+                "trigger 'pressure' evicts only when vLLM's shared KV pool runs short; the "
+                "simulator gives every request its own memory: use trigger 'step' or 'block'"
+            )
         check_simulable(self.vtoken)
 
     @classmethod
@@ -117,8 +146,11 @@ def _tallies(cfg: SimConfig):
                 part = _fast_synthetic_chunk(a)
                 yield part.requests, part
         return
-    sources = _trace_sources(cfg) if cfg.traces else (
-        (s, _synthetic_source(cfg, s)) for s in range(0, cfg.requests, cfg.chunk))
+    sources = (
+        _trace_sources(cfg)
+        if cfg.traces
+        else ((s, _synthetic_source(cfg, s)) for s in range(0, cfg.requests, cfg.chunk))
+    )
     for start, source in sources:
         if cfg.engine == "fast":
             part = simulate_fast(core, source, cfg.prompt_len, cfg.gen_len, first_request=start)
@@ -157,9 +189,11 @@ def run_simulation(cfg: SimConfig, on_requests: Callable[[int], None] | None = N
         "seconds": round(seconds, 3),
     }
     if cfg.window is not None:
-        out.update(window=cfg.window, window_groups=cfg.window_groups,
-                   pool=whole_pool(out, cfg.prompt_len, cfg.gen_len, vt["block_size"], cfg.window,
-                                   cfg.window_groups))
+        out.update(
+            window=cfg.window,
+            window_groups=cfg.window_groups,
+            pool=whole_pool(out, cfg.prompt_len, cfg.gen_len, vt["block_size"], cfg.window, cfg.window_groups),
+        )
     return out, tally
 
 

@@ -43,9 +43,11 @@ def check_simulable(cfg) -> None:
     """Raise ``ConfigError`` when ``cfg``'s policy reads a statistic no source gives (``UNSIMULATED``)."""
     missing = sorted(s.value for s in cfg.measured_stats() & UNSIMULATED)
     if missing:
-        raise ConfigError(f"policy {cfg.policy!r} cannot be simulated: it reads {', '.join(missing)} (each key's "
-                          "cosine similarity to the request's other keys), and the simulator's sources hold "
-                          "attention and key norms but no keys; run it in vLLM (vtoken verify, vtoken bench)")
+        raise ConfigError(
+            f"policy {cfg.policy!r} cannot be simulated: it reads {', '.join(missing)} (each key's "
+            "cosine similarity to the request's other keys), and the simulator's sources hold "
+            "attention and key norms but no keys; run it in vLLM (vtoken verify, vtoken bench)"
+        )
 
 
 class Prefill(NamedTuple):

@@ -45,10 +45,21 @@ def record(
     names = list(texts)[:num_prompts]
     start = time.perf_counter()
     try:
-        record_traces(path, [texts[n] for n in names], gen_len, out, prompt_len=prompt_len, dtype=dtype,
-                      source="vtoken/sim/texts: " + ", ".join(names), model_name=model)
+        record_traces(
+            path,
+            [texts[n] for n in names],
+            gen_len,
+            out,
+            prompt_len=prompt_len,
+            dtype=dtype,
+            source="vtoken/sim/texts: " + ", ".join(names),
+            model_name=model,
+        )
     except ValueError as exc:
         raise _fail(str(exc)) from None
-    typer.echo(f"recorded {len(names)} traces ({prompt_len}+{gen_len} tokens) from {path} to {out} "
-               f"in {time.perf_counter() - start:.1f} s", err=True)
+    typer.echo(
+        f"recorded {len(names)} traces ({prompt_len}+{gen_len} tokens) from {path} to {out} "
+        f"in {time.perf_counter() - start:.1f} s",
+        err=True,
+    )
     typer.echo(str(out))

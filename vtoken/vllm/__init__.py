@@ -57,13 +57,22 @@ def engine_kwargs(
     """
     cfg = cfg if cfg is not None else VTokenConfig()
     check_platform_block_size(cfg.block_size)
-    settings = EngineSettings(cfg=cfg, scores=scores, trace_dir=trace_dir, check=check,
-                              admission_tpot_ms=admission_tpot_ms, invariants=invariants)
+    settings = EngineSettings(
+        cfg=cfg,
+        scores=scores,
+        trace_dir=trace_dir,
+        check=check,
+        admission_tpot_ms=admission_tpot_ms,
+        invariants=invariants,
+    )
     if not settings.enabled:
         if settings.admission is None:
             return {"block_size": cfg.block_size}
-        return {"scheduler_cls": SCHEDULER_CLS, "additional_config": {"vtoken": settings.to_additional_config()},
-                "block_size": cfg.block_size}
+        return {
+            "scheduler_cls": SCHEDULER_CLS,
+            "additional_config": {"vtoken": settings.to_additional_config()},
+            "block_size": cfg.block_size,
+        }
     return {
         "scheduler_cls": SCHEDULER_CLS,
         "worker_cls": WORKER_CLS,

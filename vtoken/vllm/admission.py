@@ -36,8 +36,12 @@ class AdmissionMixin:
         self._vt_started: dict[int, float] = {}  # id(SchedulerOutput) → when its schedule() began
         self._vt_last_update: float | None = None
         if adm is not None:
-            logger.info("vToken admission on: TPOT target %.1f ms, headroom %.2f, max active %d",
-                        adm.tpot_s * 1000, adm.headroom, self._vt_max_active)
+            logger.info(
+                "vToken admission on: TPOT target %.1f ms, headroom %.2f, max active %d",
+                adm.tpot_s * 1000,
+                adm.headroom,
+                self._vt_max_active,
+            )
 
     def admission_cap(self) -> int | None:
         """The current SLO admission cap (``None``: admission off, or not enough steps measured yet)."""

@@ -130,8 +130,10 @@ def rewrite_row(block_pool, type_manager, request_id: str, decision: StepDecisio
             fallbacks += 1
             continue
         else:
-            raise IntegrityError("6: shared blocks untouched",
-                                 f"request {request_id} would write block {blk.block_id} (ref_cnt={blk.ref_cnt})")
+            raise IntegrityError(
+                "6: shared blocks untouched",
+                f"request {request_id} would write block {blk.block_id} (ref_cnt={blk.ref_cnt})",
+            )
         replaced.append(b)
     replaced.sort()
     cow = plan_cow(plan, decision.placed, np.asarray(replaced, np.int64))
@@ -143,8 +145,16 @@ def rewrite_row(block_pool, type_manager, request_id: str, decision: StepDecisio
     cached = type_manager.num_cached_block
     if request_id in cached:
         cached[request_id] = min([cached[request_id], keep, *replaced])
-    return RowWork(src=src, dst=dst, replace={b: new_row[b].block_id for b in replaced},
-                   release=tail[::-1] + originals[::-1], cut=cut, freed=freed, cow=cow, fallbacks=fallbacks)
+    return RowWork(
+        src=src,
+        dst=dst,
+        replace={b: new_row[b].block_id for b in replaced},
+        release=tail[::-1] + originals[::-1],
+        cut=cut,
+        freed=freed,
+        cow=cow,
+        fallbacks=fallbacks,
+    )
 
 
 def can_replace_shared(row: list, n_shared: int, block_pool) -> bool:
@@ -171,8 +181,11 @@ def check_hashes(request_id: str, row: list, table: TokenTable, block_hashes: li
         if blk.block_hash is None:
             continue
         pristine = (b + 1) * B <= table.seen and np.array_equal(
-            table.token_at[b * B : (b + 1) * B], np.arange(b * B, (b + 1) * B))
+            table.token_at[b * B : (b + 1) * B], np.arange(b * B, (b + 1) * B)
+        )
         if not pristine or b >= len(block_hashes) or get_block_hash(blk.block_hash) != block_hashes[b]:
-            raise IntegrityError("6: shared blocks untouched",
-                                 f"request {request_id}: block {blk.block_id} at row index {b} is cached under a "
-                                 "hash its content no longer matches")
+            raise IntegrityError(
+                "6: shared blocks untouched",
+                f"request {request_id}: block {blk.block_id} at row index {b} is cached under a "
+                "hash its content no longer matches",
+            )

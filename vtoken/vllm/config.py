@@ -10,7 +10,8 @@ Per request (``SamplingParams(extra_args={"vtoken": {...}})``; in the OpenAI API
 flat values only, ``"vllm_xargs": {"vtoken.policy": "tova", "vtoken.budget": 0.3}``):
 every ``VTokenConfig`` field but ``block_size`` overrides the engine's value for that request, ``trace_id`` names its
 trace file and ``salt`` (int) seeds its randomness (requests with equal salts and settings take identical
-decisions: that is how paired naive/repack runs are made; ``RequestSettings.keys()``). Unknown keys and invalid values raise
+decisions: that is how paired naive/repack runs are made; ``RequestSettings.keys()``). Unknown keys and invalid
+values raise
 ``ConfigError`` naming the value and the valid ones: at engine start-up for the engine settings; for a
 request, the request finishes at once with finish reason ``error`` and the error is logged (the engine keeps
 serving).
@@ -85,8 +86,9 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         if self.invariants not in INVARIANT_MODES:
-            raise ConfigError(f"unknown invariants setting {self.invariants!r}; valid values: "
-                              f"{', '.join(INVARIANT_MODES)}")
+            raise ConfigError(
+                f"unknown invariants setting {self.invariants!r}; valid values: {', '.join(INVARIANT_MODES)}"
+            )
         p = self.invariant_period
         if isinstance(p, bool) or not isinstance(p, int) or p < 0:
             raise ConfigError(f"invariant_period must be a non-negative step count (0: only when idle), got {p!r}")

@@ -39,8 +39,7 @@ class VTokenCPUModelRunner(VTokenRunnerMixin, CPUModelRunner):
             raise RuntimeError("vToken does not support quantized (fp8) KV caches yet")
 
         def writer(k, v, kc, vc, sm):
-            ops.cpu_attn_reshape_and_cache(k, v, kc, vc, sm, isa, k_scale=1.0, v_scale=1.0,
-                                           kv_cache_dtype="auto")
+            ops.cpu_attn_reshape_and_cache(k, v, kc, vc, sm, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
 
         token_layout = probe_layout(writer, bs, nkv, two_hd // 2, kv.dtype)
         return token_layout, paged_layout(kv, "cpu", token_layout)

@@ -50,21 +50,29 @@ def pin_v1_model_runner(vllm_config) -> None:
     from vllm import envs
 
     if envs.VLLM_USE_V2_MODEL_RUNNER:
-        raise ConfigError(f"vToken hooks vLLM's V1 model runner, but {V2_ENV}=1 selects Model Runner V2; "
-                          f"unset {V2_ENV} (vToken then selects V1 itself) or set {V2_ENV}=0")
+        raise ConfigError(
+            f"vToken hooks vLLM's V1 model runner, but {V2_ENV}=1 selects Model Runner V2; "
+            f"unset {V2_ENV} (vToken then selects V1 itself) or set {V2_ENV}=0"
+        )
     if isinstance(vllm_config, V1RunnerVllmConfig):
         return
     if getattr(vllm_config.attention_config, "hisparse_config", None) is not None:
-        raise ConfigError("vToken hooks vLLM's V1 model runner; HiSparse (attention_config.hisparse_config) "
-                          "requires Model Runner V2: turn HiSparse off to run vToken")
+        raise ConfigError(
+            "vToken hooks vLLM's V1 model runner; HiSparse (attention_config.hisparse_config) "
+            "requires Model Runner V2: turn HiSparse off to run vToken"
+        )
     if getattr(vllm_config, "watermark_config", None) is not None:
-        raise ConfigError("vToken hooks vLLM's V1 model runner; watermarking (watermark_config) requires "
-                          "Model Runner V2: turn it off to run vToken")
+        raise ConfigError(
+            "vToken hooks vLLM's V1 model runner; watermarking (watermark_config) requires "
+            "Model Runner V2: turn it off to run vToken"
+        )
     if type(vllm_config) is not VllmConfig:
         if not vllm_config.use_v2_model_runner:
             return
-        raise ConfigError(f"vToken hooks vLLM's V1 model runner and cannot pin it on a "
-                          f"{type(vllm_config).__qualname__}; set {V2_ENV}=0")
+        raise ConfigError(
+            f"vToken hooks vLLM's V1 model runner and cannot pin it on a "
+            f"{type(vllm_config).__qualname__}; set {V2_ENV}=0"
+        )
     was_v2 = vllm_config.use_v2_model_runner
     vllm_config.__class__ = V1RunnerVllmConfig
     try:
@@ -73,8 +81,11 @@ def pin_v1_model_runner(vllm_config) -> None:
         vllm_config.__class__ = VllmConfig
         raise ConfigError(f"vToken needs vLLM's V1 model runner, which refuses this engine: {e}") from e
     if was_v2:
-        logger.info("vToken: using vLLM's V1 model runner for this engine (Model Runner V2 is not hooked; "
-                    "the default would have been V2). No %s needed.", V2_ENV)
+        logger.info(
+            "vToken: using vLLM's V1 model runner for this engine (Model Runner V2 is not hooked; "
+            "the default would have been V2). No %s needed.",
+            V2_ENV,
+        )
 
 
 def needs_attention_scores(settings) -> bool:
@@ -129,7 +140,11 @@ def choose_cudagraph_mode(vllm_config, settings) -> bool:
         new, why = CUDAGraphMode.NONE, f"no CUDA graph would run it: {_graph_split_reason(cc)}"
     logger.warning(
         "vToken: cudagraph_mode %s -> %s: %s needs attention statistics, collected after each attention "
-        "layer by Python code; %s", mode.name, new.name, reason, why,
+        "layer by Python code; %s",
+        mode.name,
+        new.name,
+        reason,
+        why,
     )
     cc.cudagraph_mode = new
     if new == CUDAGraphMode.NONE:

@@ -39,16 +39,23 @@ def gpu_env() -> dict[str, str]:
 def require_cuda(device_type: str) -> None:
     """Raise ``ConfigError`` unless ``device_type`` (``vllm.platforms.current_platform.device_type``) is cuda."""
     if device_type != "cuda":
-        raise ConfigError(f"verify --gpu needs vLLM's CUDA platform; this vLLM runs on {device_type!r} (the lent "
-                          "H200 has no vLLM: docs/gpu.md); run `vtoken verify` without --gpu here")
+        raise ConfigError(
+            f"verify --gpu needs vLLM's CUDA platform; this vLLM runs on {device_type!r} (the lent "
+            "H200 has no vLLM: docs/gpu.md); run `vtoken verify` without --gpu here"
+        )
 
 
 def production_kwargs(cfg: VTokenConfig | None, trace_dir: str | None, max_model_len: int) -> dict:
     """``vllm.LLM`` keyword arguments of the production path (pure): bf16, vLLM's default backend and CUDA
     graphs (no ``enforce_eager``), prefix caching off so the paired requests keep private blocks. ``cfg``
     ``None``: stock vLLM (no scheduler, worker or ``additional_config``)."""
-    kw: dict = {"dtype": "bfloat16", "max_model_len": max_model_len, "enable_prefix_caching": False,
-                "gpu_memory_utilization": 0.6, "seed": 0}
+    kw: dict = {
+        "dtype": "bfloat16",
+        "max_model_len": max_model_len,
+        "enable_prefix_caching": False,
+        "gpu_memory_utilization": 0.6,
+        "seed": 0,
+    }
     if cfg is not None:
         from vtoken.vllm import engine_kwargs
 
@@ -70,8 +77,9 @@ class PairedVerdict:
         return self.tokens_equal or self.near_tie
 
 
-def compare_paired(a: list[int], a_lp: list[float], a_gap: list[float],
-                   b: list[int], b_lp: list[float], b_gap: list[float]) -> PairedVerdict:
+def compare_paired(
+    a: list[int], a_lp: list[float], a_gap: list[float], b: list[int], b_lp: list[float], b_gap: list[float]
+) -> PairedVerdict:
     """Compare two runs' tokens, their log-probabilities and the gap between each step's best two candidates
     (pure). Equal runs pass; runs that part pass only where the parting step was a near-tie in both."""
     n = min(len(a), len(b))
@@ -109,16 +117,22 @@ def rounds_before(trace, prompt_len: int, divergence: int | None) -> int:
 def _outputs(llm, prompt: list[int], vt: list[dict | None], max_tokens: int):
     from vllm import SamplingParams
 
-    params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=2, ignore_eos=True,
-                             extra_args={"vtoken": v} if v else None) for v in vt]
+    params = [
+        SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, logprobs=2, ignore_eos=True, extra_args={"vtoken": v} if v else None
+        )
+        for v in vt
+    ]
     outs = llm.generate([{"prompt_token_ids": prompt}] * len(vt), params, use_tqdm=False)
     res = []
     for out in outs:
         c = out.outputs[0]
         toks = list(c.token_ids)
         lps = [d[t].logprob for d, t in zip(c.logprobs, toks, strict=True)]
-        gaps = [top[0] - top[1] if len(top := sorted((x.logprob for x in d.values()), reverse=True)) > 1
-                else float("inf") for d in c.logprobs]
+        gaps = [
+            top[0] - top[1] if len(top := sorted((x.logprob for x in d.values()), reverse=True)) > 1 else float("inf")
+            for d in c.logprobs
+        ]
         res.append((toks, lps, gaps))
     return res
 
@@ -143,10 +157,12 @@ def run_gpu_verify(model: str, cfg: VTokenConfig, prompt: list[int], max_tokens:
         with scoped_env(**gpu_env()):
             llm = LLM(model=model, **production_kwargs(cfg, d, max_len))
         base = {"policy": cfg.policy, "sinks": cfg.sinks, "recent": cfg.recent, "seed": cfg.seed, "salt": 1}
-        runs = [{**base, "mode": Mode.NONE.value, "trace_id": "none"},
-                {**base, "mode": Mode.REPACK.value, "budget": 1.0, "trace_id": "full"},
-                {**base, "mode": Mode.REPACK.value, "budget": budget, "trace_id": "repack"},
-                {**base, "mode": Mode.NAIVE.value, "budget": budget, "trace_id": "naive"}]
+        runs = [
+            {**base, "mode": Mode.NONE.value, "trace_id": "none"},
+            {**base, "mode": Mode.REPACK.value, "budget": 1.0, "trace_id": "full"},
+            {**base, "mode": Mode.REPACK.value, "budget": budget, "trace_id": "repack"},
+            {**base, "mode": Mode.NAIVE.value, "budget": budget, "trace_id": "naive"},
+        ]
         none, full = _outputs(llm, prompt, runs[:2], max_tokens)
         repack, naive = _outputs(llm, prompt, runs[2:], max_tokens)
         paired = compare_paired(*repack, *naive)
@@ -154,13 +170,23 @@ def run_gpu_verify(model: str, cfg: VTokenConfig, prompt: list[int], max_tokens:
         same_sets = evicted_sets_equal(ta, tb, rounds_before(ta, len(prompt), paired.first_divergence))
         evicted = ta.evicted
         del llm
-    report = {"model": model, "policy": cfg.policy, "budget": str(cfg.budget),
-              "dtype": "bfloat16", "prompt_tokens": len(prompt), "max_tokens": max_tokens,
-              "none_equals_stock": none[0] == stock_a, "full_equals_stock": full[0] == stock_b,
-              "paired_tokens_equal": paired.tokens_equal, "paired_first_divergence": paired.first_divergence,
-              "paired_divergence_at_near_tie": paired.near_tie,
-              "paired_max_abs_logprob_diff": paired.max_abs_logprob_diff,
-              "paired_evicted_sets_equal": same_sets, "evicted_tokens": int(evicted)}
-    report["ok"] = bool(report["none_equals_stock"] and report["full_equals_stock"] and paired.ok and same_sets
-                        and evicted > 0)
+    report = {
+        "model": model,
+        "policy": cfg.policy,
+        "budget": str(cfg.budget),
+        "dtype": "bfloat16",
+        "prompt_tokens": len(prompt),
+        "max_tokens": max_tokens,
+        "none_equals_stock": none[0] == stock_a,
+        "full_equals_stock": full[0] == stock_b,
+        "paired_tokens_equal": paired.tokens_equal,
+        "paired_first_divergence": paired.first_divergence,
+        "paired_divergence_at_near_tie": paired.near_tie,
+        "paired_max_abs_logprob_diff": paired.max_abs_logprob_diff,
+        "paired_evicted_sets_equal": same_sets,
+        "evicted_tokens": int(evicted),
+    }
+    report["ok"] = bool(
+        report["none_equals_stock"] and report["full_equals_stock"] and paired.ok and same_sets and evicted > 0
+    )
     return report

@@ -34,8 +34,9 @@ class VTokenGPUModelRunner(VTokenRunnerMixin, GPUModelRunner):
         """The layer view's ``PagedLayout`` (raises on caches vToken cannot address: fp8, kernel blocks)."""
         kv = layer.kv_cache
         if kv.dim() != 4 or kv.shape[3] % 2:
-            raise RuntimeError(f"vToken: unexpected KV cache view {tuple(kv.shape)} (want [blocks, kv heads, "
-                               "block size, 2*head_dim])")
+            raise RuntimeError(
+                f"vToken: unexpected KV cache view {tuple(kv.shape)} (want [blocks, kv heads, block size, 2*head_dim])"
+            )
         if "fp8" in str(getattr(layer.impl, "kv_cache_dtype", "auto")) or kv.element_size() == 1:
             raise RuntimeError("vToken does not support quantized (fp8) KV caches yet")
         block_size = self.cache_config.block_size
@@ -64,8 +65,14 @@ class VTokenGPUModelRunner(VTokenRunnerMixin, GPUModelRunner):
             return
         impl = layers[0].impl
         self._vt_mover.warmup(self._vt_kv_tensors)
-        TritonScoreAccumulator.warmup(self._vt_layout, layers[0].kv_cache, int(impl.num_heads),
-                                      int(impl.head_size), layers[0].kv_cache.dtype, float(impl.scale))
+        TritonScoreAccumulator.warmup(
+            self._vt_layout,
+            layers[0].kv_cache,
+            int(impl.num_heads),
+            int(impl.head_size),
+            layers[0].kv_cache.dtype,
+            float(impl.scale),
+        )
 
     def _vt_make_readback(self):
         """CUDA: async outputs copy the step's statistics on a side stream (``HostReadback``)."""
@@ -81,6 +88,8 @@ class VTokenGPUWorker(VTokenWorker):
 
     def _make_model_runner(self):
         if self.use_v2_model_runner or self.vllm_config.is_mm_encoder_only:
-            raise RuntimeError("vToken hooks vLLM's V1 GPU model runner (text generation); this engine "
-                               "selected another one; see docs/gpu.md")
+            raise RuntimeError(
+                "vToken hooks vLLM's V1 GPU model runner (text generation); this engine "
+                "selected another one; see docs/gpu.md"
+            )
         return VTokenGPUModelRunner(self.vllm_config, self.device)

@@ -37,7 +37,8 @@ Scheduler side (engine-core process) — ``vtoken/vllm/scheduler.py``, ``async_s
     request after its first eviction (its KV no longer matches its token-hash chain).
   * ``coordinator.single_type_managers[g].req_to_blocks`` / ``.num_cached_block`` (``g``: the
     full-attention group, ``support.full_attention_group``; every manager's rows are read by the pool
-    invariant) — the request's block row (``KVCacheBlock.block_id``, ``ref_cnt``, ``block_hash``, ``is_null``): shortened in place when a
+    invariant) — the request's block row (``KVCacheBlock.block_id``, ``ref_cnt``, ``block_hash``, ``is_null``):
+    shortened in place when a
     repack frees the tail (no public "free a suffix" exists); an entry replaced in place when a block the
     step must not write gets a copy-on-write replacement (``blocks.rewrite_row``).
   * ``BlockPool.is_block_writable`` (which row blocks a step may write), ``get_new_blocks`` (a fresh
@@ -177,8 +178,11 @@ from importlib import metadata
 
 PINNED_VLLM_VERSION = "0.32.0"
 PINNED_SERIES = "0.32."
-_WORKERS = ("vtoken.vllm.worker.VTokenWorker", "vtoken.vllm.cpu_worker.VTokenCPUWorker",
-            "vtoken.vllm.gpu_worker.VTokenGPUWorker")  # by name: checking them must not import a platform
+_WORKERS = (
+    "vtoken.vllm.worker.VTokenWorker",
+    "vtoken.vllm.cpu_worker.VTokenCPUWorker",
+    "vtoken.vllm.gpu_worker.VTokenGPUWorker",
+)  # by name: checking them must not import a platform
 
 
 class VLLMVersionError(RuntimeError):

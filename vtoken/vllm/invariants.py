@@ -55,20 +55,27 @@ def pool_violations(pool, rows: Iterable[tuple[str, list]], deferred: Iterable[l
             (leaked if n == 0 else wrong).append(blk)
     out = []
     if leaked:
-        out.append(f"{len(leaked)} block(s) referenced by no request (leaked): ids "
-                   f"{[b.block_id for b in leaked[:SHOWN]]} ref_cnt {[b.ref_cnt for b in leaked[:SHOWN]]}")
+        out.append(
+            f"{len(leaked)} block(s) referenced by no request (leaked): ids "
+            f"{[b.block_id for b in leaked[:SHOWN]]} ref_cnt {[b.ref_cnt for b in leaked[:SHOWN]]}"
+        )
     if wrong:
-        out.append(f"{len(wrong)} block(s) whose ref_cnt is not their holder count: "
-                   + ", ".join(f"{b.block_id} ({b.ref_cnt} refs, {holders[b.block_id]} holders, e.g. request "
-                               f"{owner[b.block_id]})" for b in wrong[:SHOWN]))
+        out.append(
+            f"{len(wrong)} block(s) whose ref_cnt is not their holder count: "
+            + ", ".join(
+                f"{b.block_id} ({b.ref_cnt} refs, {holders[b.block_id]} holders, e.g. request {owner[b.block_id]})"
+                for b in wrong[:SHOWN]
+            )
+        )
     free = pool.get_num_free_blocks()
     if free != unreferenced:
         out.append(f"vLLM counts {free} free blocks, {unreferenced} have no reference (pool {len(pool.blocks) - 1})")
     return out
 
 
-def table_violations(rows: Mapping[str, list], tables: Mapping[str, TokenTable],
-                     block_hashes: Mapping[str, list]) -> list[str]:
+def table_violations(
+    rows: Mapping[str, list], tables: Mapping[str, TokenTable], block_hashes: Mapping[str, list]
+) -> list[str]:
     """The tables and hashes invariants for ``tables`` (request id → token table; each with its row and
     vLLM's block hashes of the request)."""
     out = []
@@ -81,6 +88,5 @@ def table_violations(rows: Mapping[str, list], tables: Mapping[str, TokenTable],
             out.append(f"request {rid}: {err}")
             continue
         if len(row) != t.required_blocks():
-            out.append(f"request {rid}: holds {len(row)} blocks, its token table accounts for "
-                       f"{t.required_blocks()}")
+            out.append(f"request {rid}: holds {len(row)} blocks, its token table accounts for {t.required_blocks()}")
     return out

@@ -71,8 +71,18 @@ def tp_engine_kwargs(tp: int) -> tuple[dict, dict[str, str]]:
     return {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}, tp_cpu_env(tp)
 
 
-def start_engine(model: str, block_size: int, trace_dir: str, *, sinks: int = 4, recent: int = 16,
-                 seed: int = 0, max_model_len: int = 1024, check: bool = True, **kwargs):
+def start_engine(
+    model: str,
+    block_size: int,
+    trace_dir: str,
+    *,
+    sinks: int = 4,
+    recent: int = 16,
+    seed: int = 0,
+    max_model_len: int = 1024,
+    check: bool = True,
+    **kwargs,
+):
     """An in-process fp32 vLLM engine with vToken on (hooks enabled; policies come per request).
 
     In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with a 1 GiB KV pool unless the caller's environment
@@ -85,17 +95,34 @@ def start_engine(model: str, block_size: int, trace_dir: str, *, sinks: int = 4,
 
     from vtoken.vllm import engine_kwargs
 
-    cfg = VTokenConfig(policy="h2o", budget=0.5, mode="repack", block_size=block_size, sinks=sinks,
-                       recent=recent, seed=seed, scope=Scope.ALL)
+    cfg = VTokenConfig(
+        policy="h2o",
+        budget=0.5,
+        mode="repack",
+        block_size=block_size,
+        sinks=sinks,
+        recent=recent,
+        seed=seed,
+        scope=Scope.ALL,
+    )
     kw = engine_kwargs(cfg, trace_dir=trace_dir, check=check, invariants="fatal" if check else "log")
     kw.update(kwargs)
     kw.setdefault("enable_prefix_caching", False)  # paired requests share a prompt: keep their blocks private
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    }
     tp = int(kw.get("tensor_parallel_size", 1))
     if tp > 1:  # one worker process per rank (vLLM's multiprocess executor), one core each
         kw.setdefault("distributed_executor_backend", "mp")
         env.update(tp_cpu_env(tp))
     with scoped_env(**env):
-        return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=seed,
-                   gpu_memory_utilization=0.5, **kw)
+        return LLM(
+            model=model,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            seed=seed,
+            gpu_memory_utilization=0.5,
+            **kw,
+        )

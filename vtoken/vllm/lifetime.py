@@ -57,8 +57,9 @@ def watch_parent(period_s: float = POLL_PERIOD_S, grace_s: float = GRACE_S) -> t
 def _watch(parent: int, period_s: float, grace_s: float) -> None:
     while os.getppid() == parent:
         time.sleep(period_s)
-    logger.warning("vToken: process %d lost its parent %d (reparented to %d): shutting down", os.getpid(),
-                   parent, os.getppid())
+    logger.warning(
+        "vToken: process %d lost its parent %d (reparented to %d): shutting down", os.getpid(), parent, os.getppid()
+    )
     try:
         os.kill(os.getpid(), signal.SIGTERM)
     finally:

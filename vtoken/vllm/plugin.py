@@ -4,7 +4,8 @@ vLLM calls ``register()`` in every process it starts (front end, engine core, wo
 times, whether or not vToken is switched on for that engine. So it only does what is safe everywhere:
 it logs, once per process, when the installed vLLM is not the version vToken's internals are pinned to
 (``vtoken.vllm.internals``), and, only where the environment asks for it (a Serve replica's engine), starts
-the watchdog that ends the process when its parent dies (``vtoken.vllm.lifetime``). The hard failure happens where vToken is actually used: the vToken scheduler
+the watchdog that ends the process when its parent dies (``vtoken.vllm.lifetime``). The hard failure happens where
+vToken is actually used: the vToken scheduler
 refuses to start on another version. vToken itself is switched on per engine with ``scheduler_cls``,
 ``worker_cls`` and ``additional_config["vtoken"]`` (see ``vtoken.vllm.engine_kwargs``).
 """

@@ -60,8 +60,11 @@ class PoolShape:
     def describe(self, max_model_len: int) -> str:
         """``need`` spelled out per kind of group, e.g. ``1 full-attention group x 32 + 3 sliding-window
         (64) groups x 33 + the null block``."""
-        parts = [f"{n} {'full-attention' if w is FULL else f'sliding-window ({w})'} group{'s' * (n > 1)} "
-                 f"x {self.group_blocks(w, max_model_len)}" for w, n in Counter(self.windows).items()]
+        parts = [
+            f"{n} {'full-attention' if w is FULL else f'sliding-window ({w})'} group{'s' * (n > 1)} "
+            f"x {self.group_blocks(w, max_model_len)}"
+            for w, n in Counter(self.windows).items()
+        ]
         return " + ".join(parts) + " + the null block"
 
 
@@ -83,5 +86,8 @@ def pool_shape(vllm_config) -> PoolShape:
     layers: list[int | None] = [window if kind == SLIDING_LAYER and window else FULL for kind in kinds]
     if not layers or vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
         layers = [FULL]  # one group (vLLM's manager off: a sliding layer's spec joins the full one)
-    return PoolShape(windows=group_windows(layers), block_size=vllm_config.cache_config.block_size,
-                     in_flight_tokens=vllm_config.max_in_flight_tokens)
+    return PoolShape(
+        windows=group_windows(layers),
+        block_size=vllm_config.cache_config.block_size,
+        in_flight_tokens=vllm_config.max_in_flight_tokens,
+    )

@@ -55,8 +55,10 @@ def pressure_refusal(vllm_config, kv_cache_config) -> str | None:
 
 
 def refuse_pressure(why: str) -> ConfigError:
-    return ConfigError(f"trigger 'pressure' is not supported with {why}: eviction under pressure runs on one "
-                       "KV cache group, one rank and synchronous scheduling; use trigger 'step' or 'block'")
+    return ConfigError(
+        f"trigger 'pressure' is not supported with {why}: eviction under pressure runs on one "
+        "KV cache group, one rank and synchronous scheduling; use trigger 'step' or 'block'"
+    )
 
 
 class PressureMixin:
@@ -125,8 +127,12 @@ class PressureMixin:
             held = len(self._vt_manager.req_to_blocks.get(rid, ()))
             if st is None or st.table is None:
                 fixed += max(pressure.blocks_for(request.num_computed_tokens + n, B) - held, 0)
-            elif (st.settings.cfg.trigger is not Trigger.PRESSURE or st.preplaced is not None
-                  or request.status != RequestStatus.RUNNING or not st.settings.cfg.mode.evicts):
+            elif (
+                st.settings.cfg.trigger is not Trigger.PRESSURE
+                or st.preplaced is not None
+                or request.status != RequestStatus.RUNNING
+                or not st.settings.cfg.mode.evicts
+            ):
                 fixed += max(st.table.required_blocks_after_place(n) - held, 0)
             else:
                 ready.append((request, st, n, held))
@@ -149,8 +155,9 @@ class PressureMixin:
         if not decision.fired:
             return  # short only for a head that no eviction could admit: it waits, as in vLLM
         c = self._vt_pressure_counters
-        self._vt_pressure_counters = replace(c, rounds=c.rounds + 1, evicted=c.evicted + decision.evicted,
-                                             at_floor=c.at_floor + (decision.slack < 0))
+        self._vt_pressure_counters = replace(
+            c, rounds=c.rounds + 1, evicted=c.evicted + decision.evicted, at_floor=c.at_floor + (decision.slack < 0)
+        )
         start = len(work.release)
         for rid, victims in decision.victims.items():
             request, st, cfg = chosen[rid]

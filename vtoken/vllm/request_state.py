@@ -79,8 +79,10 @@ def step_scores(rid: str, rec: StepRecord, table: TokenTable, scores: SlotScores
     """``scores`` by logical position through the map the step ran with (pure). Raises ``IntegrityError`` if
     they do not describe that step's row (a misattributed result)."""
     if scores.seq_len != rec.live:
-        raise IntegrityError("4: logical positions", f"request {rid}: scores over {scores.seq_len} slots "
-                                                     f"for a step of {rec.live} live tokens")
+        raise IntegrityError(
+            "4: logical positions",
+            f"request {rid}: scores over {scores.seq_len} slots for a step of {rec.live} live tokens",
+        )
     return scores.by_logical(rec.token_at if rec.token_at is not None else table.token_at, rec.first)
 
 
@@ -131,7 +133,10 @@ def new_request_state(rs: RequestSettings, salt: int, observer: RequestObserver,
     evicts = rs.cfg.can_evict  # budget 1.0 (the default): nothing to score, the step runs as vLLM's own
     auto = evicts and scores == "auto"
     return RequestState(
-        settings=rs, policy=policy, salt=salt, observer=observer,
+        settings=rs,
+        policy=policy,
+        salt=salt,
+        observer=observer,
         score_all=scores == "always",
         want_attention=scores == "always" or (auto and bool(policy.needs & STEP_ATTENTION_STATS)),
         want_key_norm=scores == "always" or (evicts and Stat.KEY_NORM in policy.needs),

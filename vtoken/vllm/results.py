@@ -109,4 +109,3 @@ class DeferredResultOutput(AsyncModelRunnerOutput):
         if self._ready is not None:
             self._ready.synchronize()
         return attach_step_result(out, self._parts)
-

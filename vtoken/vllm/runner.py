@@ -43,9 +43,9 @@ import numpy as np
 import torch
 from vllm.v1.outputs import AsyncModelRunnerOutput
 
+from vtoken.core.config import score_layer_indices
 from vtoken.kernels.gpu_layout import PagedLayout, key_offsets, read_k
 from vtoken.kernels.moves import SlotMover, unique_caches
-from vtoken.core.config import score_layer_indices
 from vtoken.kernels.scores import LayerGroups, RequestScores, ScoreAccumulator
 from vtoken.vllm.results import DeferredResultOutput, HostReadback, attach_step_result
 from vtoken.vllm.transport import StepPlan, StepResult, plan_of
@@ -120,8 +120,10 @@ class VTokenRunnerMixin:
         if len(groups) > 1 and self.device.type == "cuda":  # unproven there: CUDA graphs capture seq_lens
             from vtoken.vllm.support import refuse
 
-            refuse(f"a hybrid model ({len(groups)} KV cache groups) on CUDA: the per-group lengths are proven on "
-                   "the CPU backend only (CUDA graphs replay the shared seq_lens buffer)")
+            refuse(
+                f"a hybrid model ({len(groups)} KV cache groups) on CUDA: the per-group lengths are proven on "
+                "the CPU backend only (CUDA graphs replay the shared seq_lens buffer)"
+            )
         ctx = self.compilation_config.static_forward_context
         names = groups[self._vt_group].layer_names
         layers = [ctx[name] for name in names]
@@ -139,9 +141,14 @@ class VTokenRunnerMixin:
             self._vt_wrap(layer, index)
         self._vt_warmup(layers)
         self._vt_ready = True
-        logger.info("vToken worker ready: %d attention layers (KV cache group %d of %d), block size %d, mover %s",
-                    len(layers), self._vt_group, len(groups), self._vt_paged.block_size,
-                    type(self._vt_mover).__name__)
+        logger.info(
+            "vToken worker ready: %d attention layers (KV cache group %d of %d), block size %d, mover %s",
+            len(layers),
+            self._vt_group,
+            len(groups),
+            self._vt_paged.block_size,
+            type(self._vt_mover).__name__,
+        )
 
     def _vt_wrap_window_builders(self) -> None:
         """Hybrid models: wrap ``build`` of every other group's attention metadata builders (per instance) so
@@ -169,8 +176,12 @@ class VTokenRunnerMixin:
                             if upper is not None:
                                 upper = upper.clone()
                                 upper[:n] = lens[1]
-                            cm = dataclasses.replace(cm, seq_lens=logical, seq_lens_cpu_upper_bound=upper,
-                                                     max_seq_len=max(cm.max_seq_len, int(lens[1].max())))
+                            cm = dataclasses.replace(
+                                cm,
+                                seq_lens=logical,
+                                seq_lens_cpu_upper_bound=upper,
+                                max_seq_len=max(cm.max_seq_len, int(lens[1].max())),
+                            )
                         return _orig(common_prefix_len, cm, *args, **kwargs)
 
                     builder.build = build
@@ -208,12 +219,19 @@ class VTokenRunnerMixin:
     def _update_states(self, scheduler_output):
         plan = plan_of(scheduler_output)
         self._vt_plan, self._vt_acc, self._vt_norm_reqs, self._vt_norm_slots, self._vt_norm_sum = (
-            plan, None, None, None, None)
+            plan,
+            None,
+            None,
+            None,
+            None,
+        )
         self._vt_result = StepResult(step=plan.step) if plan is not None else None
         if plan:
             if not self._vt_ready:  # never lazily: every check belongs to start-up (initialize_kv_cache)
-                raise RuntimeError("vToken: a step plan reached a worker that was not set up when its KV cache "
-                                   "was built (worker_cls must be vToken's and additional_config enable it)")
+                raise RuntimeError(
+                    "vToken: a step plan reached a worker that was not set up when its KV cache "
+                    "was built (worker_cls must be vToken's and additional_config enable it)"
+                )
             if plan.num_moves:
                 self._vt_move(plan)
             for rid, blocks in plan.replace.items():
@@ -288,8 +306,10 @@ class VTokenRunnerMixin:
         if offsets.any():
             total = int(qsl[num_reqs])
             if len(self.input_batch.block_table.block_tables) > 1:  # other groups keep the logical lengths
-                self._vt_logical_lens = (self.seq_lens[:num_reqs].clone(),
-                                         self.optimistic_seq_lens_cpu[:num_reqs].clone())
+                self._vt_logical_lens = (
+                    self.seq_lens[:num_reqs].clone(),
+                    self.optimistic_seq_lens_cpu[:num_reqs].clone(),
+                )
             self.seq_lens[:num_reqs] -= self._vt_h2d(offsets).to(self.seq_lens.dtype)
             cpu_lens = self.optimistic_seq_lens_cpu
             cpu_lens[:num_reqs] -= torch.from_numpy(offsets).to(cpu_lens.dtype)
@@ -315,14 +335,22 @@ class VTokenRunnerMixin:
             q0, q1 = int(qsl[i]), int(qsl[i + 1])
             if rs.scores:
                 n_blocks = int(rows.num_blocks_per_row[i])
-                subset = None if rs.score_layers is None or rs.score_layers >= self._vt_depth else (
-                    frozenset(score_layer_indices(rs.score_layers, self._vt_depth)))
+                subset = (
+                    None
+                    if rs.score_layers is None or rs.score_layers >= self._vt_depth
+                    else (frozenset(score_layer_indices(rs.score_layers, self._vt_depth)))
+                )
                 if subset not in accs:
                     accs[subset] = self._vt_make_accumulator(self._vt_layout)
                 accs[subset].requests[rid] = RequestScores(
-                    q_start=q0, q_end=q1, seq_len=int(seq_lens[i]),
+                    q_start=q0,
+                    q_end=q1,
+                    seq_len=int(seq_lens[i]),
                     block_row=torch.from_numpy(rows.block_table.np[i, :n_blocks].astype(np.int64)),
-                    want_attention=True, want_key_norm=False, window=rs.window, want_redundancy=rs.redundancy,
+                    want_attention=True,
+                    want_key_norm=False,
+                    window=rs.window,
+                    want_redundancy=rs.redundancy,
                     first=rs.first,
                 )
             if rs.key_norm:
@@ -373,8 +401,7 @@ class VTokenRunnerMixin:
             self._vt_tp.reduce(self._vt_acc, self._vt_norm_sum)
             if not self._vt_tp.output:  # vLLM drops this rank's output: no read-back, no finish
                 self._vt_acc, self._vt_norm_reqs, self._vt_norm_sum = None, None, None
-        parts = (res, self._vt_acc, self._vt_norm_reqs, self._vt_norm_sum, self._vt_norm_layers,
-                 self._vt_timer)
+        parts = (res, self._vt_acc, self._vt_norm_reqs, self._vt_norm_sum, self._vt_norm_layers, self._vt_timer)
         self._vt_acc, self._vt_norm_reqs, self._vt_norm_sum, self._vt_timer = None, None, None, None
         if isinstance(out, AsyncModelRunnerOutput):
             ready = None

@@ -102,12 +102,15 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
         group = check_supported(vllm_config, kv_cache_config)  # the full-attention group (hybrid models)
         self._vt_init_pressure(vllm_config, kv_cache_config, settings.cfg.trigger)  # refuses what it cannot run
         self._vt_manager = self.kv_cache_manager.coordinator.single_type_managers[group]
-        blocks.install_block_sizing(self.kv_cache_manager.coordinator, self._vt_manager, self._vt_table,
-                                    block_size)
+        blocks.install_block_sizing(self.kv_cache_manager.coordinator, self._vt_manager, self._vt_table, block_size)
         keys = ("policy", "budget", "mode", "sinks", "recent", "prompt_tail", "scope", "trigger")
-        logger.info("vToken on: policy=%s budget=%s mode=%s sinks=%d recent=%d prompt_tail=%d scope=%s trigger=%s "
-                    "block_size=%d %s",
-                    *(getattr(settings.cfg, k) for k in keys), block_size, type(self).__name__)
+        logger.info(
+            "vToken on: policy=%s budget=%s mode=%s sinks=%d recent=%d prompt_tail=%d scope=%s trigger=%s "
+            "block_size=%d %s",
+            *(getattr(settings.cfg, k) for k in keys),
+            block_size,
+            type(self).__name__,
+        )
 
     def _vt_table(self, request_id: str) -> TokenTable | None:
         st = self._vt_reqs.get(request_id)
@@ -135,8 +138,12 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
         observer = RequestObserver()
         if self.vt.trace_dir is not None:
             trace = RequestTrace(
-                request_id=request.request_id, trace_id=rs.trace_id, policy=rs.cfg.policy,
-                mode=rs.cfg.mode.value, budget=str(rs.cfg.budget), block_size=self.block_size,
+                request_id=request.request_id,
+                trace_id=rs.trace_id,
+                policy=rs.cfg.policy,
+                mode=rs.cfg.mode.value,
+                budget=str(rs.cfg.budget),
+                block_size=self.block_size,
                 prompt_len=rs.prompt_len_of(request.num_prompt_tokens),
             )
             observer = TraceRecorder(trace, self.vt.trace_dir)
@@ -167,22 +174,30 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
         if self.vt.invariants == "off":
             return
         start = time.perf_counter()
-        rows = [(rid, row) for m in self.kv_cache_manager.coordinator.single_type_managers
-                for rid, row in m.req_to_blocks.items()]  # a request holds a row in every group
-        found = invariants.pool_violations(self.kv_cache_manager.block_pool, rows,
-                                           (b for _, b in getattr(self, "deferred_frees", ())))
-        tables = {rid: self._vt_reqs[rid].table for rid in scheduled
-                  if rid in self._vt_reqs and self._vt_reqs[rid].table is not None}
+        rows = [
+            (rid, row)
+            for m in self.kv_cache_manager.coordinator.single_type_managers
+            for rid, row in m.req_to_blocks.items()
+        ]  # a request holds a row in every group
+        found = invariants.pool_violations(
+            self.kv_cache_manager.block_pool, rows, (b for _, b in getattr(self, "deferred_frees", ()))
+        )
+        tables = {
+            rid: self._vt_reqs[rid].table
+            for rid in scheduled
+            if rid in self._vt_reqs and self._vt_reqs[rid].table is not None
+        }
         if tables:
             mine = self._vt_manager.req_to_blocks if self.vt.enabled else {}
-            found += invariants.table_violations(mine, tables, {rid: self.requests[rid].block_hashes
-                                                                for rid in tables})
+            found += invariants.table_violations(mine, tables, {rid: self.requests[rid].block_hashes for rid in tables})
         if idle and self._vt_reqs:
-            found.append(f"request state left for {sorted(self._vt_reqs)[: invariants.SHOWN]} with no request in "
-                         "the engine")
+            found.append(
+                f"request state left for {sorted(self._vt_reqs)[: invariants.SHOWN]} with no request in the engine"
+            )
         self._vt_unchecked = 0
-        self._vt_counters = self._vt_counters.add(invariant_checks=1, invariant_violations=len(found),
-                                                  invariant_seconds=time.perf_counter() - start)
+        self._vt_counters = self._vt_counters.add(
+            invariant_checks=1, invariant_violations=len(found), invariant_seconds=time.perf_counter() - start
+        )
         if found:
             where = "idle" if idle else f"step {self._vt_step}"
             logger.error("vToken KV invariant violated (%s): %s", where, " | ".join(found))
@@ -267,8 +282,12 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
         if rw.cut:
             work.truncate[rid] = len(row)
         self._vt_counters = self._vt_counters.add(
-            evicted_tokens=int(decision.victims.size), repack_moves=int(rw.src.size), repack_plans=1,
-            reclaimed_blocks=rw.freed, cow_blocks=len(rw.replace), cow_moves=rw.cow.num_copies,
+            evicted_tokens=int(decision.victims.size),
+            repack_moves=int(rw.src.size),
+            repack_plans=1,
+            reclaimed_blocks=rw.freed,
+            cow_blocks=len(rw.replace),
+            cow_moves=rw.cow.num_copies,
             cow_fallbacks=rw.fallbacks,
         )
 
@@ -291,16 +310,23 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
             scored = (st.want_attention or window > 0) and first < t.live
             if offset or not appended or scored or st.want_key_norm:
                 steps[rid] = RequestStep(
-                    offset=offset, slots=None if appended else slots, scores=scored,
-                    key_norm=st.want_key_norm, window=window, norm_back=back, redundancy=st.want_redundancy,
-                    score_layers=st.settings.cfg.score_layers, first=first if scored else 0,
+                    offset=offset,
+                    slots=None if appended else slots,
+                    scores=scored,
+                    key_norm=st.want_key_norm,
+                    window=window,
+                    norm_back=back,
+                    redundancy=st.want_redundancy,
+                    score_layers=st.settings.cfg.score_layers,
+                    first=first if scored else 0,
                 )
             st.inflight.add(step, computed_before - back, t.live, scored=scored)
             held = len(self._vt_manager.req_to_blocks.get(rid, ()))
             if self.vt.check:
                 t.check(dense=True)
-                blocks.check_hashes(rid, self._vt_manager.req_to_blocks.get(rid, []), t,
-                                    self.requests[rid].block_hashes)
+                blocks.check_hashes(
+                    rid, self._vt_manager.req_to_blocks.get(rid, []), t, self.requests[rid].block_hashes
+                )
                 if held != t.required_blocks():
                     need = t.required_blocks()
                     raise IntegrityError("2: block accounting", f"request {rid} holds {held} blocks, needs {need}")
@@ -312,21 +338,24 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
     def _vt_place_one(self, rid: str, st: RequestState, computed_before: int, n: int) -> np.ndarray:
         """The row slots of the ``n`` tokens this step computes (mutates the table; creates it first)."""
         if st.table is None:
-            st.table = TokenTable(block_size=self.block_size, mode=st.settings.cfg.mode,
-                                  prompt_len=st.settings.prompt_len_of(self.requests[rid].num_prompt_tokens))
+            st.table = TokenTable(
+                block_size=self.block_size,
+                mode=st.settings.cfg.mode,
+                prompt_len=st.settings.prompt_len_of(self.requests[rid].num_prompt_tokens),
+            )
             st.observer.new_table(computed_before)
             if computed_before:  # prefix-cache hits: computed with full visibility
                 st.table.place(computed_before)
         t = st.table
         if st.preplaced is not None:
             if n != 1 or t.seen != computed_before + 1:
-                raise IntegrityError("4: logical positions",
-                                     f"request {rid}: pre-placed token but {n} scheduled")
+                raise IntegrityError("4: logical positions", f"request {rid}: pre-placed token but {n} scheduled")
             slots, st.preplaced = st.preplaced, None
         else:
             if t.seen != computed_before:
-                raise IntegrityError("4: logical positions", f"request {rid}: table saw {t.seen} tokens, "
-                                                             f"vLLM computed {computed_before}")
+                raise IntegrityError(
+                    "4: logical positions", f"request {rid}: table saw {t.seen} tokens, vLLM computed {computed_before}"
+                )
             slots = t.place(n)
         st.observer.placed(computed_before, n)
         return slots
@@ -338,8 +367,7 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
             self._vt_time_step(scheduler_output)
         plan, res = plan_of(scheduler_output), result_of(model_runner_output)
         if plan is not None and res is not None and res.step != plan.step:
-            raise IntegrityError("4: logical positions",
-                                 f"worker result of step {res.step} for step {plan.step}")
+            raise IntegrityError("4: logical positions", f"worker result of step {res.step} for step {plan.step}")
         records = {}
         if plan is not None:
             for rid in scheduler_output.num_scheduled_tokens:
@@ -386,8 +414,13 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
         sliding-window groups; vLLM's null block, which stands in a row for blocks left behind the window,
         not counted). 0 on a model with one group. Reads only."""
         managers = self.kv_cache_manager.coordinator.single_type_managers
-        return sum(not blk.is_null for m in managers if m is not self._vt_manager
-                   for row in m.req_to_blocks.values() for blk in row)
+        return sum(
+            not blk.is_null
+            for m in managers
+            if m is not self._vt_manager
+            for row in m.req_to_blocks.values()
+            for blk in row
+        )
 
     def vtoken_stats(self) -> KVSnapshot | None:
         """Current gauges and counters (in-process callers; served engines read them from SchedulerStats).

@@ -37,8 +37,16 @@ from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
 PREFIX = "vtoken:"
 _US = 1_000_000
 _LABELS = ("policy", "mode")
-_GAUGES = ("live_tokens", "held_blocks", "packing_bound_blocks", "naive_blocks", "pool_blocks", "block_size",
-           "num_requests", "window_blocks")  # the KVSnapshot fields the engine fills (the replica adds its queues)
+_GAUGES = (
+    "live_tokens",
+    "held_blocks",
+    "packing_bound_blocks",
+    "naive_blocks",
+    "pool_blocks",
+    "block_size",
+    "num_requests",
+    "window_blocks",
+)  # the KVSnapshot fields the engine fills (the replica adds its queues)
 _SECONDS = ("repack_seconds", "invariant_seconds")  # the float counters: carried as integer microseconds
 ADMISSION_LIMIT = f"{PREFIX}admission_limit"  # KVSnapshot.admission_limit, carried on its own (any mode)
 

@@ -31,13 +31,26 @@ import os
 
 from vtoken.errors import REFUSAL_PREFIX, ConfigError
 
-SUPPORTED = ("vToken supports decoder-only generation models whose layers use causal full attention "
-             "(sliding-window layers beside one group of full-attention layers: vToken manages the full ones) "
-             "over one unquantized KV cache (fp32/fp16/bf16), tensor parallelism, pipeline parallel size 1; "
-             "see docs/support.md")
+SUPPORTED = (
+    "vToken supports decoder-only generation models whose layers use causal full attention "
+    "(sliding-window layers beside one group of full-attention layers: vToken manages the full ones) "
+    "over one unquantized KV cache (fp32/fp16/bf16), tensor parallelism, pipeline parallel size 1; "
+    "see docs/support.md"
+)
 # FullAttentionSpec fields that may take any value (sizes and bookkeeping vToken reads through the layout)
-SPEC_FREE_FIELDS = frozenset({"block_size", "block_stride_alignment", "num_kv_heads", "head_size", "dtype",
-                              "head_size_v", "dcp_sharded", "max_tp_shards", "page_size_padded"})
+SPEC_FREE_FIELDS = frozenset(
+    {
+        "block_size",
+        "block_stride_alignment",
+        "num_kv_heads",
+        "head_size",
+        "dtype",
+        "head_size_v",
+        "dcp_sharded",
+        "max_tp_shards",
+        "page_size_padded",
+    }
+)
 
 
 # A file the refusal is also appended to (set by the Serve replica before it starts an engine): vLLM re-raises
@@ -62,35 +75,48 @@ def check_engine_config(vllm_config) -> None:
 
     pc, mc, cc = vllm_config.parallel_config, vllm_config.model_config, vllm_config.cache_config
     if pc.pipeline_parallel_size > 1:
-        refuse(f"pipeline parallelism (pipeline_parallel_size={pc.pipeline_parallel_size}): the step's "
-                "moves, truncations and score reduction are implemented per tensor-parallel group only; "
-                "use tensor parallelism")
+        refuse(
+            f"pipeline parallelism (pipeline_parallel_size={pc.pipeline_parallel_size}): the step's "
+            "moves, truncations and score reduction are implemented per tensor-parallel group only; "
+            "use tensor parallelism"
+        )
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(pc, name, 1) > 1:
             refuse(f"context parallelism ({name}={getattr(pc, name)}) shards a request's tokens over ranks")
     if getattr(pc, "enable_dbo", False) or getattr(pc, "ubatch_size", 0) > 1:
-        option = ("dual-batch overlap (enable_dbo=True)" if getattr(pc, "enable_dbo", False)
-                  else f"micro-batching (ubatch_size={pc.ubatch_size})")
-        refuse(f"{option}: each micro-batch's attention sees a micro-batch-local query while vToken's "
-                "score accumulator indexes it with whole-batch offsets (and counts each layer once per "
-                "micro-batch), and vLLM splits the batch by logical num_computed_tokens, which rows "
-                "compacted by eviction no longer match; unset enable_dbo and ubatch_size")
+        option = (
+            "dual-batch overlap (enable_dbo=True)"
+            if getattr(pc, "enable_dbo", False)
+            else f"micro-batching (ubatch_size={pc.ubatch_size})"
+        )
+        refuse(
+            f"{option}: each micro-batch's attention sees a micro-batch-local query while vToken's "
+            "score accumulator indexes it with whole-batch offsets (and counts each layer once per "
+            "micro-batch), and vLLM splits the batch by logical num_computed_tokens, which rows "
+            "compacted by eviction no longer match; unset enable_dbo and ubatch_size"
+        )
     if vllm_config.speculative_config is not None:
         refuse("speculative decoding (drafters compute logical slots)")
     if vllm_config.kv_transfer_config is not None:
         refuse("KV connectors (they assume append-only block rows)")
     if str(cc.cache_dtype) != "auto":
-        refuse(f"a quantized KV cache (kv_cache_dtype={cc.cache_dtype!r}): slot moves and scores read "
-                "unquantized K/V; use kv_cache_dtype='auto'")
+        refuse(
+            f"a quantized KV cache (kv_cache_dtype={cc.cache_dtype!r}): slot moves and scores read "
+            "unquantized K/V; use kv_cache_dtype='auto'"
+        )
     if mc is not None and getattr(mc, "runner_type", "generate") != "generate":
-        refuse(f"a {mc.runner_type!r} runner (embedding/pooling models): eviction shortens the sequence "
-                "the pooler waits for; serve pooling models without vToken (mode 'none')")
+        refuse(
+            f"a {mc.runner_type!r} runner (embedding/pooling models): eviction shortens the sequence "
+            "the pooler waits for; serve pooling models without vToken (mode 'none')"
+        )
     if mc is not None and mc.use_mla:
         refuse("multi-head latent attention (MLA) caches one latent per token, not per-head K/V")
     if mc is not None and getattr(mc, "is_mm_prefix_lm", False):
-        refuse("an mm-prefix language model (model_config.is_mm_prefix_lm: bidirectional attention over "
-                "multimodal prefix spans): vLLM gives those spans as logical token ranges, which rows "
-                "compacted by eviction no longer match, and vToken's scores assume causal attention")
+        refuse(
+            "an mm-prefix language model (model_config.is_mm_prefix_lm: bidirectional attention over "
+            "multimodal prefix spans): vLLM gives those spans as logical token ranges, which rows "
+            "compacted by eviction no longer match, and vToken's scores assume causal attention"
+        )
     if not is_vtoken_worker(pc.worker_cls):
         raise ConfigError(
             f"vToken's scheduler needs vToken's worker, got worker_cls={pc.worker_cls!r}; "
@@ -105,11 +131,15 @@ def check_kv_spec(spec) -> None:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
 
     if type(spec) is not FullAttentionSpec:
-        refuse(f"the model's attention layers use {type(spec).__name__} (sliding window, chunked local, "
-                "MLA, Mamba and other KV cache kinds are not supported)")
+        refuse(
+            f"the model's attention layers use {type(spec).__name__} (sliding window, chunked local, "
+            "MLA, Mamba and other KV cache kinds are not supported)"
+        )
     if spec.sliding_window is not None:
-        refuse(f"sliding-window attention (window {spec.sliding_window}; a full-attention KV cache with a "
-                "window, e.g. with the hybrid KV cache manager disabled)")
+        refuse(
+            f"sliding-window attention (window {spec.sliding_window}; a full-attention KV cache with a "
+            "window, e.g. with the hybrid KV cache manager disabled)"
+        )
     if spec.attention_chunk_size is not None:
         refuse(f"chunked local attention (attention_chunk_size={spec.attention_chunk_size})")
     if spec.non_causal:
@@ -118,8 +148,9 @@ def check_kv_spec(spec) -> None:
         refuse(f"a quantized KV cache ({spec.kv_quant_mode.name})")
     if spec.head_size_v != spec.head_size:
         refuse(f"different K and V head sizes ({spec.head_size} / {spec.head_size_v})")
-    default = FullAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-                                head_size=spec.head_size, dtype=spec.dtype)
+    default = FullAttentionSpec(
+        block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, dtype=spec.dtype
+    )
     for f in dataclasses.fields(spec):
         if f.name not in SPEC_FREE_FIELDS and getattr(spec, f.name) != getattr(default, f.name):
             refuse(f"a KV cache spec variant vToken has not proven ({f.name}={getattr(spec, f.name)!r})")
@@ -146,13 +177,17 @@ def full_attention_group(groups) -> int:
     names = ", ".join(sorted({k.__name__ for k in kinds}))
     other = sorted({k.__name__ for k in kinds if k not in (FullAttentionSpec, SlidingWindowSpec)})
     if other:
-        refuse(f"{len(groups)} KV cache groups ({names}): hybrid models with {', '.join(other)} layers "
-                "(Mamba, chunked local, cross attention) are not supported; sliding-window + full attention is")
+        refuse(
+            f"{len(groups)} KV cache groups ({names}): hybrid models with {', '.join(other)} layers "
+            "(Mamba, chunked local, cross attention) are not supported; sliding-window + full attention is"
+        )
     full = [i for i, k in enumerate(kinds) if k is FullAttentionSpec]
     if len(full) != 1:
-        refuse(f"{len(groups)} KV cache groups ({names}) with {len(full)} full-attention groups: vToken keeps "
-                "one token table per request on exactly one full-attention group (a hybrid model whose global "
-                "layers fill more than one group)")
+        refuse(
+            f"{len(groups)} KV cache groups ({names}) with {len(full)} full-attention groups: vToken keeps "
+            "one token table per request on exactly one full-attention group (a hybrid model whose global "
+            "layers fill more than one group)"
+        )
     check_kv_spec(groups[full[0]].kv_cache_spec)
     return full[0]
 

@@ -40,8 +40,9 @@ class TeacherForcing(AdapterLogitsProcessor):
     @classmethod
     def validate_params(cls, params) -> None:
         teacher = (params.extra_args or {}).get(TEACHER_KEY)
-        if teacher is not None and not (isinstance(teacher, (list, tuple))
-                                        and all(isinstance(t, int) and t >= 0 for t in teacher)):
+        if teacher is not None and not (
+            isinstance(teacher, (list, tuple)) and all(isinstance(t, int) and t >= 0 for t in teacher)
+        ):
             raise ValueError(f"extra_args[{TEACHER_KEY!r}] must be a list of token ids, got {teacher!r}")
 
     def is_argmax_invariant(self) -> bool:

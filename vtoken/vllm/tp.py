@@ -60,8 +60,12 @@ class HeadShards:
         return self.kv_local / (self.kv_heads * self.replicas)
 
 
-def reduce_buffers(attention: Sequence[torch.Tensor], norms: Sequence[torch.Tensor], shards: HeadShards,
-                   all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def reduce_buffers(
+    attention: Sequence[torch.Tensor],
+    norms: Sequence[torch.Tensor],
+    shards: HeadShards,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
     """Sum ``attention`` (per-rank head means of probabilities) and ``norms`` (per-rank means of KV-head
     norms) over the group with one ``all_reduce`` call, weighted as in the module docstring; mutates the
     tensors in place. Every rank must call it with buffers of the same shapes in the same order."""
@@ -106,6 +110,9 @@ def tp_reducer(vllm_config) -> TPReducer | None:
         return None
     group = get_tp_group()
     mc = vllm_config.model_config
-    shards = HeadShards(tp=group.world_size, q_heads=mc.get_num_attention_heads(vllm_config.parallel_config) * tp,
-                        kv_heads=mc.get_total_num_kv_heads())
+    shards = HeadShards(
+        tp=group.world_size,
+        q_heads=mc.get_num_attention_heads(vllm_config.parallel_config) * tp,
+        kv_heads=mc.get_total_num_kv_heads(),
+    )
     return TPReducer(group, shards, output=group.rank_in_group == 0)

@@ -135,8 +135,9 @@ class RequestObserver:
     def new_table(self, computed_before: int) -> None:
         """A fresh token table (first step, or after a preemption); ``computed_before`` prefix-cache hits."""
 
-    def decided(self, victims: np.ndarray, moves: int, shared_blocks: int, cow_moves: int = 0,
-                cow_blocks: int = 0) -> None:
+    def decided(
+        self, victims: np.ndarray, moves: int, shared_blocks: int, cow_moves: int = 0, cow_blocks: int = 0
+    ) -> None:
         """A decision evicted ``victims`` and moved ``moves`` slots (``cow_moves`` of them to keep
         ``cow_blocks`` prefix-cached blocks intact), with ``shared_blocks`` protected."""
 
@@ -167,8 +168,9 @@ class TraceRecorder(RequestObserver):
             ep.place(0, computed_before, 0)
             ep.hits = computed_before
 
-    def decided(self, victims: np.ndarray, moves: int, shared_blocks: int, cow_moves: int = 0,
-                cow_blocks: int = 0) -> None:
+    def decided(
+        self, victims: np.ndarray, moves: int, shared_blocks: int, cow_moves: int = 0, cow_blocks: int = 0
+    ) -> None:
         t = self.trace
         t.cow_moves += cow_moves
         t.cow_blocks += cow_blocks

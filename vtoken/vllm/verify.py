@@ -131,8 +131,10 @@ def paired_mode(mode: Mode, present: set[Mode]) -> Mode | None:
 def pair_results(results: list[VerifyResult]) -> None:
     """Set ``paired_naive_match`` on each result that has a partner of another mode with the same policy,
     budget, granularity and score_layers (mutates the results; a result without one keeps ``None``)."""
-    runs = {(r.case.policy, r.case.budget, r.case.granularity, r.case.score_layers, Mode.parse(r.case.mode)):
-            r.tokens for r in results}
+    runs = {
+        (r.case.policy, r.case.budget, r.case.granularity, r.case.score_layers, Mode.parse(r.case.mode)): r.tokens
+        for r in results
+    }
     for r in results:
         same = (r.case.policy, r.case.budget, r.case.granularity, r.case.score_layers)
         partner = paired_mode(Mode.parse(r.case.mode), {k[4] for k in runs if k[:4] == same})
@@ -171,8 +173,14 @@ def run_cases(
     if prompt is None:
         prompt = make_prompt(model, prompt_len)
     for c in cases:  # fail before any engine work on a bad value
-        VTokenConfig(policy=c.policy, budget=Budget.parse(c.budget), mode=c.mode, block_size=block_size,
-                     granularity=c.granularity, score_layers=c.score_layers)
+        VTokenConfig(
+            policy=c.policy,
+            budget=Budget.parse(c.budget),
+            mode=c.mode,
+            block_size=block_size,
+            granularity=c.granularity,
+            score_layers=c.score_layers,
+        )
     own = llm is None
     tmp = None
     if own:
@@ -184,11 +192,25 @@ def run_cases(
     salt = zlib.crc32(bytes(np.asarray(prompt, np.int64)))  # same prompt ⇒ same salt ⇒ paired decisions
     requests = []
     for c in cases:
-        extra = {"vtoken": {"policy": c.policy, "mode": Mode.parse(c.mode).value, "budget": c.budget,
-                            "trace_id": c.key(), "sinks": sinks, "recent": recent, "seed": seed,
-                            "salt": salt, "granularity": c.granularity, "score_layers": c.score_layers}}
-        requests.append(SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, seed=seed,
-                                       ignore_eos=True, extra_args=extra))
+        extra = {
+            "vtoken": {
+                "policy": c.policy,
+                "mode": Mode.parse(c.mode).value,
+                "budget": c.budget,
+                "trace_id": c.key(),
+                "sinks": sinks,
+                "recent": recent,
+                "seed": seed,
+                "salt": salt,
+                "granularity": c.granularity,
+                "score_layers": c.score_layers,
+            }
+        }
+        requests.append(
+            SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, logprobs=0, seed=seed, ignore_eos=True, extra_args=extra
+            )
+        )
     outs = llm.generate([{"prompt_token_ids": list(prompt)}] * len(cases), requests, use_tqdm=False)
     ref = reference_model if reference_model is not None else load_reference_model(model)
     results: list[VerifyResult] = []

@@ -27,38 +27,44 @@ from vtoken.errors import ConfigError
 from vtoken.models.default import MODEL_HELP
 from vtoken.vllm.verify import VerifyCase, run_cases
 
-
 # the settings a verification run carries to vLLM and the reference (``VerifyCase`` and ``run_cases``)
 VERIFY_KEYS = ("policy", "budget", "mode", "block_size", "sinks", "recent", "seed", "granularity", "score_layers")
 
 
 def verify(
-    model: Annotated[
-        str, typer.Option(help=MODEL_HELP)
-    ] = "tiny-llama",
+    model: Annotated[str, typer.Option(help=MODEL_HELP)] = "tiny-llama",
     policy: Annotated[str, typer.Option(help="eviction policy (see `vtoken policies`)")] = "h2o",
     budget: Annotated[str, typer.Option(help="fraction in (0, 1] or a token count")] = "0.3",
     mode: Annotated[str, typer.Option(help="naive | repack | reuse+repack")] = "repack",
-    block_size: Annotated[
-        int, typer.Option("--block-size", help="KV block size (multiple of 32 on CPU)")
-    ] = 32,
+    block_size: Annotated[int, typer.Option("--block-size", help="KV block size (multiple of 32 on CPU)")] = 32,
     seed: Annotated[int, typer.Option(help="seed (random policy, vLLM)")] = 0,
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="prompt tokens")] = 160,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="generated tokens")] = 24,
     sinks: Annotated[int, typer.Option(help="protected first tokens")] = 4,
     recent: Annotated[int, typer.Option(help="protected last tokens")] = 16,
     granularity: Annotated[str, typer.Option(help="token | block (evict whole original blocks)")] = "token",
-    score_layers: Annotated[int | None, typer.Option(
-        "--score-layers", help="attention layers that score (evenly spread, last included); unset: every layer")] = None,
+    score_layers: Annotated[
+        int | None,
+        typer.Option(
+            "--score-layers", help="attention layers that score (evenly spread, last included); unset: every layer"
+        ),
+    ] = None,
     tensor_parallel_size: Annotated[
         int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="TP ranks (CPU: one core and process each)")
     ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
-    sets: Annotated[list[str] | None, typer.Option("--set", help=SET_HELP + "; verify carries "
-                                                   + ", ".join(VERIFY_KEYS))] = None,
-    gpu: Annotated[bool, typer.Option("--gpu", help="the production CUDA path (bf16, default backend and "
-                                      "graphs) against stock vLLM instead of fp32 against HF "
-                                      "(vtoken/vllm/gpu_verify.py); refused off CUDA")] = False,
+    sets: Annotated[
+        list[str] | None, typer.Option("--set", help=SET_HELP + "; verify carries " + ", ".join(VERIFY_KEYS))
+    ] = None,
+    gpu: Annotated[
+        bool,
+        typer.Option(
+            "--gpu",
+            help="the production CUDA path (bf16, default backend and "
+            "graphs) against stock vLLM instead of fp32 against HF "
+            "(vtoken/vllm/gpu_verify.py); refused off CUDA",
+        ),
+    ] = False,
 ) -> None:
     """Run vToken in vLLM, replay through HF with the same keys masked, and compare (exit 1 on mismatch)."""
     from vtoken.models.default import resolve_model
@@ -67,14 +73,33 @@ def verify(
 
     vllm_logs_to_stderr()
     try:
-        cfg = with_sets(VTokenConfig(policy=policy, budget=Budget.parse(budget), mode=Mode.parse(mode),
-                                     block_size=block_size, sinks=sinks, recent=recent, seed=seed,
-                                     granularity=granularity, score_layers=score_layers), sets or ())
+        cfg = with_sets(
+            VTokenConfig(
+                policy=policy,
+                budget=Budget.parse(budget),
+                mode=Mode.parse(mode),
+                block_size=block_size,
+                sinks=sinks,
+                recent=recent,
+                seed=seed,
+                granularity=granularity,
+                score_layers=score_layers,
+            ),
+            sets or (),
+        )
         carried = set(parse_sets(sets or ())) - set(VERIFY_KEYS)
         if carried:
             raise ConfigError(f"--set {', '.join(sorted(carried))}: verify carries only {', '.join(VERIFY_KEYS)}")
         b, m, policy, block_size, sinks, recent, seed, score_layers = (
-            cfg.budget, cfg.mode, cfg.policy, cfg.block_size, cfg.sinks, cfg.recent, cfg.seed, cfg.score_layers)
+            cfg.budget,
+            cfg.mode,
+            cfg.policy,
+            cfg.block_size,
+            cfg.sinks,
+            cfg.recent,
+            cfg.seed,
+            cfg.score_layers,
+        )
         if not m.evicts:
             raise ConfigError("mode 'none' evicts nothing; verify one of: naive, repack, reuse+repack")
         engine_kwargs(cfg)  # also checks the block size against the installed vLLM
@@ -87,15 +112,23 @@ def verify(
     bval = b.count if b.count is not None else b.fraction
     partner = Mode.REPACK if m is Mode.NAIVE else Mode.NAIVE  # the paired run: same decisions, other mode
     g = cfg.granularity.value
-    cases = [VerifyCase(policy, mode_.value, bval, granularity=g, score_layers=score_layers)
-             for mode_ in (m, partner)]
+    cases = [VerifyCase(policy, mode_.value, bval, granularity=g, score_layers=score_layers) for mode_ in (m, partner)]
     from rich.console import Console
 
     label = f"verifying {policy} {m.value} (+ paired {partner.value}) in vLLM and HF …"
     try:
         with Console(stderr=True).status(label):
-            results = run_cases(path, block_size, cases, prompt_len=prompt_len, max_tokens=max_tokens,
-                                sinks=sinks, recent=recent, seed=seed, tensor_parallel_size=tensor_parallel_size)
+            results = run_cases(
+                path,
+                block_size,
+                cases,
+                prompt_len=prompt_len,
+                max_tokens=max_tokens,
+                sinks=sinks,
+                recent=recent,
+                seed=seed,
+                tensor_parallel_size=tensor_parallel_size,
+            )
     except ConfigError as e:  # the engine refused the model or an option at construction: one line, exit 2
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

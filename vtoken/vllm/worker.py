@@ -45,8 +45,9 @@ class VTokenWorker(Worker):
 
         check_vllm_version()
         # The scheduler, which owns the settings, is built after the KV cache is sized: validate here too.
-        settings = EngineSettings.from_additional_config(vllm_config.additional_config,
-                                                         vllm_config.cache_config.block_size)
+        settings = EngineSettings.from_additional_config(
+            vllm_config.additional_config, vllm_config.cache_config.block_size
+        )
         if settings.enabled:  # what the config alone refuses, before the model loads (vtoken/vllm/support.py)
             from vtoken.vllm.support import check_engine_config
 

@@ -41,14 +41,19 @@ def parse_point(text: str):
 
 
 def longgen_cmd(
-    point: list[str] = typer.Option(..., "--point", help="repeatable: 'default' (the engine's defaults) or "
-                                    "'key=value,…' VTokenConfig settings over the defaults, e.g. "
-                                    "'budget=0.1' or 'scope=all,budget=0.9,policy=snapkv'"),
+    point: list[str] = typer.Option(
+        ...,
+        "--point",
+        help="repeatable: 'default' (the engine's defaults) or "
+        "'key=value,…' VTokenConfig settings over the defaults, e.g. "
+        "'budget=0.1' or 'scope=all,budget=0.9,policy=snapkv'",
+    ),
     model: str = typer.Option("default", help=MODEL_HELP),
     windows: int = typer.Option(100, min=2, help="text windows (paired units of the bootstrap)"),
     prompt_tokens: int = typer.Option(32, "--prompt-tokens", min=1),
-    continuation_tokens: int = typer.Option(224, "--continuation-tokens", min=1,
-                                            help="tokens forced one decode step at a time after the prompt"),
+    continuation_tokens: int = typer.Option(
+        224, "--continuation-tokens", min=1, help="tokens forced one decode step at a time after the prompt"
+    ),
     seed: int = typer.Option(0, help="draws other windows"),
     max_num_seqs: int = typer.Option(128, "--max-num-seqs", min=1, help="requests decoded together"),
     kv_space_gib: int = typer.Option(6, "--kv-space-gib", min=1, help="KV pool (no request may be preempted)"),
@@ -78,14 +83,22 @@ def longgen_cmd(
         wins = draw(AutoTokenizer.from_pretrained(path), prompt_tokens + continuation_tokens, windows, seed, docs)
     except (ConfigError, ValueError, OSError) as err:
         refuse(err)
-    setup = LonggenSetup(model=path, points=points, prompt_tokens=prompt_tokens,
-                         continuation_tokens=continuation_tokens, windows=windows, seed=seed,
-                         max_num_seqs=max_num_seqs, kv_space_gib=kv_space_gib)
+    setup = LonggenSetup(
+        model=path,
+        points=points,
+        prompt_tokens=prompt_tokens,
+        continuation_tokens=continuation_tokens,
+        windows=windows,
+        seed=seed,
+        max_num_seqs=max_num_seqs,
+        kv_space_gib=kv_space_gib,
+    )
     start = time.perf_counter()
     with Console(stderr=True).status("longgen", spinner="dots") as status:
         measured = run_longgen(setup, wins, on_phase=lambda text: status.update(text))
-    report = build_report(setup, wins, measured, digests(docs), "vtoken " + shlex.join(sys.argv[1:]),
-                          time.perf_counter() - start)
+    report = build_report(
+        setup, wins, measured, digests(docs), "vtoken " + shlex.join(sys.argv[1:]), time.perf_counter() - start
+    )
     emit(report, out)
 
 
@@ -104,8 +117,11 @@ def longgen_figure_cmd(
 
 
 def codegen_cmd(
-    point: list[str] = typer.Option(..., "--point", help="repeatable, as for longgen: 'default' or "
-                                    "'key=value,…' VTokenConfig settings over the defaults"),
+    point: list[str] = typer.Option(
+        ...,
+        "--point",
+        help="repeatable, as for longgen: 'default' or 'key=value,…' VTokenConfig settings over the defaults",
+    ),
     model: str = typer.Option("default", help=MODEL_HELP),
     problems: int = typer.Option(164, min=2, max=164, help="the first N HumanEval problems (paired units)"),
     max_tokens: int = typer.Option(384, "--max-tokens", min=1, help="longest completion"),
@@ -134,8 +150,15 @@ def codegen_cmd(
         load()  # the data is installed: fail here, not after the engine ran
     except (ConfigError, ValueError, OSError) as err:
         refuse(err)
-    setup = CodegenSetup(model=path, points=points, problems=problems, max_tokens=max_tokens, seed=seed,
-                         max_num_seqs=max_num_seqs, kv_space_gib=kv_space_gib)
+    setup = CodegenSetup(
+        model=path,
+        points=points,
+        problems=problems,
+        max_tokens=max_tokens,
+        seed=seed,
+        max_num_seqs=max_num_seqs,
+        kv_space_gib=kv_space_gib,
+    )
     start = time.perf_counter()
     with Console(stderr=True).status("codegen", spinner="dots") as status:
         judged = run_codegen(setup, on_phase=lambda text: status.update(text))
@@ -153,6 +176,7 @@ def trade_figure_cmd(
     from vtoken.bench.longgen.plot import plot_trade
 
     try:
+
         def load(paths):
             return [json.loads(Path(p).read_text()) for p in paths]
 

@@ -75,8 +75,13 @@ def passes(problem: Problem, completion: str, timeout_s: float = TIMEOUT_S) -> b
     Side effect: runs the generated code in a child ``python -I`` in a temporary directory it removes."""
     with tempfile.TemporaryDirectory(prefix="vtoken-humaneval-") as tmp:
         try:
-            done = subprocess.run([sys.executable, "-I", "-c", program(problem, completion)], cwd=tmp,
-                                  capture_output=True, timeout=timeout_s, env={"PYTHONHASHSEED": "0"})
+            done = subprocess.run(
+                [sys.executable, "-I", "-c", program(problem, completion)],
+                cwd=tmp,
+                capture_output=True,
+                timeout=timeout_s,
+                env={"PYTHONHASHSEED": "0"},
+            )
         except subprocess.TimeoutExpired:
             return False
     return done.returncode == 0

@@ -18,8 +18,21 @@ from vtoken.core.config import VTokenConfig
 
 FULL_LABEL = "full"  # the paired reference: budget 1.0, nothing evicted
 REPORT_KEYS = frozenset({"bench", "command", "model", "setup", "rule", "source", "full_cache", "points", "seconds"})
-POINT_KEYS = frozenset({"label", "settings", "accuracy", "difference", "lower95", "task_ok", "changed",
-                        "evicted_tokens", "retained_blocks_mean", "generated_tokens_mean", "per_problem"})
+POINT_KEYS = frozenset(
+    {
+        "label",
+        "settings",
+        "accuracy",
+        "difference",
+        "lower95",
+        "task_ok",
+        "changed",
+        "evicted_tokens",
+        "retained_blocks_mean",
+        "generated_tokens_mean",
+        "per_problem",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -54,13 +67,26 @@ def run_engine(setup: CodegenSetup, probs: list[code.Problem], trace_dir: str) -
         for i, (p, ids) in enumerate(zip(probs, encoded)):
             tid = f"{label}__{p.task_id.replace('/', '-')}"
             prompts.append({"prompt_token_ids": ids})
-            params.append(SamplingParams(max_tokens=setup.max_tokens, temperature=0.0, stop=list(code.STOP),
-                                         extra_args={"vtoken": request_settings(cfg, tid, 1000 + i)}))
+            params.append(
+                SamplingParams(
+                    max_tokens=setup.max_tokens,
+                    temperature=0.0,
+                    stop=list(code.STOP),
+                    extra_args={"vtoken": request_settings(cfg, tid, 1000 + i)},
+                )
+            )
             keys.append((label, tid))
     longest = max(len(ids) for ids in encoded) + setup.max_tokens
     with scoped_env(VLLM_CPU_KVCACHE_SPACE=str(setup.kv_space_gib)):
-        llm = start_engine(setup.model, setup.block_size, trace_dir, seed=setup.seed, check=False,
-                           max_model_len=longest + setup.block_size, max_num_seqs=setup.max_num_seqs)
+        llm = start_engine(
+            setup.model,
+            setup.block_size,
+            trace_dir,
+            seed=setup.seed,
+            check=False,
+            max_model_len=longest + setup.block_size,
+            max_num_seqs=setup.max_num_seqs,
+        )
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
@@ -85,9 +111,13 @@ def run_codegen(setup: CodegenSetup, on_phase=lambda text: None) -> dict:
     on_phase("running the unit tests")
     judged = {}
     for label, rows in generated.items():
-        judged[label] = {"passed": [code.passes(p, text) for p, (text, *_) in zip(probs, rows)],
-                         "text": [text for text, *_ in rows], "tokens": [n for _, n, _, _ in rows],
-                         "evicted": [e for _, _, e, _ in rows], "held": [h for *_, h in rows]}
+        judged[label] = {
+            "passed": [code.passes(p, text) for p, (text, *_) in zip(probs, rows)],
+            "text": [text for text, *_ in rows],
+            "tokens": [n for _, n, _, _ in rows],
+            "evicted": [e for _, _, e, _ in rows],
+            "held": [h for *_, h in rows],
+        }
     if any(judged[FULL_LABEL]["evicted"]):
         raise RuntimeError("the full-cache reference evicted tokens")
     return judged
@@ -101,22 +131,44 @@ def build_report(setup: CodegenSetup, judged: dict, command: str, seconds: float
     for label, cfg in setup.points:
         got = judged[label]
         diff = rule.paired_difference(got["passed"], full["passed"])
-        points.append({
-            "label": label, "settings": cfg.to_dict(), "accuracy": round(statistics.fmean(got["passed"]), 4),
-            **diff, "task_ok": diff["lower95"] >= rule.TASK_DIFF_BOUND,
-            "changed": sum(a != b for a, b in zip(got["text"], full["text"])),
-            "evicted_tokens": sum(got["evicted"]), "retained_blocks_mean": round(statistics.fmean(got["held"]), 3),
-            "generated_tokens_mean": round(statistics.fmean(got["tokens"]), 2), "per_problem": got["passed"],
-        })
+        points.append(
+            {
+                "label": label,
+                "settings": cfg.to_dict(),
+                "accuracy": round(statistics.fmean(got["passed"]), 4),
+                **diff,
+                "task_ok": diff["lower95"] >= rule.TASK_DIFF_BOUND,
+                "changed": sum(a != b for a, b in zip(got["text"], full["text"])),
+                "evicted_tokens": sum(got["evicted"]),
+                "retained_blocks_mean": round(statistics.fmean(got["held"]), 3),
+                "generated_tokens_mean": round(statistics.fmean(got["tokens"]), 2),
+                "per_problem": got["passed"],
+            }
+        )
     return {
-        "bench": "codegen", "command": command, "model": setup.model,
-        "setup": {"problems": setup.problems, "max_tokens": setup.max_tokens, "seed": setup.seed,
-                  "block_size": setup.block_size, "max_num_seqs": setup.max_num_seqs, "stop": list(code.STOP)},
-        "rule": {"task_diff_bound": rule.TASK_DIFF_BOUND, "bootstrap_resamples": rule.BOOTSTRAP_RESAMPLES,
-                 "bootstrap_seed": rule.BOOTSTRAP_SEED},
+        "bench": "codegen",
+        "command": command,
+        "model": setup.model,
+        "setup": {
+            "problems": setup.problems,
+            "max_tokens": setup.max_tokens,
+            "seed": setup.seed,
+            "block_size": setup.block_size,
+            "max_num_seqs": setup.max_num_seqs,
+            "stop": list(code.STOP),
+        },
+        "rule": {
+            "task_diff_bound": rule.TASK_DIFF_BOUND,
+            "bootstrap_resamples": rule.BOOTSTRAP_RESAMPLES,
+            "bootstrap_seed": rule.BOOTSTRAP_SEED,
+        },
         "source": {"name": code.SOURCE, "sha256": code.digest()},
-        "full_cache": {"accuracy": round(statistics.fmean(full["passed"]), 4), "per_problem": full["passed"],
-                       "retained_blocks_mean": round(statistics.fmean(full["held"]), 3),
-                       "generated_tokens_mean": round(statistics.fmean(full["tokens"]), 2)},
-        "points": points, "seconds": round(seconds, 1),
+        "full_cache": {
+            "accuracy": round(statistics.fmean(full["passed"]), 4),
+            "per_problem": full["passed"],
+            "retained_blocks_mean": round(statistics.fmean(full["held"]), 3),
+            "generated_tokens_mean": round(statistics.fmean(full["tokens"]), 2),
+        },
+        "points": points,
+        "seconds": round(seconds, 1),
     }

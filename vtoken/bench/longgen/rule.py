@@ -32,8 +32,13 @@ def _resamples(n: int, resamples: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
 
 
-def perplexity_ratio(nll_point: Sequence[float], nll_full: Sequence[float], *,
-                     resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> dict:
+def perplexity_ratio(
+    nll_point: Sequence[float],
+    nll_full: Sequence[float],
+    *,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+) -> dict:
     """Per-window mean NLLs (nats/token, same windows in the same order) → ``{"ratio", "ci95"}``: the
     perplexity ratio point ÷ full and its paired bootstrap percentile 95 % interval over windows."""
     if len(nll_point) != len(nll_full):
@@ -44,8 +49,9 @@ def perplexity_ratio(nll_point: Sequence[float], nll_full: Sequence[float], *,
     return {"ratio": round(math.exp(d.mean()), 4), "ci95": [round(math.exp(low), 4), round(math.exp(high), 4)]}
 
 
-def paired_difference(point: Sequence[bool], full: Sequence[bool], *,
-                      resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> dict:
+def paired_difference(
+    point: Sequence[bool], full: Sequence[bool], *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED
+) -> dict:
     """Per-instance correctness (same instances, same order) → ``{"difference", "lower95"}``: the accuracy
     difference point − full and its one-sided 95 % lower bound (paired bootstrap, 5th percentile)."""
     if len(point) != len(full):

@@ -65,13 +65,19 @@ def run_engine(setup: LonggenSetup, wins: list[Window], trace_dir: str) -> dict:
             tid = f"{label}__{w.name}"
             prompts.append({"prompt_token_ids": list(w.prompt_ids[:p])})
             extra = {"vtoken": request_settings(cfg, tid, 1000 + i), TEACHER_KEY: list(w.prompt_ids[p:])}
-            params.append(SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1,
-                                         extra_args=extra))
+            params.append(SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1, extra_args=extra))
             keys.append((label, w, tid))
     with scoped_env(VLLM_CPU_KVCACHE_SPACE=str(setup.kv_space_gib)):
-        llm = start_engine(setup.model, setup.block_size, trace_dir, seed=setup.seed, check=False,
-                           max_model_len=setup.window_tokens + 8, max_num_seqs=setup.max_num_seqs,
-                           logits_processors=[TeacherForcing])
+        llm = start_engine(
+            setup.model,
+            setup.block_size,
+            trace_dir,
+            seed=setup.seed,
+            check=False,
+            max_model_len=setup.window_tokens + 8,
+            max_num_seqs=setup.max_num_seqs,
+            logits_processors=[TeacherForcing],
+        )
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
@@ -119,8 +125,7 @@ def replay(model, w: Window, prompt_tokens: int, traces: dict) -> dict:
 
 
 def _position_stats(logp, target) -> dict:
-    return {"nll": (-logp.gather(1, target[:, None])[:, 0]).double().numpy(),
-            "top1": logp.argmax(dim=-1).numpy()}
+    return {"nll": (-logp.gather(1, target[:, None])[:, 0]).double().numpy(), "top1": logp.argmax(dim=-1).numpy()}
 
 
 def full_cache_blocks(prompt_tokens: int, continuation_tokens: int, block_size: int) -> float:

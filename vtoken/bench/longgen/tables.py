@@ -34,39 +34,49 @@ def yes(ok: bool) -> str:
 
 def text_table(reports: list[dict]) -> str:
     """One row per longgen point: the text half (upper bound of the ratio's 95 % interval ≤ ``RATIO_BOUND``)."""
-    head = (f"| model | prompt + continuation, windows | setting | perplexity ratio [95 % CI] | top-1 vs full | "
-            f"KL (nats/token) | blocks held (full cache) | text half (≤ {RATIO_BOUND}) |\n"
-            "|---|---|---|---|---|---|---|---|\n")
+    head = (
+        f"| model | prompt + continuation, windows | setting | perplexity ratio [95 % CI] | top-1 vs full | "
+        f"KL (nats/token) | blocks held (full cache) | text half (≤ {RATIO_BOUND}) |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+    )
     rows = []
     for r in reports:
         s = r["setup"]
         shape = f"{s['prompt_tokens']} + {s['continuation_tokens']}, {s['windows']}"
         for p in r["points"]:
             lo, hi = p["perplexity_ratio_ci95"]
-            rows.append(f"| {model_name(r)} | {shape} | {setting(p['settings'])} | {p['perplexity_ratio']} "
-                        f"[{lo}, {hi}] | {p['top1_agreement']} | {p['kl_mean']} | {p['retained_blocks_mean']} "
-                        f"({r['full_cache']['blocks_mean']}) | {yes(p['verdict']['text'])} |\n")
+            rows.append(
+                f"| {model_name(r)} | {shape} | {setting(p['settings'])} | {p['perplexity_ratio']} "
+                f"[{lo}, {hi}] | {p['top1_agreement']} | {p['kl_mean']} | {p['retained_blocks_mean']} "
+                f"({r['full_cache']['blocks_mean']}) | {yes(p['verdict']['text'])} |\n"
+            )
     return head + "".join(rows)
 
 
 def task_table(reports: list[dict]) -> str:
     """One row per codegen point: the task half (one-sided 95 % lower bound ≥ ``TASK_DIFF_BOUND``)."""
-    head = ("| model | setting | HumanEval pass rate (full cache) | difference | one-sided 95 % lower bound | "
-            f"task half (≥ {TASK_DIFF_BOUND}) | blocks held (full cache) |\n|---|---|---|---|---|---|---|\n")
+    head = (
+        "| model | setting | HumanEval pass rate (full cache) | difference | one-sided 95 % lower bound | "
+        f"task half (≥ {TASK_DIFF_BOUND}) | blocks held (full cache) |\n|---|---|---|---|---|---|---|\n"
+    )
     rows = []
     for r in reports:
         full = r["full_cache"]
         for p in r["points"]:
-            rows.append(f"| {model_name(r)} | {setting(p['settings'])} | {p['accuracy']} ({full['accuracy']}) | "
-                        f"{p['difference']} | {p['lower95']} | {yes(p['task_ok'])} | {p['retained_blocks_mean']} "
-                        f"({full['retained_blocks_mean']}) |\n")
+            rows.append(
+                f"| {model_name(r)} | {setting(p['settings'])} | {p['accuracy']} ({full['accuracy']}) | "
+                f"{p['difference']} | {p['lower95']} | {yes(p['task_ok'])} | {p['retained_blocks_mean']} "
+                f"({full['retained_blocks_mean']}) |\n"
+            )
     return head + "".join(rows)
 
 
 def ruler_table(report: dict) -> str:
     """One row per point × RULER task@length of a quality report that carries the task half's ``rule``."""
-    head = ("| model | setting | task @ tokens | full cache: solved / n | point: solved / n | difference | "
-            f"one-sided 95 % lower bound | task half (≥ {TASK_DIFF_BOUND}) |\n|---|---|---|---|---|---|---|---|\n")
+    head = (
+        "| model | setting | task @ tokens | full cache: solved / n | point: solved / n | difference | "
+        f"one-sided 95 % lower bound | task half (≥ {TASK_DIFF_BOUND}) |\n|---|---|---|---|---|---|---|---|\n"
+    )
     full = report["full_cache"]["ruler"]
     rows = []
     for p in report["points"]:
@@ -75,6 +85,8 @@ def ruler_table(report: dict) -> str:
             if task == "at_parity":
                 continue
             f, q = full[task], p["ruler"][task]
-            rows.append(f"| {model_name(report)} | {name} | {task} | {f['solved']} / {f['n']} | {q['solved']} / "
-                        f"{q['n']} | {verdict['difference']} | {verdict['lower95']} | {yes(verdict['task_ok'])} |\n")
+            rows.append(
+                f"| {model_name(report)} | {name} | {task} | {f['solved']} / {f['n']} | {q['solved']} / "
+                f"{q['n']} | {verdict['difference']} | {verdict['lower95']} | {yes(verdict['task_ok'])} |\n"
+            )
     return head + "".join(rows)

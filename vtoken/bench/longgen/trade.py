@@ -20,9 +20,17 @@ SERVED_RATIO = "repack/{policy} +admission / none"  # the served summary's repac
 
 def text_points(longgen: list[dict]) -> list[dict]:
     """Each longgen point as ``{label, settings, gain, ratio, ci95, at_parity}``; ``gain`` = 1 ÷ blocks ratio."""
-    return [{"label": p["label"], "settings": p["settings"], "gain": 1.0 / p["blocks_ratio"],
-             "ratio": p["perplexity_ratio"], "ci95": p["perplexity_ratio_ci95"],
-             "at_parity": p["verdict"]["at_parity"]} for p in merged_points(longgen)]
+    return [
+        {
+            "label": p["label"],
+            "settings": p["settings"],
+            "gain": 1.0 / p["blocks_ratio"],
+            "ratio": p["perplexity_ratio"],
+            "ci95": p["perplexity_ratio_ci95"],
+            "at_parity": p["verdict"]["at_parity"],
+        }
+        for p in merged_points(longgen)
+    ]
 
 
 def task_points(codegen: list[dict]) -> list[dict]:
@@ -31,9 +39,17 @@ def task_points(codegen: list[dict]) -> list[dict]:
     out = []
     for r in codegen:
         full = r["full_cache"]["retained_blocks_mean"]
-        out += [{"label": p["label"], "settings": p["settings"], "gain": full / p["retained_blocks_mean"],
-                 "difference": p["difference"], "lower95": p["lower95"], "task_ok": p["task_ok"]}
-                for p in r["points"]]
+        out += [
+            {
+                "label": p["label"],
+                "settings": p["settings"],
+                "gain": full / p["retained_blocks_mean"],
+                "difference": p["difference"],
+                "lower95": p["lower95"],
+                "task_ok": p["task_ok"],
+            }
+            for p in r["points"]
+        ]
     return out
 
 
@@ -53,8 +69,16 @@ def served_gains(served: list[dict]) -> list[dict]:
         s = served_settings(r)
         ratio = r["summary"]["ratios"][SERVED_RATIO.format(policy=s["policy"])]["max_rate_at_target"]
         bound = r["summary"]["ratios"][SERVED_RATIO.format(policy=s["policy"])].get("lower_bounds", 0)
-        out.append({"settings": s, "pool_blocks": r["setup"]["pool_blocks"], "median": ratio["median"],
-                    "low": ratio["min"], "high": ratio["max"], "lower_bound": bound == ratio["n"]})
+        out.append(
+            {
+                "settings": s,
+                "pool_blocks": r["setup"]["pool_blocks"],
+                "median": ratio["median"],
+                "low": ratio["min"],
+                "high": ratio["max"],
+                "lower_bound": bound == ratio["n"],
+            }
+        )
     return out
 
 
@@ -68,5 +92,8 @@ def gain_at_parity(points: list[dict], served: list[dict]) -> dict:
     served gain (1.0 when none evicts or none at parity was served)."""
     ok = [p for p in points if p["at_parity"]]
     served_ok = [g["median"] for g in served if any(matches(p["settings"], g["settings"]) for p in ok)]
-    return {"capacity_gain": round(max((p["gain"] for p in ok), default=1.0), 3),
-            "served_gain": max(served_ok, default=1.0), "points_at_parity": [p["label"] for p in ok]}
+    return {
+        "capacity_gain": round(max((p["gain"] for p in ok), default=1.0), 3),
+        "served_gain": max(served_ok, default=1.0),
+        "points_at_parity": [p["label"] for p in ok],
+    }

@@ -95,10 +95,7 @@ def decide(
         return Decision(max(lo, min(hi, target)), "no-metrics", None, total_waiting)
     mean_kv = sum(values) / len(values)
     sized = math.ceil(current * mean_kv / params.target_kv_utilization - 1e-9)
-    if (
-        mean_kv >= params.upscale_kv_utilization
-        or total_waiting >= params.upscale_waiting_per_replica * current
-    ):
+    if mean_kv >= params.upscale_kv_utilization or total_waiting >= params.upscale_waiting_per_replica * current:
         desired, reason = max(target, current + 1, sized), "up"
     elif mean_kv <= params.downscale_kv_utilization and total_waiting == 0:
         desired, reason = min(current - 1, sized), "down"

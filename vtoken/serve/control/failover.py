@@ -23,6 +23,7 @@ proxy stays light).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 
@@ -57,9 +58,7 @@ class FailoverMiddleware:
         for attempt in range(self.retries + 1):
             state = {"started": False, "ended": False, "sse": False}
             try:
-                await self.app(
-                    scope, replay_body(body, receive, False, disconnected), _tracked(send, state, attempt)
-                )
+                await self.app(scope, replay_body(body, receive, False, disconnected), _tracked(send, state, attempt))
             except Exception:
                 if state["started"]:
                     raise
@@ -110,9 +109,7 @@ def _tracked(send, state: dict, attempt: int):
         if message["type"] == "http.response.start":
             state["started"] = True
             headers = list(message.get("headers", []))
-            state["sse"] = any(
-                k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers
-            )
+            state["sse"] = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
             if attempt:
                 message = {**message, "headers": headers + [(b"x-vtoken-retries", str(attempt).encode())]}
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
@@ -125,15 +122,9 @@ def _tracked(send, state: dict, attempt: int):
 async def _close_broken_stream(send, sse: bool) -> None:
     tail = b""
     if sse:
-        tail = (
-            b"data: "
-            + error_json("the replica serving this stream failed; the output is incomplete")
-            + b"\n\n"
-        )
-    try:
+        tail = b"data: " + error_json("the replica serving this stream failed; the output is incomplete") + b"\n\n"
+    with contextlib.suppress(Exception):  # the client may be gone already
         await send({"type": "http.response.body", "body": tail, "more_body": False})
-    except Exception:  # noqa: BLE001 - the client may be gone already
-        pass
 
 
 def proxy_middlewares() -> list:

@@ -63,9 +63,7 @@ class KVAwareRouter(RequestRouter):
             del reservations[rid]
         return Counter(replica for replica, _ in reservations.values())
 
-    def _reserve(
-        self, pending_request: PendingRequest | None, rank0: list[RunningReplica], now: float
-    ) -> None:
+    def _reserve(self, pending_request: PendingRequest | None, rank0: list[RunningReplica], now: float) -> None:
         """Record the replica Serve will most likely pick from rank 0 (shortest cached queue)."""
         if pending_request is None or not rank0 or not hasattr(self, "_reservations"):
             return
@@ -88,8 +86,10 @@ class KVAwareRouter(RequestRouter):
         elif as_of - polled <= params.stale_after_s:
             why = "its routing stats lack a number the ranking needs"
         else:
-            why = (f"stats polled {as_of - polled:.1f} s before the freshest replica's, {now - polled:.1f} s "
-                   f"ago (stale after {params.stale_after_s} s)")
+            why = (
+                f"stats polled {as_of - polled:.1f} s before the freshest replica's, {now - polled:.1f} s "
+                f"ago (stale after {params.stale_after_s} s)"
+            )
         logger.warning("vtoken router: replica %s ranked last: %s", replica.replica_id, why)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:

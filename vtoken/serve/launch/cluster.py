@@ -98,8 +98,9 @@ def _ray_start(state_dir: Path, name: str, args: list[str], env: dict[str, str])
     which is also its process group id."""
     argv = [str(Path(sys.executable).with_name("ray")), "start", "--block", "--disable-usage-stats", *args]
     with open(state_dir / f"{name}.log", "w") as log:  # the child keeps its own descriptor
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     return proc.pid
 
 
@@ -118,8 +119,16 @@ class _Ports:
 
 def _node_args(state_dir: Path, ports: _Ports) -> tuple[list[str], int, int]:
     agent, metrics = ports(), ports()
-    args = ["--temp-dir", str(state_dir / "ray"), "--object-store-memory", str(OBJECT_STORE_BYTES),
-            "--dashboard-agent-listen-port", str(agent), "--metrics-export-port", str(metrics)]
+    args = [
+        "--temp-dir",
+        str(state_dir / "ray"),
+        "--object-store-memory",
+        str(OBJECT_STORE_BYTES),
+        "--dashboard-agent-listen-port",
+        str(agent),
+        "--metrics-export-port",
+        str(metrics),
+    ]
     return args, agent, metrics
 
 
@@ -149,15 +158,25 @@ def _start_worker(state: ClusterState, i: int, cpus: int, ports: _Ports) -> None
     state_dir = Path(state.state_dir)
     name, proxy = f"worker-{i}", ports()
     common, agent, metrics = _node_args(state_dir, ports)
-    args = ["--address", state.address, "--num-cpus", str(cpus), "--include-log-monitor", "false",
-            "--resources", json.dumps({f"worker_{i}": 1}), *common]
+    args = [
+        "--address",
+        state.address,
+        "--num-cpus",
+        str(cpus),
+        "--include-log-monitor",
+        "false",
+        "--resources",
+        json.dumps({f"worker_{i}": 1}),
+        *common,
+    ]
     env = node_env(state_dir, {"RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(proxy), **ENGINE_THREADS_ENV})
     state.nodes.append(Node(name, _ray_start(state_dir, name, args, env), agent, metrics, proxy))
     state.save()
 
 
-def start(state_dir: Path = DEFAULT_STATE, workers: int = 3, worker_cpus: int = 1, timeout: float = 180.0,
-          echo=print) -> ClusterState:
+def start(
+    state_dir: Path = DEFAULT_STATE, workers: int = 3, worker_cpus: int = 1, timeout: float = 180.0, echo=print
+) -> ClusterState:
     """Start the head and ``workers`` worker nodes; returns once all are ALIVE. On failure stops what it
     started (node logs stay in ``state_dir``) and re-raises."""
     if (state_dir / "cluster.json").exists():
@@ -169,9 +188,22 @@ def start(state_dir: Path = DEFAULT_STATE, workers: int = 3, worker_cpus: int = 
     state.save()
     try:
         common, agent, metrics = _node_args(state_dir, ports)
-        head = ["--head", "--port", str(state.gcs_port), "--num-cpus", "0", "--include-dashboard", "true",
-                "--dashboard-host", "127.0.0.1", "--dashboard-port", str(state.dashboard_port),
-                "--ray-client-server-port", str(ports()), *common]
+        head = [
+            "--head",
+            "--port",
+            str(state.gcs_port),
+            "--num-cpus",
+            "0",
+            "--include-dashboard",
+            "true",
+            "--dashboard-host",
+            "127.0.0.1",
+            "--dashboard-port",
+            str(state.dashboard_port),
+            "--ray-client-server-port",
+            str(ports()),
+            *common,
+        ]
         pgid = _ray_start(state_dir, "head", head, node_env(state_dir))
         state.nodes.append(Node("head", pgid, agent, metrics))
         state.save()
@@ -195,8 +227,10 @@ def start(state_dir: Path = DEFAULT_STATE, workers: int = 3, worker_cpus: int = 
     except BaseException:
         stop(state_dir, echo=echo, remove=False)
         raise
-    echo(f"Ray cluster up: head {state.address}, dashboard {state.dashboard}, "
-         f"{workers} workers ({', '.join(n.name for n in state.nodes[1:])}); state {state_dir}")
+    echo(
+        f"Ray cluster up: head {state.address}, dashboard {state.dashboard}, "
+        f"{workers} workers ({', '.join(n.name for n in state.nodes[1:])}); state {state_dir}"
+    )
     return state
 
 
@@ -206,12 +240,24 @@ def deploy(state: ClusterState, config: Path, timeout: float = 600.0, echo=print
 
     serve_cli = str(Path(sys.executable).with_name("serve"))
     env = node_env(Path(state.state_dir))
-    subprocess.run([serve_cli, "deploy", str(config), "--address", state.dashboard], env=env, check=True,
-                   capture_output=True, text=True, timeout=120)
+    subprocess.run(
+        [serve_cli, "deploy", str(config), "--address", state.dashboard],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
     def running():
-        out = subprocess.run([serve_cli, "status", "--address", state.dashboard], env=env, check=True,
-                             capture_output=True, text=True, timeout=60).stdout
+        out = subprocess.run(
+            [serve_cli, "status", "--address", state.dashboard],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
         apps = (yaml.safe_load(out) or {}).get("applications") or {}
         failed = {n: a.get("message") for n, a in apps.items() if a.get("status") == "DEPLOY_FAILED"}
         if failed:
@@ -239,8 +285,7 @@ def stop_ray(state: ClusterState, name: str, timeout: float = 30.0) -> tuple[lis
     return procs.kill_ray_of_node(state.node(name).pgid, timeout)
 
 
-def stop(state_dir: Path = DEFAULT_STATE, grace_s: float = 10.0, echo=print,
-         remove: bool = True) -> list[int]:
+def stop(state_dir: Path = DEFAULT_STATE, grace_s: float = 10.0, echo=print, remove: bool = True) -> list[int]:
     """Stop every process of the cluster in ``state_dir`` (``procs.terminate``), then remove
     ``state_dir`` (only ``cluster.json`` with ``remove=False``). Returns the pids still alive ([])."""
     try:
@@ -257,15 +302,17 @@ def stop(state_dir: Path = DEFAULT_STATE, grace_s: float = 10.0, echo=print,
     return left
 
 
-cli = typer.Typer(help="A multi-node Ray cluster on this machine (ray start) + serve deploy.",
-                  no_args_is_help=True)
+cli = typer.Typer(help="A multi-node Ray cluster on this machine (ray start) + serve deploy.", no_args_is_help=True)
 STATE = typer.Option(DEFAULT_STATE, "--state", help="the cluster's directory (Ray temp dir, logs, state)")
 CONFIG = typer.Argument(Path("deploy/serve_config.yaml"), help="a Serve config YAML (serve build output)")
 
 
 @cli.command("up")
-def up_cmd(workers: int = typer.Option(3, min=1), state: Path = STATE,
-           worker_cpus: int = typer.Option(1, "--worker-cpus", min=1)) -> None:
+def up_cmd(
+    workers: int = typer.Option(3, min=1),
+    state: Path = STATE,
+    worker_cpus: int = typer.Option(1, "--worker-cpus", min=1),
+) -> None:
     """Start the head (0 CPUs) and WORKERS worker nodes."""
     start(state, workers, worker_cpus)
 

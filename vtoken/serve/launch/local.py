@@ -99,7 +99,7 @@ def failure_reason(messages: list[str], fallback: str) -> str:
     lines = [line.strip() for text in messages for line in text.splitlines() if line.strip()]
     for line in lines:
         if REFUSAL_PREFIX in line:
-            return line[line.index(REFUSAL_PREFIX):]
+            return line[line.index(REFUSAL_PREFIX) :]
     return lines[-1] if lines else fallback
 
 
@@ -216,8 +216,8 @@ def banner(cfg: ServeAppConfig, url: str, metrics_host: str | None, metrics_port
     auth = ' -H "Authorization: Bearer $VTOKEN_API_KEY"' if key else ""
     api_key = 'os.environ["VTOKEN_API_KEY"]' if key else '"EMPTY"'
     body = (
-        '{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}], '
-        '"max_tokens": 32}' % model
+        f'{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], '
+        '"max_tokens": 32}'
     )
     lines = [
         f"vToken is serving {model!r} at {url}/v1 (mode {cfg.vtoken.mode}, policy {cfg.vtoken.policy}, "
@@ -239,9 +239,7 @@ def banner(cfg: ServeAppConfig, url: str, metrics_host: str | None, metrics_port
         f"  routes: {url}/v1/completions, /v1/chat/completions, /v1/models, /health, /ready",
     ]
     if metrics_port is not None:
-        lines.append(
-            f"  metrics: http://{metrics_host}:{metrics_port}/metrics (first replica; see docs/metrics.md)"
-        )
+        lines.append(f"  metrics: http://{metrics_host}:{metrics_port}/metrics (first replica; see docs/metrics.md)")
     lines += ["", "Ctrl-C to stop."]
     return "\n".join(lines)
 

@@ -13,6 +13,7 @@ reported (their parent reaps them). ``wait_for`` is the bounded polling loop the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -87,10 +88,8 @@ def alive(pids: Iterable[int]) -> set[int]:
 def kill(pids: Iterable[int], sig: int = signal.SIGKILL) -> None:
     """Send ``sig`` to each pid (gone ones are skipped)."""
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def kill_until_gone(collect, timeout: float, period: float = 0.2) -> set[int]:
@@ -109,6 +108,7 @@ def kill_node_group(pgid: int, timeout: float = 30.0, spare=lambda pid: False) -
     """SIGKILL every process of the node in process group ``pgid`` at once (``node_pids``) but those
     ``spare(pid)`` names, then anything it forked meanwhile; returns the pids it killed. TimeoutError if one
     survives ``timeout`` seconds."""
+
     def targets() -> set[int]:
         return {pid for pid in node_pids(pgid) if not spare(pid)}
 

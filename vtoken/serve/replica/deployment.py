@@ -106,16 +106,16 @@ class VTokenReplica:
         started = time.monotonic()
         factory = engine_factory or AsyncLLM.from_engine_args
         with refusal_reported():  # a vToken refusal fails this constructor with its own message
-            self._engine = factory(AsyncEngineArgs(**engine_args(cfg, model_path)),
-                                   stat_loggers=[make_stat_logger_class(self._sink)])
+            self._engine = factory(
+                AsyncEngineArgs(**engine_args(cfg, model_path)), stat_loggers=[make_stat_logger_class(self._sink)]
+            )
         api_key = cfg.limits.resolved_api_key()
         vllm_app = await build_vllm_app(self._engine, cfg, model_path)
         self._asgi = RequestGuard(
             vllm_app,
             cfg,
             api_key,
-            {"x-vtoken-replica": self._replica_id, "x-vtoken-rank": str(self._rank),
-             "x-vtoken-node": self._node_id},
+            {"x-vtoken-replica": self._replica_id, "x-vtoken-rank": str(self._rank), "x-vtoken-node": self._node_id},
             self._ready_info,
         )
         if cfg.metrics.port is not None:

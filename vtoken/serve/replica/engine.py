@@ -135,7 +135,8 @@ def check_pool(cfg: ServeAppConfig, vllm_config) -> None:
             f"engine.kv_cache_blocks {blocks} is too small for engine.max_model_len {length}: vLLM keeps "
             f"room for one such request in each of the model's {len(shape.windows)} KV cache group(s): "
             f"{shape.describe(length)} = {shape.need(length)} blocks. Raise engine.kv_cache_blocks to "
-            f"{shape.need(length)} or lower engine.max_model_len to {shape.longest_len(blocks)}")
+            f"{shape.need(length)} or lower engine.max_model_len to {shape.longest_len(blocks)}"
+        )
 
 
 def bind_cpus(cfg: ServeAppConfig, local_rank: int) -> str:

@@ -13,9 +13,7 @@ from http import HTTPStatus
 from typing import Any
 
 
-def error_body(
-    message: str, status: HTTPStatus, err_type: str | None = None, param: str | None = None
-) -> bytes:
+def error_body(message: str, status: HTTPStatus, err_type: str | None = None, param: str | None = None) -> bytes:
     """An OpenAI-format error body, built with vLLM's own ``ErrorResponse`` model."""
     from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
 
@@ -40,9 +38,7 @@ def sse_errors(send):
             return
         if kind == "http.response.start":
             headers = dict(message.get("headers", []))
-            if message["status"] == 200 and headers.get(b"content-type", b"").startswith(
-                b"text/event-stream"
-            ):
+            if message["status"] == 200 and headers.get(b"content-type", b"").startswith(b"text/event-stream"):
                 state["mode"], state["start"] = "hold", message
                 return
         elif kind == "http.response.body" and mode == "hold":
@@ -57,9 +53,7 @@ def sse_errors(send):
                 return
             status, payload = error
             start = state.pop("start")
-            headers = [
-                (k, v) for k, v in start.get("headers", []) if k not in (b"content-type", b"content-length")
-            ]
+            headers = [(k, v) for k, v in start.get("headers", []) if k not in (b"content-type", b"content-length")]
             headers += [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(payload)).encode()),

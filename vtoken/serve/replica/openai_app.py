@@ -19,6 +19,7 @@ A request without ``max_tokens`` gets ``limits.max_tokens`` as its default throu
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from http import HTTPStatus
@@ -99,11 +100,7 @@ def _text_len(value: Any) -> int:
         return len(value)
     if isinstance(value, list):
         return sum(
-            _text_len(v)
-            if isinstance(v, (str, list))
-            else _text_len(v.get("text"))
-            if isinstance(v, dict)
-            else 0
+            _text_len(v) if isinstance(v, (str, list)) else _text_len(v.get("text")) if isinstance(v, dict) else 0
             for v in value
         )
     return 0
@@ -166,10 +163,8 @@ class RequestGuard:
             )
             return
         violation = None
-        try:
+        with contextlib.suppress(ValueError, RecursionError):  # not JSON: vLLM answers with its own 400
             violation = limit_violation(path, json.loads(body), self.cfg)
-        except (ValueError, RecursionError):
-            pass  # not JSON: vLLM answers with its own 400
         if violation is not None:
             await _reply(send, HTTPStatus.BAD_REQUEST, violation[0], "BadRequestError", param=violation[1])
             return

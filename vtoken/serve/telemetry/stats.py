@@ -62,7 +62,10 @@ def routing_stats(snap: KVSnapshot, now: float) -> dict[str, float]:
 
 
 def snapshot_from(
-    scheduler_stats: Any, pool_blocks: int, block_size: int, vtoken_reader: Callable[[Any], Any] | None = None,
+    scheduler_stats: Any,
+    pool_blocks: int,
+    block_size: int,
+    vtoken_reader: Callable[[Any], Any] | None = None,
     admission_reader: Callable[[Any], int | None] | None = None,
 ) -> KVSnapshot:
     """Build a snapshot from one ``SchedulerStats`` (pure). ``vtoken_reader`` is
@@ -157,8 +160,7 @@ def make_stat_logger_class(sink: StatsSink) -> type:
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
             if scheduler_stats is not None:
-                sink.put(snapshot_from(scheduler_stats, self._pool(), int(self._cache.block_size), reader,
-                                       admission))
+                sink.put(snapshot_from(scheduler_stats, self._pool(), int(self._cache.block_size), reader, admission))
             if iteration_stats is not None:
                 for fin in iteration_stats.finished_requests:
                     sink.finished(latency_of(fin))
