@@ -42,3 +42,11 @@ def default_model(model_cache_dir: Path) -> Path:
     from vtoken.models.default import default_model_path
 
     return default_model_path(model_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def ref_llama(tiny_llama: Path):
+    """The masked Hugging Face reference of the tiny Llama (loaded once; read-only: forwards under masks)."""
+    from vtoken.models.hf_reference import load_reference_model
+
+    return load_reference_model(tiny_llama)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from engine_support import small_pool_engine
 
 from vtoken.vllm.launch import scheduler_of, start_engine
 from vtoken.vllm.trace import RequestTrace
@@ -145,14 +146,6 @@ def prefix_engine(tmp_path_factory):
     )
     yield llm, d
     shutdown(llm)
-
-
-@pytest.fixture(scope="module")
-def ref_llama():
-    from vtoken.models.hf_reference import load_reference_model
-    from vtoken.models.tiny import tiny_model
-
-    return load_reference_model(tiny_model("llama"))
 
 
 def test_prefix_sharing_one_request_repacking(prefix_engine, ref_llama):
@@ -425,19 +418,8 @@ def test_admission_cap_keeps_outputs_exact(prefix_engine, ref_llama):
 @pytest.fixture(scope="module")
 def small_engine(tmp_path_factory):
     """11 usable KV blocks of 32 tokens (max_model_len 352), chunked prefill (64 tokens/step), prefix caching."""
-    from vtoken.models.tiny import tiny_model
-
     d = tmp_path_factory.mktemp("traces")
-    llm = start_engine(
-        str(tiny_model("llama")),
-        32,
-        str(d),
-        enable_prefix_caching=True,
-        max_num_batched_tokens=64,
-        max_model_len=352,
-        num_gpu_blocks_override=12,
-        recent=8,
-    )
+    llm = small_pool_engine(str(d))
     yield llm, d
     shutdown(llm)
 

@@ -47,14 +47,6 @@ def engine(tmp_path_factory):
     shutdown(llm)
 
 
-@pytest.fixture(scope="module")
-def ref_llama():
-    from vtoken.models.hf_reference import load_reference_model
-    from vtoken.models.tiny import tiny_model
-
-    return load_reference_model(tiny_model("llama"))
-
-
 def run_sequence(llm, policy: str, mode: str, prompts: list[list[int]]):
     """The prompts one after another (each finishes before the next arrives), from an empty prefix cache."""
     assert llm.reset_prefix_cache()

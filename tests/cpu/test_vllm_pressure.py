@@ -13,10 +13,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from engine_support import small_pool_engine
 from test_vllm_engine import check_against_reference, shutdown, sp
 
 from vtoken.errors import ConfigError
-from vtoken.vllm.launch import scheduler_of, start_engine
+from vtoken.vllm.launch import scheduler_of
 from vtoken.vllm.trace import RequestTrace
 
 FLOOR = 0.3
@@ -24,29 +25,10 @@ FLOOR = 0.3
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from vtoken.models.tiny import tiny_model
-
     d = tmp_path_factory.mktemp("traces")
-    llm = start_engine(
-        str(tiny_model("llama")),
-        32,
-        str(d),
-        enable_prefix_caching=True,
-        max_num_batched_tokens=64,
-        max_model_len=352,
-        num_gpu_blocks_override=12,
-        recent=8,
-    )
+    llm = small_pool_engine(str(d))
     yield llm, d
     shutdown(llm)
-
-
-@pytest.fixture(scope="module")
-def ref_llama():
-    from vtoken.models.hf_reference import load_reference_model
-    from vtoken.models.tiny import tiny_model
-
-    return load_reference_model(tiny_model("llama"))
 
 
 def pressure(tag: str, n: int, mode: str = "repack", **extra):
