@@ -10,7 +10,7 @@ export VLLM_NO_USAGE_STATS := 1
 export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install lint test test-gpu serve docs clean
+.PHONY: install lint test test-fast test-gpu serve docs clean
 
 install: $(STAMP)
 
@@ -35,6 +35,10 @@ lint: $(STAMP)
 test: $(STAMP)
 	sh scripts/install-system-deps.sh
 	$(BIN)/python -m pytest tests/cpu -q
+
+# the inner loop: the modules marked `unit` (no engine, server or cluster), about a minute on 2 cores
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests/cpu -q -m "unit and not slow"
 
 # On a CUDA machine. Needs only torch, triton, numpy and pytest (no vLLM, no install of this project: tests/gpu
 # and scripts/gpu_check.py put the repository root on sys.path); GPU_PY picks .venv's python where there is

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from vtoken.core.admission import HEADROOM, AdmissionConfig, StepTimeModel, cap_for, cap_with_overhead
 from vtoken.errors import ConfigError
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 
 def fitted(a, b, ns, tpot_s=0.1, noise=0.0, seed=0, **kw):
     m = StepTimeModel(AdmissionConfig(tpot_s=tpot_s, **kw))

@@ -19,6 +19,8 @@ from vtoken.core.kvstats import KVSnapshot
 from vtoken.serve.control import autoscaling, ranking
 from vtoken.serve.telemetry.stats import routing_stats
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ROOT / "docs" / "results" / "fleet-steps.json"
 

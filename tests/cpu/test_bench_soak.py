@@ -10,6 +10,8 @@ import pytest
 
 from vtoken.bench.soak_client import ABORTED, COMPLETED, ERROR, UNACCOUNTED, SoakRequest, draw, send
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 POLICIES, MODES = ("h2o", "tova"), ("repack", "none")
 
 

@@ -11,6 +11,8 @@ from vtoken.core.token_table import NO_TOKEN, TokenTable
 from vtoken.errors import ConfigError, IntegrityError
 from vtoken.policies import policy_names
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 
 def architecture_picture(mode: Mode) -> TokenTable:
     """docs/architecture.md §1: B = 4, 12 tokens, t1 t2 t4 t5 t7 t10 evicted, 6 live."""

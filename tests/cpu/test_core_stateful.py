@@ -23,6 +23,8 @@ from vtoken.core.integrity import check_integrity
 from vtoken.core.manager import CacheManager
 from vtoken.core.pool import PoolExhausted
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 B = 4
 POOL = 48
 OPS_PER_MODE = 25_000

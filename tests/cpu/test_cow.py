@@ -23,6 +23,8 @@ from vtoken.core.eviction import StepDecision
 from vtoken.core.manager import physical_slots
 from vtoken.core.token_table import NO_TOKEN, TokenTable
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 FREE = -1
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "architecture.md"
 SCAN_DIRS = ("vtoken", "tests", "docs", "dashboards", "k8s")
@@ -181,3 +183,33 @@ def test_support_matrix_refuses_micro_batching_and_mm_prefix_models_by_option():
         assert named, f"no support-matrix row names {option}"
         for r in named:
             assert "✓" in r["refused"] and TEST_REF.search(r["refused"]), r["feature"]
+
+
+HEAVY = (
+    "start_engine",
+    "LLM(",
+    "AsyncLLM",
+    "run_cases",
+    "LocalCluster",
+    "ray.init",
+    "PrometheusServer",
+    "Popen",
+    "subprocess.run",
+    "serve.run",
+    "default_model",
+    "vllm.entrypoints",
+    "small_pool_engine",
+)
+
+
+def test_modules_marked_unit_start_no_engine_server_or_cluster():
+    """`make test-fast` runs the modules marked ``unit``: a module that builds an engine, a server or a cluster
+    must not carry the mark (it would make the inner loop slow), and the fast set must not be empty."""
+    marked = [p for p in sorted((ROOT / "tests" / "cpu").glob("test_*.py")) if "pytest.mark.unit" in p.read_text()]
+    assert len(marked) >= 20
+    for path in marked:
+        text = path.read_text()
+        assert not [h for h in HEAVY if h in text and path.name != "test_docs.py"], (
+            path.name,
+            [h for h in HEAVY if h in text],
+        )

@@ -29,6 +29,8 @@ from vtoken.kernels.moves import TorchSlotMover
 from vtoken.kernels.moves import read_kv as cpu_read_kv
 from vtoken.kernels.scores import RequestScores, ScoreAccumulator
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 L, NB, BS, H = 3, 6, 16, 2
 
 

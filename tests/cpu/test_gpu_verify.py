@@ -11,6 +11,8 @@ from vtoken.errors import ConfigError
 from vtoken.vllm import gpu_verify as gv
 from vtoken.vllm.trace import NEVER, RequestTrace
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 
 def test_off_cuda_the_command_refuses_before_building_an_engine():
     from typer.testing import CliRunner

@@ -16,6 +16,8 @@ from vtoken.models.hf_reference import (
     score_trace,
 )
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
 M = 20
 

@@ -13,6 +13,8 @@ import pytest
 from vtoken.core.stats import unimportance_bits
 from vtoken.kernels.check import NEAR_TIE_RTOL, BitsComparison, compare_unimportance_bits
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 TIE = 0.25  # 4 visible keys
 # row 0 (older query: bit 1), row 1 (newest: bit 0); key 0 is a near-tie in row 0, key 1 in row 1
 PROBS = np.array([[TIE * (1 - 1e-6), 0.10, 0.40, 0.25], [0.10, TIE * (1 + 1e-5), 0.40, 0.25]])

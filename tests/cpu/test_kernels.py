@@ -12,6 +12,8 @@ from vtoken.kernels.layout import TokenLayout, probe_layout, split_kv_cache
 from vtoken.kernels.moves import TorchSlotMover, read_kv
 from vtoken.kernels.scores import RequestScores, ScoreAccumulator, attention_probs
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 
 def _writer(isa: str = "vec"):
     def write(k, v, kc, vc, sm):

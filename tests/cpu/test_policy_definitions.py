@@ -19,6 +19,8 @@ from vtoken.core.token_table import TokenTable
 from vtoken.policies import make_policy
 from vtoken.policies.scissorhands import ScissorhandsPolicy
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 
 def feed(table: TokenTable, probs: np.ndarray) -> None:
     """Fold one step in: ``probs[q, k]`` is the attention of the step's ``q`` queries (the newest tokens,

@@ -14,6 +14,8 @@ from vtoken.policies import get_policy_class, make_policy, policy_names
 from vtoken.policies.context import Stat
 from vtoken.sim.source import SyntheticConfig, SyntheticSource
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 P, M, B, BUDGET, SINKS, RECENT = 96, 48, 8, 0.25, 2, 6
 
 

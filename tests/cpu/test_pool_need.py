@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from vtoken.vllm.pool_need import FULL, PoolShape, group_windows, pool_shape
+
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
 
 S, F = "sliding_attention", "full_attention"
 

@@ -13,6 +13,8 @@ from vtoken.core.pressure import Candidate, batch_keys, blocks_for, candidate, p
 from vtoken.core.token_table import TokenTable
 from vtoken.errors import ConfigError
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 B = 4
 
 

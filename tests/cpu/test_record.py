@@ -9,6 +9,8 @@ import pytest
 
 from vtoken.sim.record import AttentionTrace, embedded_texts, load_metadata, load_traces, record_traces
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 GEN = 12
 
 

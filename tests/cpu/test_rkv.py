@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,8 @@ from vtoken.kernels.layout import TokenLayout
 from vtoken.kernels.scores import RequestScores, ScoreAccumulator, key_redundancy
 from vtoken.policies import EvictionContext, Stat, make_policy
 from vtoken.policies.rkv import LAMBDA
+
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
 
 
 def direct(keys: np.ndarray) -> np.ndarray:

@@ -21,6 +21,8 @@ from vtoken.kernels.check import fill_random
 from vtoken.kernels.gpu_layout import PagedScoreAccumulator, allocate_kv_caches, layout_for, read_k
 from vtoken.kernels.scores import LayerGroups, RequestScores, attention_probs
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 
 @pytest.mark.parametrize(
     "count,depth,want",

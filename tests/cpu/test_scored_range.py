@@ -17,6 +17,8 @@ from vtoken.core.stats import SlotScores
 from vtoken.kernels.check import Shape, make_accumulator, scheduler_plan, setup
 from vtoken.kernels.scores import RequestScores
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 
 @pytest.mark.parametrize(
     "settings,prompt_len,want",

@@ -16,6 +16,8 @@ from vtoken.serve.config import ServeAppConfig
 from vtoken.serve.control.failover import FailoverMiddleware
 from vtoken.serve.replica.openai_app import RequestGuard, limit_violation
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 CFG = ServeAppConfig.model_validate(
     {"limits": {"max_body_bytes": 4096, "max_tokens": 100, "max_n": 2, "max_prompt_chars": 200}}
 )

@@ -18,6 +18,8 @@ from vtoken.serve.telemetry.sla import RequestLatency, SloTargets, latency_of, m
 from vtoken.serve.telemetry.stats import StatsSink, snapshot_from
 from vtoken.vllm.stats import encode
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 
 def sched(usage=0.0, running=0, waiting=0, extra=None):
     return SimpleNamespace(

@@ -19,6 +19,8 @@ from vtoken.serve.control.ranking import RouterParams, effective_free_tokens, ra
 from vtoken.serve.control.router import UNSCORED_LOG_EVERY_S, KVAwareRouter
 from vtoken.serve.telemetry.stats import POLLED_AT, routing_stats
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 NOW = 1_000_000.0
 P = RouterParams(stale_after_s=5.0, fragmentation_weight=0.5, tokens_per_queued_request=256, tie_tokens=64)
 

@@ -16,6 +16,8 @@ from vtoken.core.config import VTokenConfig
 from vtoken.core.settings_doc import attribute_docs, settings_rows, settings_table, sync
 from vtoken.vllm.config import SETTINGS_DOCS, EngineSettings, settings_tables
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -24,6 +24,8 @@ from vtoken.sim.exact import simulate_exact
 from vtoken.sim.run import SimConfig
 from vtoken.sim.source import SyntheticConfig, SyntheticSource, TraceSource
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 W = OBSERVATION_WINDOW  # 32
 
 

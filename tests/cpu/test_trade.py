@@ -10,6 +10,8 @@ import pytest
 
 from vtoken.bench.longgen import trade
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 SERVED = [
     RESULTS / f

@@ -21,6 +21,8 @@ from vtoken.kernels.triton_attention import _DECODE
 from vtoken.kernels.triton_moves import _COPY, DIRECT, GATHER, SCATTER
 from vtoken.kernels.triton_scores import _PROBS, _STATS
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 LLAMA = dict(
     GROUP=4,
     G_P2=16,

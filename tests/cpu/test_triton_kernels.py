@@ -27,6 +27,8 @@ from vtoken.kernels.triton_attention import paged_decode, paged_decode_reference
 from vtoken.kernels.triton_moves import TritonSlotMover
 from vtoken.kernels.triton_scores import TritonScoreAccumulator
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 BS = 16
 
 

@@ -19,6 +19,8 @@ from vtoken.kernels.triton_moves import _COPY
 from vtoken.kernels.triton_runtime import TritonKernel
 from vtoken.kernels.triton_scores import _PROBS, _STATS
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 
 @pytest.mark.parametrize("kernel", [_COPY, _STATS, _PROBS, _DECODE], ids=lambda k: k.fn.__name__)
 @pytest.mark.parametrize("interpret", [False, True])

@@ -22,6 +22,8 @@ from vtoken.kernels.scores import RequestScores
 from vtoken.kernels.triton_moves import _COPY, TritonSlotMover
 from vtoken.kernels.triton_scores import _PROBS, _STATS, TritonScoreAccumulator
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 BS, HKV, HQ, HD = 16, 2, 4, 64
 
 

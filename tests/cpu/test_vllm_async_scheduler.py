@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 VOCAB = 500
 
 

@@ -19,6 +19,8 @@ from vtoken.kernels.triton_moves import TritonSlotMover
 from vtoken.kernels.triton_scores import TritonScoreAccumulator
 from vtoken.vllm.transport import StepPlan, StepResult, result_of
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 
 def _platform(kind):
     return SimpleNamespace(is_cpu=lambda: kind == "cpu", is_cuda=lambda: kind == "cuda", device_name=kind)

@@ -10,6 +10,8 @@ import torch
 from vtoken.kernels.scores import attention_probs
 from vtoken.vllm.tp import HeadShards, reduce_buffers
 
+pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
+
 
 @pytest.mark.parametrize(
     "tp,q,kv,replicas,kv_local", [(2, 4, 2, 1, 1), (2, 6, 1, 2, 1), (4, 8, 2, 2, 1), (2, 8, 8, 1, 4), (1, 4, 2, 1, 2)]
