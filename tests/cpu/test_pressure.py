@@ -40,14 +40,14 @@ def batches(draw):
 
 
 def _need(cands, k, fixed):
-    return fixed + sum(c.need(k.get(c.key, 0), B) for c in cands)
+    return fixed + sum(c.need(k.get(c.key, 0)) for c in cands)
 
 
 @settings(max_examples=300, deadline=None)
 @given(batches())
 def test_nothing_is_evicted_while_the_step_fits(batch):
     cands, free, fixed, margin = batch
-    d = plan_pressure(cands, free, fixed, margin, B)
+    d = plan_pressure(cands, free, fixed, margin)
     if _need(cands, {}, fixed) <= free:
         assert not d.fired and d.victims == {} and d.slack == free - _need(cands, {}, fixed)
 
@@ -56,7 +56,7 @@ def test_nothing_is_evicted_while_the_step_fits(batch):
 @given(batches())
 def test_a_round_takes_a_prefix_above_the_floor_frees_whole_blocks_and_reaches_the_margin(batch):
     cands, free, fixed, margin = batch
-    d = plan_pressure(cands, free, fixed, margin, B)
+    d = plan_pressure(cands, free, fixed, margin)
     k = {key: v.size for key, v in d.victims.items()}
     by_key = {c.key: c for c in cands}
     for key, v in d.victims.items():
@@ -71,7 +71,7 @@ def test_a_round_takes_a_prefix_above_the_floor_frees_whole_blocks_and_reaches_t
         if free - _need(cands, floors, fixed) >= margin:
             assert d.slack >= margin  # room at the floors: the round reaches the target
         else:
-            assert d.slack == free - _need(cands, {c.key: c.useful(c.order.size, B) for c in cands}, fixed)
+            assert d.slack == free - _need(cands, {c.key: c.useful(c.order.size) for c in cands}, fixed)
 
 
 @settings(max_examples=300, deadline=None)
@@ -80,7 +80,7 @@ def test_hysteresis_no_new_round_until_the_batch_outgrows_the_margin(batch, step
     """After a round that reached its margin, the batch decodes ``steps`` more tokens per request: no round
     fires while the blocks that growth takes stay within the margin."""
     cands, free, fixed, margin = batch
-    d = plan_pressure(cands, free, fixed, margin, B)
+    d = plan_pressure(cands, free, fixed, margin)
     if not d.fired or d.slack < margin:
         return
     after, free_after = [], free
@@ -94,7 +94,7 @@ def test_hysteresis_no_new_round_until_the_batch_outgrows_the_margin(batch, step
         for c, live, held in after
     ]
     growth = sum(g.need(0) for g in grown) + fixed
-    again = plan_pressure(grown, free_after, fixed, margin, B)
+    again = plan_pressure(grown, free_after, fixed, margin)
     assert free_after - fixed >= margin  # the round left its margin
     assert again.fired == (growth > free_after)
     if steps == 0 and margin >= len(cands):  # the scheduler's margin: never a round on the next step
@@ -105,15 +105,15 @@ def test_batch_order_crosses_requests():
     """The lowest keys of the whole batch go first: request a's cheap tokens before b's dear ones."""
     a = Candidate.repack("a", 12, 3, 1, 1, np.arange(8), np.full(8, 0.1), block_size=B)
     b = Candidate.repack("b", 12, 3, 1, 1, np.arange(8), np.full(8, 0.5), block_size=B)
-    d = plan_pressure([a, b], free=1, fixed=0, margin=1, block_size=B)  # 2 blocks short of the target
+    d = plan_pressure([a, b], free=1, fixed=0, margin=1)  # 2 blocks short of the target
     assert set(d.victims) == {"a"} and d.victims["a"].size == 5 and d.slack == 1
 
 
 def test_a_waiting_request_counts_only_if_the_floors_can_make_room():
     a = Candidate.repack("a", 12, 3, 0, 0, np.arange(8), np.full(8, 0.1), block_size=B)  # 2 blocks at its floor
-    d = plan_pressure([a], free=0, fixed=0, margin=0, block_size=B, admit=5)
+    d = plan_pressure([a], free=0, fixed=0, margin=0, admit=5)
     assert not d.admitted and d.victims == {}
-    d = plan_pressure([a], free=0, fixed=0, margin=0, block_size=B, admit=1)
+    d = plan_pressure([a], free=0, fixed=0, margin=0, admit=1)
     assert d.admitted and d.victims["a"].size == 4 and d.slack == 0
 
 

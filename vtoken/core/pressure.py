@@ -85,12 +85,12 @@ class Candidate:
         after = np.concatenate([[held + need0], -(-np.maximum(live - k + n_new, 0) // block_size)])
         return cls(key, live, held, n_new, after.astype(np.int64), order, keys)
 
-    def need(self, k: int, block_size: int = 0) -> int:
+    def need(self, k: int) -> int:
         """Blocks this request takes from the pool in the coming step after giving up ``k`` tokens (may be
         negative: blocks it returns). Pure."""
         return int(self.after[k]) - self.held
 
-    def useful(self, k: int, block_size: int = 0) -> int:
+    def useful(self, k: int) -> int:
         """The fewest of the first ``k`` tokens of ``order`` that free as many blocks as all ``k``. Pure."""
         while k > 0 and self.after[k - 1] == self.after[k]:
             k -= 1
@@ -132,15 +132,12 @@ def batch_keys(ranked: np.ndarray, total_mass: float | None) -> np.ndarray:
     return np.arange(1, n + 1, dtype=np.float64) / (n + 1)
 
 
-def plan_pressure(
-    cands: list[Candidate], free: int, fixed: int, margin: int, block_size: int, admit: int = 0
-) -> PressureDecision:
+def plan_pressure(cands: list[Candidate], free: int, fixed: int, margin: int, admit: int = 0) -> PressureDecision:
     """The batch's victims under the rule of the module docstring (pure). ``fixed``: blocks the step takes
     for requests that are not candidates; ``admit``: blocks the queue's head needs to be admitted (0: none
-    waits)."""
-    B = block_size
-    need0 = fixed + sum(c.need(0, B) for c in cands)
-    floor_need = fixed + sum(c.need(c.order.size, B) for c in cands)
+    waits). Block counts come from each candidate's ``after``."""
+    need0 = fixed + sum(c.need(0) for c in cands)
+    floor_need = fixed + sum(c.need(c.order.size) for c in cands)
     admitted = admit > 0 and free - floor_need - admit >= 0
     if admitted:
         need0 += admit
@@ -156,12 +153,12 @@ def plan_pressure(
         if slack >= margin:
             break
         i = int(idx[j])
-        before = cands[i].need(k[i], B)
+        before = cands[i].need(k[i])
         k[i] += 1
-        slack += before - cands[i].need(k[i], B)
+        slack += before - cands[i].need(k[i])
     victims = {}
     for c, ki in zip(cands, k):
-        ki = c.useful(ki, B)
+        ki = c.useful(ki)
         if ki:
             victims[c.key] = np.sort(np.asarray(c.order[:ki], np.int64))
     return PressureDecision(victims, deficit, slack, admitted)

@@ -151,7 +151,7 @@ class PressureMixin:
                 continue
             chosen[request.request_id] = (request, st, cfg)
             cands.append(pressure.candidate(request.request_id, st.table, st.policy, cfg, st.salt, held, n))
-        decision = pressure.plan_pressure(cands, free, fixed, margin=len(self.running), block_size=B, admit=admit)
+        decision = pressure.plan_pressure(cands, free, fixed, margin=len(self.running), admit=admit)
         if not decision.fired:
             return  # short only for a head that no eviction could admit: it waits, as in vLLM
         c = self._vt_pressure_counters
