@@ -34,7 +34,7 @@ def results_doc():
 
 def test_results_md_is_what_the_jsons_give():
     committed = DOC.read_text()
-    assert results_doc().render(RESULTS, committed) == committed, (
+    assert results_doc().render(RESULTS) == committed, (
         "docs/results.md differs from its JSONs: run `python scripts/results_doc.py`"
     )
 
@@ -45,7 +45,7 @@ def test_a_changed_json_value_changes_the_quoted_figure(tmp_path):
     mod = results_doc()
     copy = tmp_path / "results"
     shutil.copytree(RESULTS, copy, ignore=shutil.ignore_patterns("*.png", "gpu", "lm-eval"))
-    before = mod.render(copy, DOC.read_text())
+    before = mod.render(copy)
     serve = copy / "serve-smollm2-decode-only-10.json"
     report = json.loads(serve.read_text())
     ratio = report["summary"]["ratios"]["repack/h2o +admission / none"]["max_rate_at_target"]
@@ -55,7 +55,7 @@ def test_a_changed_json_value_changes_the_quoted_figure(tmp_path):
     report = json.loads(cap.read_text())
     report["modes"]["repack"]["max_feasible_concurrency"] = 22
     cap.write_text(json.dumps(report))
-    after = mod.render(copy, DOC.read_text())
+    after = mod.render(copy)
     assert "**3× (2.1–4.29)**" in after and "**3× (2.1–4.29)**" not in before
     assert "6 → **22**" in after and "6 → **21**" in before
 

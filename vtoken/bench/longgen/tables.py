@@ -11,14 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from vtoken.bench.longgen.rule import RATIO_BOUND, TASK_DIFF_BOUND
+from vtoken.core.config import Budget
 
 
 def setting(settings: dict) -> str:
     """A point's setting in words: ``H2O 10 %, decode-only`` (the policy, budget and scope it ran with)."""
-    budget = settings["budget"]
-    kept = "nothing evicted" if budget in (1, 1.0, "1.0") else f"{float(budget) * 100:g} %"
-    if kept == "nothing evicted":
+    budget = Budget.parse(settings["budget"])
+    if budget.fraction == 1.0:
         return "full cache (budget 1.0)"
+    kept = f"{budget.count} tokens" if budget.count is not None else f"{budget.fraction * 100:g} %"
     scope = "decode-only" if settings.get("scope") == "generated" else "every token"
     extra = "" if settings.get("score_layers", 1) == 1 else ", every layer scored"
     return f"{settings['policy']} {kept}, {scope}{extra}"
