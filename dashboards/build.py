@@ -245,6 +245,41 @@ def kv_dashboard() -> dict:
             span=24,
         ),
     ]
+    share = names.REQUEST_EVICTED_SHARE
+    trimmed = (
+        f'1 - sum(increase({share.bucket}{{{SEL}, le="0.0"}}[{names.TRIMMED_WINDOW}]))'
+        f" / sum(increase({share.count}{{{SEL}}}[{names.TRIMMED_WINDOW}]))"
+    )
+    paid = [
+        _panel(
+            timeseries,
+            "Requests trimmed",
+            f"Share of finished requests that lost context to eviction over the last {names.TRIMMED_WINDOW}; "
+            f"VTokenRequestsTrimmed fires above {names.TRIMMED_SHARE_MAX:.0%}. With trigger pressure a request "
+            "is trimmed only while memory is short (pressure rounds/s beside it).",
+            "percentunit",
+            [_q(trimmed, "trimmed"), _per_replica_rate(names.PRESSURE_ROUNDS)],
+            span=8,
+        )
+        .min(0)
+        .thresholds(_thresholds((None, "green"), (names.TRIMMED_SHARE_MAX, "orange"))),
+        _panel(
+            timeseries,
+            "Context lost per request",
+            "Share of its context a finished request no longer attended to (p50/p95/p99).",
+            "percentunit",
+            _quantiles(share),
+            span=8,
+        ),
+        _panel(
+            timeseries,
+            "Attention mass evicted per request",
+            "Share of a request's measured attention that went to tokens it evicted (attention policies; p50/p95/p99).",
+            "percentunit",
+            _quantiles(names.REQUEST_EVICTED_MASS),
+            span=8,
+        ),
+    ]
     util = names.KV_UTILIZATION.name
     nodes = [
         _panel(
@@ -269,7 +304,13 @@ def kv_dashboard() -> dict:
         "vtoken-kv",
         "vToken / KV cache",
         "KV savings and reclamation of vToken replicas.",
-        [("KV savings", savings), ("Per replica", replicas), ("Per node", nodes), ("Reclamation", reclamation)],
+        [
+            ("KV savings", savings),
+            ("What requests paid", paid),
+            ("Per replica", replicas),
+            ("Per node", nodes),
+            ("Reclamation", reclamation),
+        ],
     )
 
 

@@ -1,7 +1,7 @@
 """vToken's Prometheus alerts (rendered into k8s/prometheusrule.yaml by k8s/render.py).
 
 The only vtoken import is vtoken/metric_names.py (standard library only): every metric name and the
-thresholds SLO_TARGET, KV_SATURATED and FRAGMENTATION_MAX come from there, the same declarations the
+thresholds SLO_TARGET, KV_SATURATED, FRAGMENTATION_MAX and TRIMMED_SHARE_MAX come from there, the same declarations the
 exporter (vtoken/serve/telemetry/metrics.py) and the dashboards use. k8s/render.py puts the repository root on
 ``sys.path`` before importing this file, so rendering needs pyyaml and the checkout, not an installed vtoken.
 
@@ -20,7 +20,7 @@ the error budget is 1 - T; an alert needs the error ratio above ``factor * (1 - 
 from __future__ import annotations
 
 from vtoken import metric_names as names
-from vtoken.metric_names import FRAGMENTATION_MAX, KV_SATURATED, SLO_TARGET
+from vtoken.metric_names import FRAGMENTATION_MAX, KV_SATURATED, SLO_TARGET, TRIMMED_SHARE_MAX, TRIMMED_WINDOW
 
 SCRAPE_JOB = "vtoken"  # the PodMonitor relabels job to this (k8s/render.py)
 METRICS_PORT_NAME = "vtoken-metrics"  # container port name = PodMonitor endpoint label
@@ -115,6 +115,31 @@ def kv_rules() -> list[dict]:
     ]
 
 
+def trimmed_ratio(window: str) -> str:
+    """Share of finished requests that lost context to eviction over ``window`` (the ``le="0.0"`` bucket
+    of ``vtoken:request_evicted_share`` holds those that lost none; NaN without traffic: no alert)."""
+    share = names.REQUEST_EVICTED_SHARE
+    return (
+        f'1 - sum by ({SLO_BY}) (increase({share.bucket}{{le="0.0"}}[{window}]))\n'
+        f"  / sum by ({SLO_BY}) (increase({share.count}[{window}]))"
+    )
+
+
+def cost_rules() -> list[dict]:
+    return [
+        _alert(
+            "VTokenRequestsTrimmed",
+            f"(\n  {trimmed_ratio(TRIMMED_WINDOW)}\n) > {TRIMMED_SHARE_MAX}\n",
+            "warning",
+            "5m",
+            "vToken requests losing context on {{ $labels.deployment }}",
+            "{{ $value | humanizePercentage }} of the requests {{ $labels.namespace }}/{{ $labels.deployment }} "
+            f"finished over the last {TRIMMED_WINDOW} lost context to eviction (threshold "
+            f"{TRIMMED_SHARE_MAX:.0%}): memory is short for the load; add replicas or lower the load.",
+        )
+    ]
+
+
 def replica_rules() -> list[dict]:
     target = f'up{{job="{SCRAPE_JOB}", endpoint="{METRICS_PORT_NAME}"}}'
     return [
@@ -144,6 +169,7 @@ def prometheus_rule(name: str, labels: dict[str, str]) -> dict:
     groups = [
         {"name": "vtoken.slo", "rules": slo_rules()},
         {"name": "vtoken.kv", "rules": kv_rules()},
+        {"name": "vtoken.cost", "rules": cost_rules()},
         {"name": "vtoken.replicas", "rules": replica_rules()},
     ]
     return {

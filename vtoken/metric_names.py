@@ -29,7 +29,8 @@ REPLICA_LABELS = ("application", "deployment", "replica", "node")
 class Metric:
     """One metric family as declared (``name`` without the ``_total`` a counter is scraped with).
 
-    ``labels`` are the metric's own labels (the replica labels and a histogram's ``le`` come on top).
+    ``labels`` are the metric's own labels (the replica labels and a histogram's ``le`` come on top);
+    ``buckets`` a histogram's bucket bounds, declared here for whoever fills it (the replica, the engine).
     ``unit`` is descriptive only: it is not passed to prometheus_client, which would append it to the
     name or emit it as ``# UNIT`` under OpenMetrics.
     """
@@ -39,10 +40,13 @@ class Metric:
     help: str
     unit: str = ""
     labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()  # a histogram's ``le`` bounds (+Inf implied); empty for other kinds
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"{self.name}: kind {self.kind!r} is not one of {KINDS}")
+        if (self.kind == HISTOGRAM) != bool(self.buckets):
+            raise ValueError(f"{self.name}: a histogram declares its buckets, other kinds none")
         if self.kind == COUNTER and self.name.endswith("_total"):
             raise ValueError(f"{self.name}: declare a counter without _total (see .total)")
 
@@ -155,14 +159,69 @@ INVARIANT_VIOLATIONS = Metric(
     "violations",
 )
 INVARIANT_SECONDS = Metric("vtoken:invariant_seconds", COUNTER, "Time spent checking KV invariants", "seconds")
+PRESSURE_ROUNDS = Metric(
+    "vtoken:pressure_rounds",
+    COUNTER,
+    "Scheduling steps in which the KV pool could not hold the running batch's next step (trigger pressure)",
+    "steps",
+)
+PRESSURE_EVICTED_TOKENS = Metric(
+    "vtoken:pressure_evicted_tokens",
+    COUNTER,
+    "Tokens evicted by pressure rounds (included in evicted_tokens)",
+    "tokens",
+)
+PRESSURE_AT_FLOOR = Metric(
+    "vtoken:pressure_at_floor",
+    COUNTER,
+    "Pressure rounds that left the step short with every request at its floor (vLLM then preempts)",
+    "steps",
+)
+
+# ------------- vToken per-request cost (the engine's cumulative histograms, vtoken/core/cost.py)
+REQUEST_EVICTED_SHARE = Metric(
+    "vtoken:request_evicted_share",
+    HISTOGRAM,
+    "Share of its context a finished request no longer attended to (evicted / context tokens)",
+    "ratio",
+    (),
+    (0.0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9),
+)
+REQUEST_EVICTED_TOKENS = Metric(
+    "vtoken:request_evicted_tokens",
+    HISTOGRAM,
+    "Context tokens a finished request no longer attended to",
+    "tokens",
+    (),
+    (0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0),
+)
+REQUEST_EVICTED_MASS = Metric(
+    "vtoken:request_evicted_mass",
+    HISTOGRAM,
+    "Share of a finished request's measured attention that went to tokens it evicted (attention policies)",
+    "ratio",
+    (),
+    (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5),
+)
 
 # --------------------------------------------- vToken SLA series (updated once per finished request)
 REQUESTS = Metric("vtoken:requests", COUNTER, "Finished requests judged against the SLO", "requests")
 SLO_MET = Metric("vtoken:slo_met", COUNTER, "Finished requests that met both TTFT and TPOT SLOs", "requests")
-TTFT_SECONDS = Metric("vtoken:ttft_seconds", HISTOGRAM, "Time to first token of finished requests", "seconds")
-TPOT_SECONDS = Metric("vtoken:tpot_seconds", HISTOGRAM, "Mean time per output token of finished requests", "seconds")
-E2E_SECONDS = Metric("vtoken:e2e_seconds", HISTOGRAM, "End-to-end latency of finished requests", "seconds")
-REPACK_SECONDS = Metric("vtoken:repack_seconds", HISTOGRAM, "Duration of one repack plan (interval mean)", "seconds")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+REPACK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+TTFT_SECONDS = Metric(
+    "vtoken:ttft_seconds", HISTOGRAM, "Time to first token of finished requests", "seconds", (), LATENCY_BUCKETS
+)
+TPOT_SECONDS = Metric(
+    "vtoken:tpot_seconds", HISTOGRAM, "Mean time per output token of finished requests", "seconds", (), TPOT_BUCKETS
+)
+E2E_SECONDS = Metric(
+    "vtoken:e2e_seconds", HISTOGRAM, "End-to-end latency of finished requests", "seconds", (), LATENCY_BUCKETS
+)
+REPACK_SECONDS = Metric(
+    "vtoken:repack_seconds", HISTOGRAM, "Duration of one repack plan (interval mean)", "seconds", (), REPACK_BUCKETS
+)
 ROUTING_STATS_POLLS = Metric(
     "vtoken:routing_stats_polls",
     COUNTER,
@@ -194,9 +253,15 @@ KV_COUNTERS = (
     INVARIANT_CHECKS,
     INVARIANT_VIOLATIONS,
     INVARIANT_SECONDS,
+    PRESSURE_ROUNDS,
+    PRESSURE_EVICTED_TOKENS,
+    PRESSURE_AT_FLOOR,
 )
+COST_HISTOGRAMS = (REQUEST_EVICTED_SHARE, REQUEST_EVICTED_TOKENS, REQUEST_EVICTED_MASS)
 SLA_METRICS = (REQUESTS, SLO_MET, TTFT_SECONDS, TPOT_SECONDS, E2E_SECONDS, REPACK_SECONDS, ROUTING_STATS_POLLS)
-VTOKEN_METRICS = KV_GAUGES + KV_COUNTERS + SLA_METRICS  # everything a replica exports, exposition order
+VTOKEN_METRICS = (
+    KV_GAUGES + KV_COUNTERS + COST_HISTOGRAMS + SLA_METRICS
+)  # everything a replica exports, exposition order
 
 # ---------------------------------- vLLM-owned series the router, autoscaler and dashboards read
 NUM_REQUESTS_WAITING = Metric(
@@ -248,4 +313,6 @@ def series_names(metrics: tuple[Metric, ...] = ALL_METRICS) -> frozenset[str]:
 SLO_TARGET = 0.99  # share of finished requests that must meet the TTFT and TPOT SLOs
 KV_SATURATED = 0.95  # kv_utilization = (held + window) / pool above which VTokenKVSaturated fires
 FRAGMENTATION_MAX = 0.5  # fragmentation_ratio above which VTokenKVFragmentationHigh fires (pool busy)
+TRIMMED_SHARE_MAX = 0.2  # share of finished requests that lost context above which VTokenRequestsTrimmed fires
+TRIMMED_WINDOW = "10m"  # the window VTokenRequestsTrimmed and the dashboard's trimmed share look at
 INVARIANT_WINDOW = "10m"  # VTokenKVInvariantViolated fires on any violation within it (and the panel shows it)

@@ -72,6 +72,10 @@ def test_dashboards_cover_the_kv_and_sla_series_and_share_the_alert_thresholds()
         "vtoken:evicted_tokens_total",
         "vtoken:invariant_violations_total",
         "vtoken:invariant_checks_total",
+        "vtoken:request_evicted_share_bucket",
+        "vtoken:request_evicted_share_count",
+        "vtoken:request_evicted_mass_bucket",
+        "vtoken:pressure_rounds_total",
     } <= names["vtoken-kv.json"]
     assert {
         "vtoken:slo_met_total",
@@ -95,7 +99,9 @@ def test_dashboards_cover_the_kv_and_sla_series_and_share_the_alert_thresholds()
         "Fragmentation ratio per replica": {mn.FRAGMENTATION_MAX},
         "SLA attainment (time range)": {mn.SLO_TARGET},
         "SLA attainment, overall and per replica": {mn.SLO_TARGET},
+        "Requests trimmed": {mn.TRIMMED_SHARE_MAX},
     }
+    assert f") > {mn.TRIMMED_SHARE_MAX}\n" in rules.cost_rules()[0]["expr"]
     exprs = {r["alert"]: r["expr"] for r in rules.kv_rules()}
     assert f"{mn.KV_UTILIZATION.name} > {mn.KV_SATURATED}\n" == exprs["VTokenKVSaturated"]
     fragmentation = f"{mn.FRAGMENTATION_RATIO.name} > {mn.FRAGMENTATION_MAX}\n"
@@ -137,12 +143,15 @@ class Replica:
         self.server, self.port = start_metrics_server(view, "127.0.0.1", port, 0, span=0, wait_s=0)
         assert self.server is not None, f"port {port} busy"
         self.step = 0
+        self.costs = None
 
     def tick(self) -> None:
+        from vtoken.core.cost import CostStats, RequestCost
         from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
         from vtoken.serve.telemetry.sla import RequestLatency
 
         i = self.step = self.step + 1
+        self.costs = (self.costs or CostStats()).add(RequestCost(0, 50)).add(RequestCost(30, 100, 0.05 + i % 3 / 100))
         self.sink.put(
             KVSnapshot(
                 live_tokens=90 + i % 7,
@@ -159,7 +168,9 @@ class Replica:
                     repack_moves=5 * i,
                     repack_seconds=0.001 * i,
                     repack_plans=i,
+                    pressure_rounds=i,
                 ),
+                costs=self.costs,
             )
         )
         self.sink.finished(RequestLatency(0.2 if i % 3 else 3.0, 0.05, 1.0, 10, "length"))

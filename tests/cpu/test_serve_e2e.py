@@ -194,6 +194,34 @@ def test_openai_client_completions_chat_streaming_and_probes(app):
     assert httpx.get(f"{app.url}/-/healthz").status_code == 200  # Serve's proxy
 
 
+def test_a_completion_says_what_eviction_cost_it(app):
+    """A non-streaming completion (and chat completion) carries a top-level ``vtoken`` object
+    (vtoken/serve/replica/cost_field.py; ``kv_transfer_params`` back to null): the tokens it lost equal what
+    the replicas' ``vtoken:evicted_tokens_total`` rose by, its context is prompt + completion − 1, and the
+    replicas' ``vtoken:request_evicted_share`` histogram counted it once."""
+    ev0 = replica_samples(app, "vtoken:evicted_tokens_total")
+    n0 = replica_samples(app, "vtoken:request_evicted_share_count")
+    r = complete(app.http, max_tokens=24, prompt=PROMPT * 3, temperature=0)
+    body = r.json()
+    cost, usage = body["vtoken"], body["usage"]
+    assert r.status_code == 200 and body["kv_transfer_params"] is None
+    assert cost["context_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] - 1
+    assert cost["evicted_tokens"] > 0  # H2O at budget 0.5 over every token (app_config)
+    assert cost["evicted_share"] == pytest.approx(cost["evicted_tokens"] / cost["context_tokens"], abs=1e-6)
+    assert 0.0 < cost["evicted_attention_mass"] < 1.0
+
+    def delta(name: str, start: dict) -> float:
+        return sum(v - start.get(k, 0.0) for k, v in replica_samples(app, name).items())
+
+    wait_for(lambda: delta("vtoken:request_evicted_share_count", n0) == 1, "the replica's histogram counted it")
+    assert delta("vtoken:evicted_tokens_total", ev0) == cost["evicted_tokens"]
+    chat = app.http.post(
+        "/v1/chat/completions",
+        json={"model": "tiny-llama", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]},
+    ).json()
+    assert chat["vtoken"]["context_tokens"] == chat["usage"]["total_tokens"] - 1
+
+
 def test_malformed_requests_get_4xx_with_openai_errors_and_never_5xx(app):
     cases = malformed_cases("tiny-llama", API_KEY, LIMITS)
     assert len(cases) >= 200

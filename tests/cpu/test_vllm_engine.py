@@ -376,6 +376,41 @@ def test_abort_frees_state_and_blocks(prefix_engine):
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == free0
 
 
+def test_each_output_says_what_eviction_cost_it(prefix_engine):
+    """The last output of each request carries its cost (``kv_transfer_params["vtoken"]``, vtoken/core/cost.py):
+    the tokens it lost equal the engine's own eviction counter for it (a separate account: victims as
+    decided), its context is prompt + output − 1 (the last token is sampled, never cached), the attention
+    mass only where scores exist; the engine's histograms count each request once, trimmed or not."""
+    from vtoken.vllm.stats import cost_from
+
+    llm, _ = prefix_engine
+    sched = scheduler_of(llm)
+    prompt = np.random.default_rng(7).integers(10, 500, 100).tolist()
+    for vt, scored in ((dict(policy="h2o", budget=0.3), True), (dict(policy="streamingllm", budget=0.3), False)):
+        before = sched.vtoken_stats()
+        out = llm.generate([{"prompt_token_ids": prompt}], [sp(40, mode="repack", **vt)], use_tqdm=False)[0]
+        after = sched.vtoken_stats()
+        cost = cost_from(out.kv_transfer_params)
+        evicted = after.counters.evicted_tokens - before.counters.evicted_tokens
+        assert evicted > 0 and cost["evicted_tokens"] == evicted, vt
+        assert cost["context_tokens"] == len(prompt) + 40 - 1
+        assert cost["evicted_share"] == pytest.approx(evicted / (len(prompt) + 39), abs=1e-6)
+        mass = cost["evicted_attention_mass"]
+        assert (mass is not None and 0.0 < mass < 1.0) if scored else mass is None, (vt, mass)
+        assert after.costs.share.count == before.costs.share.count + 1
+        assert after.costs.trimmed == before.costs.trimmed + 1
+    before = sched.vtoken_stats()
+    full = llm.generate([{"prompt_token_ids": prompt}], [sp(8, mode="repack", budget=1.0)], use_tqdm=False)[0]
+    after = sched.vtoken_stats()
+    assert cost_from(full.kv_transfer_params) == {
+        "evicted_tokens": 0,
+        "context_tokens": len(prompt) + 7,
+        "evicted_share": 0.0,
+        "evicted_attention_mass": None,
+    }
+    assert after.costs.share.count == before.costs.share.count + 1 and after.costs.trimmed == before.costs.trimmed
+
+
 def test_admission_cap_keeps_outputs_exact(prefix_engine, ref_llama):
     """SLO-aware admission (vtoken/core/admission.py) switched on in the running engine with a target no step
     meets, its model already fitted (two 1 s steps at batch 1): the cap is 1 from the first schedule, so the

@@ -47,11 +47,11 @@ def run(llm, prompts, params, tag):
     for step in range(3000):
         if not eng.has_unfinished_requests():
             break
-        before = sched.pressure_stats().rounds
+        before = sched.vtoken_stats().counters.pressure_rounds
         for o in eng.step():
             if o.finished:
                 outs[o.request_id] = o
-        at += [step] * (sched.pressure_stats().rounds - before)
+        at += [step] * (sched.vtoken_stats().counters.pressure_rounds - before)
         for st in sched._vt_reqs.values():
             cfg, t = st.settings.cfg, st.table
             if t is not None and cfg.trigger.value == "pressure":
@@ -150,9 +150,9 @@ def test_a_queue_longer_than_the_floors_allow_preempts_only_at_the_floors(engine
     sched = scheduler_of(llm)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(10, 500, 80).tolist() for _ in range(6)]
-    at_floor = sched.pressure_stats().at_floor
+    at_floor = sched.vtoken_stats().counters.pressure_at_floor
     outs, pre, rounds = run(llm, prompts, [pressure(f"q-{i}", 120) for i in range(6)], "q")
-    assert rounds and pre <= sched.pressure_stats().at_floor - at_floor
+    assert rounds and pre <= sched.vtoken_stats().counters.pressure_at_floor - at_floor
     for i, (p, out) in enumerate(zip(prompts, outs)):
         check_against_reference(ref_llama, p, out, RequestTrace.read(d / f"q-{i}.json"))
 

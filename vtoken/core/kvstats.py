@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, fields, replace
 
+from vtoken.core.cost import CostStats
+
 
 def fragmentation_ratio(live_tokens: int, held_blocks: int, block_size: int) -> float:
     """1 − live / (held · B): the share of held slots that hold no live token (0 when nothing is held)."""
@@ -38,6 +40,9 @@ class ReclaimCounters:
     blocks un-hashed and rewritten in place because no replacement block was free.
     ``invariant_checks`` / ``invariant_violations`` / ``invariant_seconds``: KV invariant checks run, the
     violations they found, and the time they took (vtoken/vllm/invariants.py).
+    ``pressure_rounds`` / ``pressure_evicted_tokens`` / ``pressure_at_floor``: ``trigger: pressure``'s
+    schedule() calls that found the pool short, the tokens those rounds took (also in ``evicted_tokens``),
+    and the rounds that could not make the step fit with every request at its floor (vtoken/vllm/pressure.py).
     """
 
     evicted_tokens: int = 0
@@ -53,6 +58,9 @@ class ReclaimCounters:
     invariant_checks: int = 0
     invariant_violations: int = 0
     invariant_seconds: float = 0.0
+    pressure_rounds: int = 0
+    pressure_evicted_tokens: int = 0
+    pressure_at_floor: int = 0
 
     def add(self, **deltas: float) -> ReclaimCounters:
         """A copy with ``deltas`` added (pure); an unknown name raises ``TypeError``."""
@@ -97,6 +105,7 @@ class KVSnapshot:
     source: str = "vllm"
     at: float = field(default_factory=time.time)
     admission_limit: int | None = None
+    costs: CostStats = field(default_factory=CostStats)  # finished requests' costs (vtoken/core/cost.py)
 
     @property
     def free_blocks(self) -> int:

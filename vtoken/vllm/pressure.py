@@ -18,24 +18,12 @@ engine is constructed (``pressure_refusal``, a ``ConfigError`` naming the option
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 from vllm.v1.request import RequestStatus
 
 from vtoken.core import pressure
 from vtoken.core.config import Trigger
 from vtoken.errors import ConfigError
 from vtoken.vllm import blocks
-
-
-@dataclass(frozen=True)
-class PressureCounters:
-    """What pressure did (cumulative): ``rounds`` (schedule() calls that found the pool short), ``evicted``
-    (tokens those rounds took), ``at_floor`` (rounds that could not make the step fit: vLLM preempts)."""
-
-    rounds: int = 0
-    evicted: int = 0
-    at_floor: int = 0
 
 
 def pressure_refusal(vllm_config, kv_cache_config) -> str | None:
@@ -69,7 +57,6 @@ class PressureMixin:
         """Decide whether pressure can run here; refuse an engine whose own trigger is ``pressure`` where it
         cannot (raises ``ConfigError`` at construction, before any request). Sets the pressure state."""
         self._vt_pressure_why = pressure_refusal(vllm_config, kv_cache_config)
-        self._vt_pressure_counters = PressureCounters()
         if engine_trigger is Trigger.PRESSURE and self._vt_pressure_why is not None:
             raise refuse_pressure(self._vt_pressure_why)
 
@@ -77,10 +64,6 @@ class PressureMixin:
         """Refuse a request asking for ``trigger: pressure`` on an engine that cannot run it (``ConfigError``)."""
         if cfg.trigger is Trigger.PRESSURE and self._vt_pressure_why is not None:
             raise refuse_pressure(self._vt_pressure_why)
-
-    def pressure_stats(self) -> PressureCounters:
-        """The counters so far (zero on an engine with vToken off). Reads only."""
-        return getattr(self, "_vt_pressure_counters", PressureCounters())
 
     def _vt_step_tokens(self) -> tuple[list, int]:
         """``([(request, n)], left)``: the running requests vLLM's ``schedule()`` will reach this step with
@@ -154,9 +137,8 @@ class PressureMixin:
         decision = pressure.plan_pressure(cands, free, fixed, margin=len(self.running), admit=admit)
         if not decision.fired:
             return  # short only for a head that no eviction could admit: it waits, as in vLLM
-        c = self._vt_pressure_counters
-        self._vt_pressure_counters = replace(
-            c, rounds=c.rounds + 1, evicted=c.evicted + decision.evicted, at_floor=c.at_floor + (decision.slack < 0)
+        self._vt_counters = self._vt_counters.add(
+            pressure_rounds=1, pressure_evicted_tokens=decision.evicted, pressure_at_floor=int(decision.slack < 0)
         )
         start = len(work.release)
         for rid, victims in decision.victims.items():

@@ -43,6 +43,7 @@ import numpy as np
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
+from vtoken.core.cost import CostStats, RequestCost
 from vtoken.core.eviction import decide_step, eviction_count
 from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
 from vtoken.core.manager import request_salt
@@ -55,7 +56,7 @@ from vtoken.vllm.config import EngineSettings, request_settings
 from vtoken.vllm.engine_setup import prepare_engine, refuse_under_full_graphs
 from vtoken.vllm.pressure import PressureMixin
 from vtoken.vllm.request_state import RequestState, new_request_state, step_scores
-from vtoken.vllm.stats import encode_admission, encode_stats
+from vtoken.vllm.stats import cost_params, encode_admission, encode_stats
 from vtoken.vllm.support import check_supported
 from vtoken.vllm.trace import RequestObserver, RequestTrace, TraceRecorder
 from vtoken.vllm.transport import RequestStep, StepPlan, attach_plan, plan_of, result_of
@@ -94,6 +95,7 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
         self.vt = settings
         self._vt_reqs: dict[str, RequestState] = {}
         self._vt_counters = ReclaimCounters()
+        self._vt_costs = CostStats()  # finished requests' costs (vtoken/core/cost.py)
         self._vt_step = 0  # StepPlan.step of the next step
         self._vt_unchecked = 0  # steps since the last KV invariant check
         self._vt_init_admission(settings)
@@ -158,13 +160,19 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
             self._vt_counters = self._vt_counters.add(preemptions=1)
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False):
+        """vLLM's, plus what eviction cost the request (``RequestCost``, read off its table): folded into the
+        engine's cost histograms and returned in ``kv_transfer_params["vtoken"]``, which vLLM hands to the
+        request's last output (and the OpenAI response) unchanged. A finished request's state goes."""
         st = self._vt_reqs.pop(request.request_id, None)
+        cost = None
         if st is not None:
             st.observer.finished()
-        out = super()._free_request(request, delay_free_blocks)
+            cost = RequestCost.of_table(st.table, with_mass=st.want_attention)
+            self._vt_costs = self._vt_costs.add(cost)
+        kv_params, ec_params = super()._free_request(request, delay_free_blocks)
         if not self.requests:  # the last request has gone: the engine is idle
             self._vt_check_invariants({}, idle=True)
-        return out
+        return (kv_params if cost is None else cost_params(kv_params, cost)), ec_params
 
     def _vt_check_invariants(self, scheduled, idle: bool = False) -> None:
         """The KV invariants (vtoken/vllm/invariants.py) over the pool, and over the token tables of the
@@ -404,6 +412,7 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
             num_requests=len(tables),
             window_blocks=self._vt_window_blocks(),
             counters=self._vt_counters,
+            costs=self._vt_costs,
             policy=self.vt.cfg.policy,
             mode=self.vt.cfg.mode.value,
             source="vtoken",

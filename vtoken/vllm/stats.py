@@ -25,6 +25,10 @@ Reading them in a stat logger::
 The values refresh once per engine step; consumers must tolerate staleness. SLO-aware admission's limit
 travels apart from the snapshot (``vtoken:admission_limit``, ``encode_admission`` / ``admission_limit_from``):
 it is reported also when vToken's accounting is off (mode ``none``).
+
+The finished requests' cost histograms (``KVSnapshot.costs``, vtoken/core/cost.py) ride along as
+``vtoken:cost:<histogram>:<i>`` (cumulative bucket counts), ``…:count`` and ``…:sum_us`` (the sum in
+millionths). Each request's own cost travels in-band instead, with its last output (``cost_params``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
+from vtoken.core.cost import CostStats, Histogram, RequestCost
 from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
 
 PREFIX = "vtoken:"
@@ -49,6 +54,9 @@ _GAUGES = (
 )  # the KVSnapshot fields the engine fills (the replica adds its queues)
 _SECONDS = ("repack_seconds", "invariant_seconds")  # the float counters: carried as integer microseconds
 ADMISSION_LIMIT = f"{PREFIX}admission_limit"  # KVSnapshot.admission_limit, carried on its own (any mode)
+COST = f"{PREFIX}cost:"  # KVSnapshot.costs: one key per histogram bucket, count and sum
+_COST_FIELDS = ("share", "tokens", "mass")  # CostStats' histograms, in its field order
+RESPONSE_KEY = "vtoken"  # the per-request cost's key in kv_transfer_params and in a served response
 
 
 def encode(snap: KVSnapshot) -> dict[str, int]:
@@ -63,7 +71,24 @@ def encode(snap: KVSnapshot) -> dict[str, int]:
             out[f"{PREFIX}{name}"] = int(value)
     for label in _LABELS:
         out[f"{PREFIX}{label}={getattr(snap, label)}"] = 1
+    for name in _COST_FIELDS:
+        hist: Histogram = getattr(snap.costs, name)
+        out.update({f"{COST}{name}:{i}": c for i, c in enumerate(hist.counts)})
+        out[f"{COST}{name}:count"] = hist.count
+        out[f"{COST}{name}:sum_us"] = int(round(hist.total * _US))
     return out
+
+
+def _decode_costs(items: dict[str, int]) -> CostStats:
+    """The ``vtoken:cost:*`` keys back into ``CostStats`` (zero histograms where keys are missing)."""
+    empty = CostStats()
+    out = {}
+    for name in _COST_FIELDS:
+        bounds = getattr(empty, name).bounds
+        counts = tuple(int(items.get(f"{COST}{name}:{i}", 0)) for i in range(len(bounds)))
+        total = items.get(f"{COST}{name}:sum_us", 0) / _US
+        out[name] = Histogram(bounds, counts, int(items.get(f"{COST}{name}:count", 0)), total)
+    return CostStats(**out)
 
 
 def decode(items: dict[str, int]) -> KVSnapshot | None:
@@ -72,7 +97,7 @@ def decode(items: dict[str, int]) -> KVSnapshot | None:
     raw: dict[str, Any] = {}
     labels: dict[str, str] = {}
     for key, value in items.items():
-        if not key.startswith(PREFIX) or key == ADMISSION_LIMIT:
+        if not key.startswith(PREFIX) or key == ADMISSION_LIMIT or key.startswith(COST):
             continue
         name = key[len(PREFIX) :]
         if "=" in name:
@@ -88,7 +113,8 @@ def decode(items: dict[str, int]) -> KVSnapshot | None:
     counters = {name: raw.pop(name) for name in ReclaimCounters.names() if name in raw}
     if set(raw) != set(_GAUGES) or len(counters) != len(fields(ReclaimCounters)):
         return None
-    return KVSnapshot(**raw, counters=ReclaimCounters(**counters), source="vtoken", **labels)
+    costs = _decode_costs(items)
+    return KVSnapshot(**raw, counters=ReclaimCounters(**counters), costs=costs, source="vtoken", **labels)
 
 
 def encode_stats(scheduler_stats: Any, snap: KVSnapshot) -> None:
@@ -116,3 +142,15 @@ def admission_limit_from(scheduler_stats: Any) -> int | None:
     items = getattr(scheduler_stats, "running_lora_adapters", None) or {}
     value = items.get(ADMISSION_LIMIT)
     return None if value is None else int(value)
+
+
+def cost_params(kv_transfer_params: dict | None, cost: RequestCost) -> dict:
+    """vLLM's ``kv_transfer_params`` of a finished request with its cost added under ``"vtoken"`` (a new
+    dict). That dict is the one per-request field vLLM carries from the scheduler to the response
+    (``EngineCoreOutput`` → ``RequestOutput`` → the OpenAI response's ``kv_transfer_params``)."""
+    return {**(kv_transfer_params or {}), RESPONSE_KEY: cost.as_dict()}
+
+
+def cost_from(kv_transfer_params: dict | None) -> dict | None:
+    """The cost dict a finished output carries (``None``: vToken did not manage the request)."""
+    return (kv_transfer_params or {}).get(RESPONSE_KEY)

@@ -39,9 +39,11 @@ from vtoken.serve.telemetry.sla import SloTargets
 from vtoken.serve.telemetry.stats import (
     AUTOSCALING_KEYS,
     POLLED_AT,
+    TRIMMED_SHARE,
     StatsSink,
     make_stat_logger_class,
     routing_stats,
+    trimmed_since,
 )
 
 logger = logging.getLogger("ray.serve")
@@ -90,6 +92,7 @@ class VTokenReplica:
         model_path = await asyncio.to_thread(resolve_model_path, cfg.model)
 
         self._sink = StatsSink(block_size=cfg.vtoken.block_size)
+        self._reported_costs = self._sink.latest.costs  # the costs at the previous autoscaling report
         labels = {
             "application": ctx.app_name or "",
             "deployment": ctx.deployment,
@@ -194,10 +197,13 @@ class VTokenReplica:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Called by Serve every ``autoscaling.metrics_interval_s``; numbers only (Serve drops others).
-        The policy uses ``vtoken:kv_utilization`` and ``vllm:num_requests_waiting``; the rest is there
-        for custom policies (Serve averages each over ``look_back_period_s``)."""
-        stats = routing_stats(self._sink.latest, time.time())
-        return {key: stats[key] for key in AUTOSCALING_KEYS}
+        The policy uses ``vtoken:kv_utilization``, ``vllm:num_requests_waiting`` and ``trimmed_share`` (share
+        of the requests finished since the previous report that lost context; mutates that mark); the rest
+        is there for custom policies (Serve averages each over ``look_back_period_s``)."""
+        snap = self._sink.latest
+        stats = routing_stats(snap, time.time())
+        previous, self._reported_costs = self._reported_costs, snap.costs
+        return {**{key: stats[key] for key in AUTOSCALING_KEYS}, TRIMMED_SHARE: trimmed_since(previous, snap.costs)}
 
     def _ready_info(self) -> dict[str, Any]:
         snap = self._sink.latest

@@ -10,6 +10,7 @@ adds only what vLLM lacks for a shared endpoint::
               │ 413  body larger than limits.max_body_bytes
               │ 400  max_tokens / n / prompt chars over the limits
               │ GET /ready → replica + KV snapshot (JSON)
+              │ completions: the request's eviction cost as a top-level ``vtoken`` field (cost_field.py)
               └ adds headers x-vtoken-replica / x-vtoken-rank to every response
 
 All guard errors use vLLM's ``ErrorResponse`` model (``{"error": {"message", "type", "param", "code"}}``).
@@ -27,6 +28,8 @@ from typing import Any
 
 from vtoken.serve.config import ServeAppConfig
 from vtoken.serve.replica.asgi import replay_body
+from vtoken.serve.replica.cost_field import PATHS as COST_PATHS
+from vtoken.serve.replica.cost_field import lift_cost
 from vtoken.serve.replica.errors import error_body, openai_errors, sse_errors
 
 GUARD_EXEMPT = ("/health", "/ready", "/ping")  # liveness/readiness probes need no key
@@ -133,8 +136,11 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        send = self._tagging(sse_errors(openai_errors(send)))
         path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
+        send = sse_errors(openai_errors(send))
+        if path.startswith(COST_PATHS):
+            send = lift_cost(send)  # kv_transfer_params.vtoken → a top-level vtoken field (cost_field.py)
+        send = self._tagging(send)
         if scope.get("method") != "OPTIONS" and self._auth is not None and not path.startswith(GUARD_EXEMPT):
             from starlette.datastructures import Headers
 

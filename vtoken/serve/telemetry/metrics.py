@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import REGISTRY, Collector
 
 from vtoken import metric_names as names
@@ -32,13 +32,10 @@ from vtoken.serve.telemetry.stats import StatsSink
 
 logger = logging.getLogger(__name__)
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-REPACK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
-
 
 class KVCollector(Collector):
-    """The ``vtoken:*`` gauges and cumulative counters, from ``sink.latest`` at scrape time."""
+    """The ``vtoken:*`` gauges, cumulative counters and the engine's per-request cost histograms
+    (vtoken/core/cost.py), from ``sink.latest`` at scrape time."""
 
     def __init__(self, sink: StatsSink, policy: str, mode: str) -> None:
         self._sink = sink
@@ -80,9 +77,16 @@ class KVCollector(Collector):
             (names.INVARIANT_CHECKS, snap.counters.invariant_checks),
             (names.INVARIANT_VIOLATIONS, snap.counters.invariant_violations),
             (names.INVARIANT_SECONDS, snap.counters.invariant_seconds),
+            (names.PRESSURE_ROUNDS, snap.counters.pressure_rounds),
+            (names.PRESSURE_EVICTED_TOKENS, snap.counters.pressure_evicted_tokens),
+            (names.PRESSURE_AT_FLOOR, snap.counters.pressure_at_floor),
         ):
             fam = CounterMetricFamily(metric.name, metric.help)
             fam.add_metric([], float(value))
+            yield fam
+        for metric, hist in snap.costs.by_metric():
+            fam = HistogramMetricFamily(metric.name, metric.help)
+            fam.add_metric([], [(le, float(c)) for le, c in hist.buckets()], sum_value=hist.total)
             yield fam
 
 
@@ -108,10 +112,10 @@ def _counter(metric: names.Metric, registry: CollectorRegistry) -> Counter:
     return Counter(metric.name, metric.help, registry=registry)
 
 
-def _histogram(metric: names.Metric, buckets: tuple[float, ...], registry: CollectorRegistry) -> Histogram:
-    """A label-less ``Histogram`` for ``metric``, registered in ``registry`` (side effect)."""
+def _histogram(metric: names.Metric, registry: CollectorRegistry) -> Histogram:
+    """A label-less ``Histogram`` for ``metric`` with its declared buckets, registered in ``registry``."""
     assert metric.kind == names.HISTOGRAM and not metric.labels, metric
-    return Histogram(metric.name, metric.help, buckets=buckets, registry=registry)
+    return Histogram(metric.name, metric.help, buckets=metric.buckets, registry=registry)
 
 
 class ReplicaMetrics:
@@ -136,10 +140,10 @@ class ReplicaMetrics:
         self._slo = slo
         self.requests = _counter(names.REQUESTS, self.registry)
         self.slo_met = _counter(names.SLO_MET, self.registry)
-        self.ttft = _histogram(names.TTFT_SECONDS, LATENCY_BUCKETS, self.registry)
-        self.tpot = _histogram(names.TPOT_SECONDS, TPOT_BUCKETS, self.registry)
-        self.e2e = _histogram(names.E2E_SECONDS, LATENCY_BUCKETS, self.registry)
-        self.repack = _histogram(names.REPACK_SECONDS, REPACK_BUCKETS, self.registry)
+        self.ttft = _histogram(names.TTFT_SECONDS, self.registry)
+        self.tpot = _histogram(names.TPOT_SECONDS, self.registry)
+        self.e2e = _histogram(names.E2E_SECONDS, self.registry)
+        self.repack = _histogram(names.REPACK_SECONDS, self.registry)
         self.routing_polls = _counter(names.ROUTING_STATS_POLLS, self.registry)  # the replica increments it
         sources = [self.registry] + ([REGISTRY] if include_process_registry else [])
         self.view = CollectorRegistry(auto_describe=False)

@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from vtoken import metric_names as names
+from vtoken.core.cost import CostStats
 from vtoken.core.kvstats import KVSnapshot
 from vtoken.serve.telemetry.sla import RequestLatency, latency_of
 
@@ -38,9 +39,18 @@ NUM_RUNNING = names.NUM_REQUESTS_RUNNING.name
 BLOCK_SIZE = "block_size"
 POLLED_AT = "polled_at"  # wall-clock time the replica answered the poll
 STATS_AGE = "stats_age_s"  # seconds since the engine step the numbers describe (0 when idle)
+TRIMMED_SHARE = "trimmed_share"  # share of requests finished since the previous report that lost context
 
 
 AUTOSCALING_KEYS = (KV_UTILIZATION, NUM_WAITING, NUM_RUNNING, FREE_KV_TOKENS, HELD_BLOCKS, FRAGMENTATION)
+
+
+def trimmed_since(previous: CostStats, now: CostStats) -> float:
+    """Share of the requests finished between two cost snapshots that lost at least one token (pure; 0 when
+    none finished, or the engine restarted in between)."""
+    finished = now.share.count - previous.share.count
+    trimmed = now.trimmed - previous.trimmed
+    return trimmed / finished if finished > 0 and trimmed >= 0 else 0.0
 
 
 def routing_stats(snap: KVSnapshot, now: float) -> dict[str, float]:
