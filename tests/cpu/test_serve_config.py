@@ -247,3 +247,23 @@ def test_vtoken_serve_refuses_a_pool_under_the_hybrid_models_need_by_name(mode):
     assert "4 KV cache group(s)" in proc.stderr and "= 132 blocks" in proc.stderr
     assert "lower engine.max_model_len to 768" in proc.stderr  # 4 x 24 + 3 + 1 = 100
     assert "Ray" not in proc.stdout  # nothing started
+
+
+@pytest.mark.parametrize(
+    ("model", "extra", "named"),
+    [("tiny-llama", {"tensor_parallel_size": 2}, "tensor_parallel_size=2"), ("tiny-gemma3", {}, "hybrid model")],
+)
+def test_preflight_refuses_pressure_where_it_cannot_run_by_name(model, extra, named):
+    """``trigger: pressure`` on TP or a hybrid model is refused by `vtoken serve`'s preflight (vLLM's engine
+    config, no weights), before Ray or a replica starts; ``trigger: step`` on the same config passes."""
+    from vtoken.errors import ConfigError
+    from vtoken.serve.replica.engine import preflight, resolve_model_path
+
+    def config(trigger: str) -> ServeAppConfig:
+        vt = {"mode": "repack", "policy": "h2o", "budget": 0.5, "trigger": trigger}
+        return ServeAppConfig.model_validate({"model": model, "vtoken": vt, "engine": extra})
+
+    path = resolve_model_path(model)
+    with pytest.raises(ConfigError, match=rf"trigger 'pressure' is not supported with .*{named}"):
+        preflight(config("pressure"), path)
+    preflight(config("step"), path)

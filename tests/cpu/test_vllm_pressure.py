@@ -103,6 +103,58 @@ def test_shortage_evicts_instead_of_preempting_and_stays_exact(engine, ref_llama
         check_against_reference(ref_llama, p, out, trace)
 
 
+def recorded_victims(trace: RequestTrace) -> dict[int, np.ndarray]:
+    """``{table size at the decision: logical positions evicted}`` of a one-epoch trace (pure)."""
+    (epoch,) = trace.epochs
+    placed, ev = np.asarray(epoch.placed_round), np.asarray(epoch.evicted_round)
+    return {int(np.count_nonzero(placed < r)): np.flatnonzero(ev == r) for r in np.unique(ev[ev >= 0])}
+
+
+def replaying(sched, plan: dict[int, np.ndarray]):
+    """A pressure round for ``sched`` that evicts from its running request exactly ``plan[table.seen]``
+    (when the table has that size) through the scheduler's own victim path, and nothing else."""
+    from vtoken.vllm import blocks
+
+    def round_(work) -> None:
+        start = len(work.release)
+        for request in sched.running:
+            st = sched._vt_reqs.get(request.request_id)
+            victims = None if st is None or st.table is None else plan.pop(st.table.seen, None)
+            if victims is not None:
+                sched._vt_decide(request, st, work, victims=victims, cfg=sched._vt_protect(request, st))
+        blocks.release(sched.kv_cache_manager.block_pool, work.release[start:])
+
+    return round_
+
+
+def test_naive_evict_replaying_the_pressure_victims_is_token_paired(engine, short_prompts):
+    """The paired Naive-Evict run under pressure. Naive and repack take different rounds (the same victims
+    free fewer blocks by the naive rule), so the pair is made by replay: each request runs alone in naive
+    mode and evicts, at the same table sizes, exactly the tokens the repack run's pressure rounds took (its
+    trace records them), through the scheduler's victim path. Tokens equal, logprobs within 1e-4."""
+    llm, d = engine
+    sched = scheduler_of(llm)
+    outs, pre, rounds = run(llm, short_prompts, [pressure(f"pair-r-{i}", 150) for i in range(3)], "pair-r")
+    assert pre == 0 and rounds
+    for i, (p, out) in enumerate(zip(short_prompts, outs)):
+        trace = RequestTrace.read(d / f"pair-r-{i}.json")
+        plan = recorded_victims(trace)
+        assert plan and min(plan) >= len(p), "replay by table size needs decisions after the prompt"
+        sched._vt_pressure = replaying(sched, plan)
+        try:
+            (paired,), _, _ = run(llm, [p], [pressure(f"pair-n-{i}", 150, "naive")], f"pair-n-{i}")
+        finally:
+            del sched._vt_pressure  # the class's own round again
+        assert plan == {}, f"request {i}: decisions never replayed at table sizes {sorted(plan)}"
+        assert RequestTrace.read(d / f"pair-n-{i}.json").evicted == trace.evicted
+        assert list(paired.outputs[0].token_ids) == list(out.outputs[0].token_ids)
+        lp = [
+            np.array([d_[t].logprob for d_, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in (out, paired)
+        ]
+        assert np.max(np.abs(lp[0] - lp[1])) <= 1e-4
+
+
 def test_pressure_refusal_names_the_option():
     from vtoken.vllm.pressure import pressure_refusal
 
@@ -112,7 +164,7 @@ def test_pressure_refusal_names_the_option():
             scheduler_config=SimpleNamespace(async_scheduling=asy),
         )
 
-    one, two = SimpleNamespace(kv_cache_groups=[0]), SimpleNamespace(kv_cache_groups=[0, 1])
+    one, two = 1, 2  # KV cache groups
     assert pressure_refusal(cfg(), one) is None
     assert "tensor_parallel_size=2" in pressure_refusal(cfg(tp=2), one)
     assert "async_scheduling=True" in pressure_refusal(cfg(asy=True), one)

@@ -26,7 +26,7 @@ from vtoken.errors import ConfigError
 from vtoken.vllm import blocks
 
 
-def pressure_refusal(vllm_config, kv_cache_config) -> str | None:
+def pressure_refusal(vllm_config, groups: int) -> str | None:
     """Why ``trigger: pressure`` cannot run on this engine (the option named), or ``None``. Pure.
     Tensor parallelism and async scheduling are untested (with async scheduling a step in flight holds
     blocks the estimate does not see); on a hybrid model the sliding-window groups draw on the same pool,
@@ -36,7 +36,6 @@ def pressure_refusal(vllm_config, kv_cache_config) -> str | None:
         return f"tensor_parallel_size={pc.tensor_parallel_size} (tensor parallelism)"
     if sc.async_scheduling:
         return "async_scheduling=True (pass --no-async-scheduling)"
-    groups = len(kv_cache_config.kv_cache_groups)
     if groups > 1:
         return f"a hybrid model ({groups} KV cache groups)"
     return None
@@ -56,7 +55,7 @@ class PressureMixin:
     def _vt_init_pressure(self, vllm_config, kv_cache_config, engine_trigger: Trigger) -> None:
         """Decide whether pressure can run here; refuse an engine whose own trigger is ``pressure`` where it
         cannot (raises ``ConfigError`` at construction, before any request). Sets the pressure state."""
-        self._vt_pressure_why = pressure_refusal(vllm_config, kv_cache_config)
+        self._vt_pressure_why = pressure_refusal(vllm_config, len(kv_cache_config.kv_cache_groups))
         if engine_trigger is Trigger.PRESSURE and self._vt_pressure_why is not None:
             raise refuse_pressure(self._vt_pressure_why)
 

@@ -12,7 +12,7 @@ import os
 import tempfile
 from typing import Any
 
-from vtoken.core.config import VTokenConfig
+from vtoken.core.config import Trigger, VTokenConfig
 from vtoken.serve.config import ServeAppConfig
 
 
@@ -109,7 +109,7 @@ def preflight(cfg: ServeAppConfig, model_path: str) -> None:
     (raises ``ConfigError`` naming the setting or feature; ``vtoken serve`` exits with it). Builds vLLM's
     engine config from ``engine_args`` (reads the model's config, loads no weights), then checks a fixed
     pool (``engine.kv_cache_blocks``) against what vLLM needs in every KV cache group (``pool_need``; any
-    mode) and runs vToken's start-up check (evicting modes)."""
+    mode) and runs vToken's start-up checks (evicting modes; ``trigger: pressure``'s own refusals)."""
     if cfg.engine.kv_cache_blocks is None and not cfg.vtoken.mode.evicts:
         return
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -120,6 +120,13 @@ def preflight(cfg: ServeAppConfig, model_path: str) -> None:
     check_pool(cfg, vllm_config)
     if cfg.vtoken.mode.evicts:
         check_engine_config(vllm_config)
+    if cfg.vtoken.trigger is Trigger.PRESSURE:
+        from vtoken.vllm.pool_need import pool_shape
+        from vtoken.vllm.pressure import pressure_refusal, refuse_pressure
+
+        why = pressure_refusal(vllm_config, len(pool_shape(vllm_config).windows))
+        if why is not None:
+            raise refuse_pressure(why)
 
 
 def check_pool(cfg: ServeAppConfig, vllm_config) -> None:
