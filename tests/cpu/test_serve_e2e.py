@@ -222,6 +222,17 @@ def test_a_completion_says_what_eviction_cost_it(app):
     assert chat["vtoken"]["context_tokens"] == chat["usage"]["total_tokens"] - 1
 
 
+def test_pressure_with_memory_to_spare_is_stock_vllm_and_costs_nothing(app):
+    """Through the served stack: a request with ``trigger: pressure`` (its budget is only a floor) on a pool
+    with room to spare evicts nothing and its greedy text equals a request vToken leaves alone (mode none)."""
+    body = {"prompt": PROMPT * 3, "max_tokens": 24, "temperature": 0}
+    stock = complete(app.http, **body, vllm_xargs={"vtoken.mode": "none"}).json()
+    pressed = complete(app.http, **body, vllm_xargs={"vtoken.trigger": "pressure"}).json()
+    assert pressed["choices"][0]["text"] == stock["choices"][0]["text"]
+    assert pressed["vtoken"]["evicted_tokens"] == 0 and pressed["vtoken"]["evicted_share"] == 0.0
+    assert pressed["vtoken"]["context_tokens"] == stock["vtoken"]["context_tokens"] > 24
+
+
 def test_malformed_requests_get_4xx_with_openai_errors_and_never_5xx(app):
     cases = malformed_cases("tiny-llama", API_KEY, LIMITS)
     assert len(cases) >= 200
