@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
+from vtoken import metric_names as names
 from vtoken.bench.serve_bench import client_command, variant_config
 from vtoken.bench.serve_results import (
     ReplicaMetrics,
@@ -32,27 +33,32 @@ VTOKEN = [sys.executable, "-m", "vtoken.cli"]
 def test_variants_run_none_once_and_every_policy_for_the_evicting_modes():
     s = ServeBenchSetup(modes=("none", "naive", "repack"), policies=("h2o", "random"))
     assert s.variants() == [
-        ("none", None, False),
-        ("naive", "h2o", False),
-        ("naive", "random", False),
-        ("repack", "h2o", False),
-        ("repack", "random", False),
+        ("none", None, False, "step"),
+        ("naive", "h2o", False, "step"),
+        ("naive", "random", False, "step"),
+        ("repack", "h2o", False, "step"),
+        ("repack", "random", False, "step"),
     ]
     ab = ServeBenchSetup(modes=("repack",), policies=("tova",), admission=(True, False))
-    assert ab.variants() == [("repack", "tova", False), ("repack", "tova", True)]  # the A/B: off, then on
+    # the A/B: off, then on
+    assert ab.variants() == [("repack", "tova", False, "step"), ("repack", "tova", True, "step")]
 
 
 def test_none_is_stock_vllm_and_admission_on_it_is_its_own_variant():
     """The baseline never runs vToken's admission (it would load vToken's scheduler into vanilla vLLM)."""
     on = ServeBenchSetup(model="tiny-llama", modes=("none", "repack"), policies=("h2o",), admission=(True,))
     # the control: stock vLLM with the same admission cap runs whenever the evicting variants use admission
-    assert on.variants() == [("none", None, False), ("none", None, True), ("repack", "h2o", True)]
+    assert on.variants() == [
+        ("none", None, False, "step"),
+        ("none", None, True, "step"),
+        ("repack", "h2o", True, "step"),
+    ]
     s = ServeBenchSetup(model="tiny-llama", modes=("none", "repack"), policies=("h2o",), admission=(True, False))
     assert s.variants() == [
-        ("none", None, False),
-        ("none", None, True),
-        ("repack", "h2o", False),
-        ("repack", "h2o", True),
+        ("none", None, False, "step"),
+        ("none", None, True, "step"),
+        ("repack", "h2o", False, "step"),
+        ("repack", "h2o", True, "step"),
     ]
     from vtoken.serve.replica.engine import engine_args
 
@@ -536,3 +542,68 @@ def test_bad_burst_settings_are_refused_by_name():
     ):
         res = CliRunner().invoke(app, ["bench", "serve", "--model", "tiny-llama", *args])
         assert res.exit_code != 0 and needle in res.output, (args, res.output)
+
+
+def test_pressure_variants_run_beside_the_fixed_budget_and_are_compared_with_it():
+    """--triggers step,pressure: each evicting variant once per trigger; a pressure variant's server evicts
+    only when short (its budget a floor), and the summary compares it with stock, stock + the same admission
+    cap, Naive-Evict under pressure and the same mode with the fixed budget."""
+    from vtoken.bench.serve_setup import Variant
+    from vtoken.bench.serve_summary import baselines, summarize
+
+    s = ServeBenchSetup(
+        model="tiny-llama", modes=("none", "naive", "repack"), triggers=("step", "pressure"), admission=(True,)
+    )
+    assert s.variants() == [
+        ("none", None, False, "step"),
+        ("none", None, True, "step"),
+        ("naive", "h2o", True, "step"),
+        ("naive", "h2o", True, "pressure"),
+        ("repack", "h2o", True, "step"),
+        ("repack", "h2o", True, "pressure"),
+    ]
+    assert variant_config(s, "repack", "h2o", True, trigger="pressure").vtoken.trigger.value == "pressure"
+    assert variant_config(s, "repack", "h2o", True).vtoken.trigger.value == "step"
+    assert [name for name, _ in baselines(Variant("repack", "h2o", True, "pressure"))] == [
+        "stock",
+        "stock+admission",
+        "naive",
+        "fixed",
+    ]
+    assert baselines(Variant("repack", "h2o", True, "pressure"))[2][1] == ("naive", "h2o", True, "pressure")
+    rows = [("none", None, False, 0.2), ("repack", "h2o", False, 0.3)]
+    rep = [{**_variant(m, p, a, r, r), "trigger": "step"} for m, p, a, r in rows]
+    rep.append({**_variant("repack", "h2o", False, 0.45, 0.45), "trigger": "pressure"})
+    got = summarize([rep])
+    assert got["ratios"]["repack/h2o@pressure / repack/h2o"]["baseline"] == "fixed"
+    assert got["ratios"]["repack/h2o@pressure / repack/h2o"]["max_rate_at_target"]["values"] == [1.5]
+    assert "repack/h2o@pressure" in got["variants"] and "repack/h2o" in got["variants"]
+
+
+def test_replica_metrics_read_what_the_runs_requests_paid():
+    """The cost histograms' growth between the first and the last scrape: requests finished, trimmed (above
+    the le="0.0" bucket), the mean share lost, tokens and attention mass evicted, pressure rounds."""
+    share, tokens, mass = (names.REQUEST_EVICTED_SHARE, names.REQUEST_EVICTED_TOKENS, names.REQUEST_EVICTED_MASS)
+
+    def scrape(n, untrimmed, share_sum, tokens_sum, scored, mass_sum, rounds):
+        lab = '{replica="r"}'
+        return (
+            f'{share.bucket}{{le="0.0",replica="r"}} {untrimmed}\n{share.bucket}{{le="0.5",replica="r"}} {n}\n'
+            f"{share.count}{lab} {n}\n{share.sum}{lab} {share_sum}\n{tokens.sum}{lab} {tokens_sum}\n"
+            f"{mass.count}{lab} {scored}\n{mass.sum}{lab} {mass_sum}\n{names.PRESSURE_ROUNDS.total}{lab} {rounds}\n"
+        )
+
+    seen = ReplicaMetrics("http://unused")
+    seen.read(scrape(10, 8, 0.5, 40, 2, 0.02, 3))
+    seen.read(scrape(20, 14, 2.3, 200, 6, 0.1, 9))  # 10 finished, 4 trimmed, shares summing to 1.8
+    assert seen.cost == {
+        "finished": 10,
+        "trimmed": 4,
+        "trimmed_share": 0.4,
+        "evicted_share_mean": 0.18,
+        "evicted_share_mean_trimmed": 0.45,
+        "evicted_tokens": 160,
+        "evicted_mass_mean": 0.02,
+        "pressure_rounds": 6,
+    }
+    assert ReplicaMetrics("http://unused").cost is None  # a server without the histograms

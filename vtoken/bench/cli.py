@@ -801,6 +801,11 @@ def serve_cmd(
         "(1 ± this) × --input-len / --output-len (long and short mixed)",
     ),
     admission: str = typer.Option("off", help="SLO-aware admission per variant: off | on | off,on (an A/B)"),
+    triggers: str = typer.Option(
+        "step",
+        help="eviction triggers per evicting variant, comma-separated: step (the fixed budget) | pressure "
+        "(evict only when the pool is short; --budget is the floor)",
+    ),
     stop_after_misses: int = typer.Option(
         0,
         "--stop-after-misses",
@@ -840,6 +845,13 @@ def serve_cmd(
         (range_ratio and dataset == "chat", f"--range-ratio {range_ratio}: chat sets its own (±50 %)"),
     ]
     switches = {"off": False, "on": True}
+    trigger_list = tuple(t.strip() for t in triggers.split(",") if t.strip())
+    checks.append(
+        (
+            not trigger_list or not set(trigger_list) <= {"step", "pressure"},
+            f"--triggers {triggers!r}: valid are step, pressure",
+        )
+    )
     admission_list = [a.strip() for a in admission.split(",") if a.strip()]
     checks.append(
         (
@@ -869,6 +881,7 @@ def serve_cmd(
         burstiness=burstiness,
         range_ratio=range_ratio,
         admission=tuple(switches[a] for a in admission_list),
+        triggers=trigger_list,
         extra=tuple(sets),
         stop_after_misses=stop_after_misses,
         repeats=repeats,
@@ -879,11 +892,11 @@ def serve_cmd(
         shape = pool_shape_of(setup, str(resolve_model(setup.model)))
     except ValueError as exc:
         refuse(str(exc))
-    for mode, policy, adm in setup.variants():  # every server's config is valid before the first one starts
+    for v in setup.variants():  # every server's config is valid before the first one starts
         try:
-            variant_config(setup, mode, policy, adm, shape=shape)
+            variant_config(setup, v.mode, v.policy, v.admission, shape=shape, trigger=v.trigger)
         except ValueError as exc:
-            refuse(f"mode {mode!r}, policy {policy!r}: {exc}")
+            refuse(f"mode {v.mode!r}, policy {v.policy!r}, trigger {v.trigger!r}: {exc}")
     echo = (lambda *_: None) if as_json else (lambda line: typer.echo(line, err=True))
     try:
         report = run_serve_bench(setup, echo, log, checkpoint=partial_writer(out), shape=shape)

@@ -5,8 +5,8 @@ one replica, the OpenAI routes, a fixed KV pool of ``pool_blocks``), then per re
 ``vllm bench serve`` run (Poisson arrivals, ``--goodput`` at the stated SLOs, results saved as JSON)::
 
     repeat N times (--repeats): all variants in one command; ratios per repeat, medians (serve_summary.py)
-    for variant in modes × policies × admission:   none: stock vLLM (+ none +admission if admission is on)
-        vtoken serve --mode M --policy P --set engine.kv_cache_blocks=N --set slo.admission=A …
+    for variant in modes × policies × triggers × admission:   none: stock vLLM (+ none +admission if on)
+        vtoken serve --mode M --policy P --set vtoken.trigger=T --set engine.kv_cache_blocks=N …
                                                     (waits for /v1/models)
         for rate in rates:                          ascending; --stop-after-misses K: stop once K in a row missed
             vllm bench serve --request-rate rate --goodput ttft:… tpot:… --save-result
@@ -15,7 +15,8 @@ one replica, the OpenAI routes, a fixed KV pool of ``pool_blocks``), then per re
 
 Per run: request rate achieved, goodput, **SLO attainment** (requests meeting both SLOs / requests sent),
 TTFT and TPOT p50/p99, peak running batch, the lowest SLO-admission limit, prefix-cache hit rate (tokens),
-preemptions (requests vLLM preempted for KV blocks: recomputed later).
+preemptions (requests vLLM preempted for KV blocks: recomputed later), and what the requests paid (requests
+trimmed, the share of context they lost, tokens and attention mass evicted; vtoken/core/cost.py).
 Per variant: the **maximum rate with ≥ 90 % attainment** among the rates run (a lower bound: the next rate
 failed or was not run) and where attainment crosses 90 % between the rates run (linear). The
 SLOs are arguments, the same for every variant. Side effects: starts and stops servers (ports from
@@ -46,7 +47,7 @@ from vtoken.bench.serve_results import (
     sweep_done,
     variant_label,
 )
-from vtoken.bench.serve_setup import ServeBenchSetup
+from vtoken.bench.serve_setup import ServeBenchSetup, Variant
 from vtoken.bench.serve_summary import headline, summarize
 from vtoken.vllm.pool_need import FULL, PoolShape
 
@@ -119,9 +120,10 @@ def variant_config(
     admission: bool = False,
     metrics_port: int = 9500,
     shape: PoolShape | None = None,
+    trigger: str = "step",
 ):
     """The ``ServeAppConfig`` of one variant's server: one replica, the fixed pool, the variant's mode,
-    policy, budget and scope ``all`` (the benchmark's own, not the engine's default) and ``slo.admission``,
+    policy, budget, trigger and scope ``all`` (the benchmark's own, not the engine's default) and ``slo.admission``,
     the benchmark's SLOs (what admission targets and ``vtoken:slo_met`` counts), then ``s.extra``
     (``key=value`` as ``vtoken serve --set``; it may override any of these).
     ``shape``: the model's KV cache groups (``pool_shape_of``; default one full-attention group) — its
@@ -130,7 +132,7 @@ def variant_config(
     from vtoken.serve.config import ServeAppConfig
     from vtoken.serve.launch.cli import parse_scalar
 
-    vt = {"mode": mode} | ({"policy": policy, "budget": s.budget, "scope": "all"} if policy else {})
+    vt = {"mode": mode} | ({"policy": policy, "budget": s.budget, "scope": "all", "trigger": trigger} if policy else {})
     block_size = ServeAppConfig.model_validate({"model": s.model, "vtoken": vt}).vtoken.block_size
     shape = shape or PoolShape(windows=(FULL,), block_size=block_size, in_flight_tokens=0)
     if shape.need(s.longest_request()) > s.pool_blocks:
@@ -217,7 +219,7 @@ def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
 
 def run_variant(
     s: ServeBenchSetup,
-    variant: tuple[str, str | None, bool],
+    variant: Variant,
     model_path: str,
     log,
     echo,
@@ -228,13 +230,14 @@ def run_variant(
     report (with the workload ``seed`` it ran)."""
     from vtoken.serve.launch.local import free_port
 
-    mode, policy, asked = variant
+    mode, policy, asked, trigger = variant
     port, metrics_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
-    config = variant_config(s, mode, policy, asked, metrics_port, shape)
-    admission = config.slo.admission  # a ``--set slo.admission=…`` wins: label and JSON say what ran
-    variant = (mode, policy, admission)
+    config = variant_config(s, mode, policy, asked, metrics_port, shape, trigger)
+    admission = config.slo.admission  # a ``--set`` wins: label and JSON say what ran
+    trigger = config.vtoken.trigger.value if policy else trigger
+    variant = Variant(mode, policy, admission, trigger)
     runs = []
     with tempfile.TemporaryDirectory(prefix="vtoken-bench-serve-") as tmp:
         config_path = Path(tmp, "serve.json")
@@ -248,6 +251,7 @@ def run_variant(
         "mode": mode,
         "policy": policy,
         "admission": admission,
+        "trigger": trigger,
         "seed": s.repeat_seed(repeat),
         "runs": runs,
         "max_rate_at_target": max_rate_meeting(runs),
@@ -262,7 +266,7 @@ def _drive(
     url: str,
     metrics_port: int,
     model_path: str,
-    variant: tuple,
+    variant: Variant,
     tmp: str,
     runs: list,
     echo,
@@ -271,12 +275,12 @@ def _drive(
 ) -> None:
     """Wait for the server, then one ``vllm bench serve`` run per rate, ascending (appends to ``runs``), until
     ``sweep_done``."""
-    mode, policy, admission = variant
-    label = variant_label(mode, policy, admission)
+    mode, policy, admission, trigger = variant
+    label = variant_label(*variant)
     wait_ready(url, proc, 900)
     echo(f"{label}: serving after {time.monotonic() - started:.0f} s")
     for rate in sorted(s.rates):
-        name = f"{mode}-{policy}-{int(admission)}-{rate}.json".replace("+", "_")
+        name = f"{mode}-{policy}-{trigger}-{int(admission)}-{rate}.json".replace("+", "_")
         with ReplicaMetrics(f"http://127.0.0.1:{metrics_port}/metrics") as seen:
             out = subprocess.run(
                 client_command(s, url, model_path, rate, tmp, name, repeat),
@@ -295,12 +299,14 @@ def _drive(
             seen.limit_low,
             seen.preemptions,
             seen.timeline,
+            seen.cost,
         )
         echo(
             f"{label}: rate {rate} → {run['request_throughput']} req/s, goodput {run['goodput_req_s']}, "
             f"attainment {run['slo_attainment']}, peak running {run['peak_running']}, "
             f"admission limit ≥ {run['admission_limit_min']}, "
-            f"prefix-cache hits {run['prefix_cache_hit_rate']}, preemptions {run['preemptions']}"
+            f"prefix-cache hits {run['prefix_cache_hit_rate']}, preemptions {run['preemptions']}, "
+            f"trimmed {(run['cost'] or {}).get('trimmed')}"
         )
         runs.append(run)
         if sweep_done(runs, s.stop_after_misses):

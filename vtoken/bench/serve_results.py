@@ -23,6 +23,10 @@ from vtoken.metric_names import (
     NUM_REQUESTS_WAITING,
     PREFIX_CACHE_HITS,
     PREFIX_CACHE_QUERIES,
+    PRESSURE_ROUNDS,
+    REQUEST_EVICTED_MASS,
+    REQUEST_EVICTED_SHARE,
+    REQUEST_EVICTED_TOKENS,
 )
 
 if TYPE_CHECKING:
@@ -31,10 +35,12 @@ if TYPE_CHECKING:
 ATTAINMENT_TARGET = 0.9  # "SLA-constrained throughput": the highest rate meeting the SLOs for ≥ 90 %
 
 
-def variant_label(mode: str, policy: str | None, admission: bool | None = False) -> str:
-    """How progress lines and the plot name a variant: ``none`` or ``mode/policy``, ``+admission`` when
-    SLO-aware admission was on (pure)."""
-    return (mode if policy is None else f"{mode}/{policy}") + (" +admission" if admission else "")
+def variant_label(mode: str, policy: str | None, admission: bool | None = False, trigger: str = "step") -> str:
+    """How progress lines, summaries and the plot name a variant: ``none`` or ``mode/policy``, ``@pressure``
+    for a trigger other than the fixed budget's ``step``, ``+admission`` when SLO-aware admission was on
+    (pure)."""
+    name = mode if policy is None else f"{mode}/{policy}"
+    return name + ("" if trigger == "step" else f"@{trigger}") + (" +admission" if admission else "")
 
 
 class ReplicaMetrics:
@@ -44,7 +50,8 @@ class ReplicaMetrics:
     ``vllm:num_preemptions``' growth (requests vLLM preempted for KV blocks); ``limit_low`` is the lowest
     ``vtoken:admission_limit`` seen (``None``: SLO-aware admission off); ``timeline`` is
     ``[seconds since start, running, waiting, admission limit]`` at each scrape whose three gauges differ from
-    the previous entry's (lossless at the poll period, compact: a steady batch is one entry)."""
+    the previous entry's (lossless at the poll period, compact: a steady batch is one entry); ``cost`` is what
+    the requests finished meanwhile paid (``cost_of``: the cost histograms' growth)."""
 
     def __init__(self, url: str, period: float = 0.5) -> None:
         self.url, self.period, self.peak = url, period, 0
@@ -56,9 +63,11 @@ class ReplicaMetrics:
         self._stop = threading.Event()
 
     @staticmethod
-    def sample(text: str, name: str) -> float | None:
-        """The sum over label sets of the samples named ``name`` in an exposition (pure)."""
-        values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+([0-9.eE+-]+)", text, re.MULTILINE)
+    def sample(text: str, name: str, label: str = "") -> float | None:
+        """The sum over label sets of the samples named ``name`` in an exposition (pure); ``label``
+        (``le="0.0"``): only the label sets that hold it."""
+        values = re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})?\s+([0-9.eE+-]+)", text, re.MULTILINE)
+        values = [v for labels, v in values if label in labels]
         return sum(float(v) for v in values) if values else None
 
     def read(self, text: str) -> None:
@@ -73,14 +82,27 @@ class ReplicaMetrics:
         state = [None if v is None else int(v) for v in (running, waiting, limit)]
         if state != (self.timeline[-1][1:] if self.timeline else None):
             self.timeline.append([round(time.monotonic() - self._t0, 1), *state])
-        for metric in (PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, NUM_PREEMPTIONS):
-            value = self.sample(text, metric.total)
-            if value is not None:
-                self._first.setdefault(metric.name, value)
-                self._last[metric.name] = value
+        for metric in (PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, NUM_PREEMPTIONS, PRESSURE_ROUNDS):
+            self._fold(metric.name, self.sample(text, metric.total))
+        for name in _COST_SERIES:
+            self._fold(name, self.sample(text, name))
+        self._fold(_UNTRIMMED, self.sample(text, REQUEST_EVICTED_SHARE.bucket, 'le="0.0"'))
+
+    def _fold(self, name: str, value: float | None) -> None:
+        if value is not None:
+            self._first.setdefault(name, value)
+            self._last[name] = value
 
     def growth(self, metric) -> float:
-        return self._last.get(metric.name, 0.0) - self._first.get(metric.name, 0.0)
+        name = metric if isinstance(metric, str) else metric.name
+        return self._last.get(name, 0.0) - self._first.get(name, 0.0)
+
+    @property
+    def cost(self) -> dict | None:
+        """What the requests finished while polling paid (``None``: the server exports no cost histograms)."""
+        if REQUEST_EVICTED_SHARE.count not in self._last:
+            return None
+        return cost_of({name: self.growth(name) for name in (*_COST_SERIES, _UNTRIMMED, PRESSURE_ROUNDS.name)})
 
     @property
     def prefix_hits(self) -> float:
@@ -119,6 +141,36 @@ class ReplicaMetrics:
         self._http.close()
 
 
+_COST_SERIES = (
+    REQUEST_EVICTED_SHARE.count,
+    REQUEST_EVICTED_SHARE.sum,
+    REQUEST_EVICTED_TOKENS.sum,
+    REQUEST_EVICTED_MASS.count,
+    REQUEST_EVICTED_MASS.sum,
+)
+_UNTRIMMED = REQUEST_EVICTED_SHARE.bucket + '{le="0.0"}'
+
+
+def cost_of(growth: dict[str, float]) -> dict:
+    """The cost summary of one run from its counters' growth (pure): requests finished and trimmed (lost at
+    least one token), the trimmed share, the mean share of context lost per request and per trimmed
+    request, the tokens evicted, the mean attention mass evicted (requests with scores; ``None``: none),
+    and the pressure rounds taken."""
+    finished = int(round(growth[REQUEST_EVICTED_SHARE.count]))
+    trimmed = finished - int(round(growth[_UNTRIMMED]))
+    share_sum, scored = growth[REQUEST_EVICTED_SHARE.sum], int(round(growth[REQUEST_EVICTED_MASS.count]))
+    return {
+        "finished": finished,
+        "trimmed": trimmed,
+        "trimmed_share": round(trimmed / finished, 4) if finished else None,
+        "evicted_share_mean": round(share_sum / finished, 4) if finished else None,
+        "evicted_share_mean_trimmed": round(share_sum / trimmed, 4) if trimmed else None,
+        "evicted_tokens": int(round(growth[REQUEST_EVICTED_TOKENS.sum])),
+        "evicted_mass_mean": round(growth[REQUEST_EVICTED_MASS.sum] / scored, 4) if scored else None,
+        "pressure_rounds": int(round(growth[PRESSURE_ROUNDS.name])),
+    }
+
+
 def run_summary(
     result: dict,
     s: ServeBenchSetup,
@@ -128,8 +180,10 @@ def run_summary(
     limit_low: int | None = None,
     preemptions: int | None = None,
     timeline: list | None = None,
+    cost: dict | None = None,
 ) -> dict:
     """One run's numbers from vLLM's saved result (pure). Attainment counts failed requests as misses.
+    ``cost``: ``ReplicaMetrics.cost`` (what the run's requests lost to eviction; ``None``: not measured).
     ``limit_low``: the lowest running-batch limit SLO-aware admission set during the run (``None``: off);
     ``preemptions``: requests vLLM preempted for KV blocks during the run (``None``: not measured);
     ``timeline``: ``ReplicaMetrics.timeline`` (running, waiting, admission limit as they changed)."""
@@ -152,6 +206,7 @@ def run_summary(
         "prefix_cache_hit_rate": round(prefix[0] / prefix[1], 4) if prefix[1] else None,  # tokens hit / asked
         "errors": sorted({str(e)[:300] for e in result.get("errors") or () if e})[:3],  # why requests failed
         "timeline": timeline or [],
+        "cost": cost,
     }
 
 

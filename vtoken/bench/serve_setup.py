@@ -5,10 +5,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 DATASETS = ("random", "chat")  # chat: a shared system prompt + lengths drawn ±50 % (a chat-like mix)
 CHAT_RANGE_RATIO = 0.5  # chat: prompt and output lengths drawn from [(1 - r)·len, (1 + r)·len]
 TOKENIZER_SLACK = 32  # vllm bench serve re-tokenizes its random prompts: a few tokens more than asked
+
+
+class Variant(NamedTuple):
+    """One server of the comparison: a reclamation mode, its policy (``None`` for ``none``: stock vLLM),
+    SLO-aware admission on or off, and the eviction trigger (``step``: the budget applies at every step,
+    as fixed; ``pressure``: only when the pool is short, the budget a floor)."""
+
+    mode: str
+    policy: str | None
+    admission: bool
+    trigger: str = "step"
 
 
 @dataclass(frozen=True)
@@ -31,6 +43,7 @@ class ServeBenchSetup:
     burstiness: float = 1.0  # arrivals: 1 Poisson; < 1 gamma intervals, bursts above the mean rate
     range_ratio: float = 0.0  # random dataset: lengths uniform in (1 ± range_ratio) × input/output_len
     admission: tuple[bool, ...] = (False,)  # SLO-aware admission per variant: off, on, or both (an A/B)
+    triggers: tuple[str, ...] = ("step",)  # eviction triggers per evicting variant: step (fixed), pressure
     stop_after_misses: int = 0  # a variant's sweep stops once this many rates in a row missed (0: every rate)
     repeats: int = 1  # every variant this many times, all in one command; ratios per repeat (serve_summary)
     extra: tuple[str, ...] = field(default_factory=tuple)  # more ``--set key=value`` for every server
@@ -63,14 +76,14 @@ class ServeBenchSetup:
         ``seed`` itself, so a one-repeat run replays the workload earlier reports ran."""
         return self.seed + repeat
 
-    def variants(self) -> list[tuple[str, str | None, bool]]:
-        """``(mode, policy, admission)`` triples (pure). ``none`` is stock vLLM, the baseline: no policy, no
-        admission (no vToken class in the engine); whenever the evicting variants run with admission, stock
-        vLLM also runs with the same admission cap as its own variant ``none +admission`` (the control: what
-        admission alone buys). Each evicting pair once per ``admission`` setting, off before on."""
+    def variants(self) -> list[Variant]:
+        """The servers to run (pure). ``none`` is stock vLLM, the baseline: no policy, no admission (no vToken
+        class in the engine); whenever the evicting variants run with admission, stock vLLM also runs with
+        the same admission cap as its own variant ``none +admission`` (the control: what admission alone
+        buys). Each evicting (mode, policy) once per trigger and per ``admission`` setting, off before on."""
         switches = sorted(set(self.admission))
-        out: list[tuple[str, str | None, bool]] = []
+        out: list[Variant] = []
         if "none" in self.modes:
-            out += [("none", None, False)] + ([("none", None, True)] if True in switches else [])
+            out += [Variant("none", None, False)] + ([Variant("none", None, True)] if True in switches else [])
         pairs = [(m, p) for m in self.modes if m != "none" for p in self.policies]
-        return out + [(m, p, a) for m, p in pairs for a in switches]
+        return out + [Variant(m, p, a, t) for m, p in pairs for t in self.triggers for a in switches]

@@ -23,9 +23,10 @@ from __future__ import annotations
 import statistics
 
 from vtoken.bench.serve_results import variant_label
+from vtoken.bench.serve_setup import Variant
 
 RATE_KEYS = ("max_rate_at_target", "rate_at_target_interpolated")
-STOCK = ("none", None, False)  # the baseline: stock vLLM, no vToken class loaded, no admission
+STOCK = Variant("none", None, False)  # the baseline: stock vLLM, no vToken class loaded, no admission
 
 
 def spread(values: list[float | None]) -> dict:
@@ -48,8 +49,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if not b else round((a or 0.0) / b, 4)
 
 
-def _key(v: dict) -> tuple:
-    return (v["mode"], v["policy"], bool(v["admission"]))
+def _key(v: dict) -> Variant:
+    return Variant(v["mode"], v["policy"], bool(v["admission"]), v.get("trigger", "step"))
 
 
 def at_grid_top(v: dict | None) -> bool:
@@ -62,16 +63,20 @@ def at_grid_top(v: dict | None) -> bool:
     )
 
 
-def baselines(variant: tuple) -> list[tuple[str, tuple]]:
-    """``[(name, baseline variant)]`` an evicting ``(mode, policy, admission)`` is compared with (pure)."""
-    mode, policy, admission = variant
+def baselines(variant: Variant) -> list[tuple[str, Variant]]:
+    """``[(name, baseline variant)]`` a variant is compared with (pure): stock vLLM; with admission, stock
+    vLLM with the same cap (the control); Naive-Evict with the same policy, trigger and admission; and for a
+    ``pressure`` variant the same mode with the fixed budget (``fixed``: what evicting only when short buys)."""
+    mode, policy, admission, trigger = variant
     if mode == "none":
         return [("stock", STOCK)] if admission else []
     out = [("stock", STOCK)]
     if admission:  # the control: stock vLLM with the same admission cap
-        out.append(("stock+admission", ("none", None, True)))
+        out.append(("stock+admission", Variant("none", None, True)))
     if mode != "naive":
-        out.append(("naive", ("naive", policy, admission)))
+        out.append(("naive", Variant("naive", policy, admission, trigger)))
+    if trigger != "step":
+        out.append(("fixed", Variant(mode, policy, admission, "step")))
     return out
 
 
