@@ -19,7 +19,8 @@ from triton.compiler import ASTSource
 
 from vtoken.kernels.triton_attention import _DECODE
 from vtoken.kernels.triton_moves import _COPY, DIRECT, GATHER, SCATTER
-from vtoken.kernels.triton_scores import _PROBS, _STATS
+from vtoken.kernels.triton_scores import _PROBS
+from vtoken.kernels.triton_softmax import _MERGE, _STATS
 
 pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
 
@@ -100,7 +101,7 @@ SCORE_TYPES = {
 def test_score_kernels_compile(dtype, precision):
     types = {**SCORE_TYPES, "q_ptr": f"*{dtype}", "cache_ptr": f"*{dtype}"}
     common = {**LLAMA, "HQ": 32, "PRECISION": precision}
-    ptx = compile_sm90(_STATS, types, common)
+    ptx = compile_sm90(_STATS, {**types, "chunk": "i32"}, common)
     assert re.search(r"ld\.global(\.\w+)*\.v4", ptx)  # the query tile: 16-byte vectors (Q_ALIGN)
     assert re.search(r"cp\.async\.cg\.shared\.global .*, 0x10", ptx)  # keys: 16-byte async copies
     ptx = compile_sm90(
@@ -116,9 +117,17 @@ def test_score_kernels_compile_for_odd_head_dims_and_mqa():
     types = {**SCORE_TYPES, "q_ptr": "*bf16", "cache_ptr": "*bf16"}
     compile_sm90(
         _STATS,
-        types,
+        {**types, "chunk": "i32"},
         {**LLAMA, "HQ": 8, "GROUP": 8, "D": 80, "D_P2": 128, "WIDTH": 160, "PRECISION": "tf32", "ALIGN": 16},
     )
+
+
+@pytest.mark.parametrize("hq", [32, 8, 28])
+def test_softmax_merge_compiles(hq):
+    """The merge of the split statistics (one variant per model: HQ fixed, ``splits`` not specialised)."""
+    types = {"mp_ptr": "*fp32", "lp_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "splits": "i32"}
+    ttir = compile_sm90(_MERGE, types, {"HQ": hq, "HQ_P2": 1 << (hq - 1).bit_length()}, asm="ttir")
+    assert "scf.for" in ttir  # the loops over the splits are runtime loops, not unrolled per split count
 
 
 def test_paged_decode_compiles():
@@ -206,7 +215,7 @@ def _ttir_cases():
             yield name, _COPY, moves, {**move_c, "STRIDED": strided, "MODE": mode}
     for strided in (True, False):
         common = {**LLAMA, "STRIDED": strided, "PRECISION": "tf32"}
-        yield f"stats{strided:d}", _STATS, scores, {**common, "HQ": 32}
+        yield f"stats{strided:d}", _STATS, {**scores, "chunk": "i32"}, {**common, "HQ": 32}
         yield f"probs{strided:d}", _PROBS, probs, {**common, "HQ": 32, "HKV": 8}
         yield f"decode{strided:d}", _DECODE, decode, common
 

@@ -20,7 +20,8 @@ from vtoken.kernels.check import Shape, copy_caches, fill_random
 from vtoken.kernels.gpu_layout import PagedTorchMover, allocate_kv_caches, layout_for
 from vtoken.kernels.scores import RequestScores
 from vtoken.kernels.triton_moves import _COPY, TritonSlotMover
-from vtoken.kernels.triton_scores import _PROBS, _STATS, TritonScoreAccumulator
+from vtoken.kernels.triton_scores import _PROBS, TritonScoreAccumulator
+from vtoken.kernels.triton_softmax import _MERGE, _STATS
 
 pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
 
@@ -35,9 +36,9 @@ def _caches(name="flash_attn", blocks=8, dtype=torch.bfloat16):
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """Launches of the three kernels recorded as (kernel, args, kwargs) instead of run."""
+    """Launches of the four kernels recorded as (kernel, args, kwargs) instead of run."""
     calls = []
-    for kernel in (_COPY, _STATS, _PROBS):
+    for kernel in (_COPY, _STATS, _MERGE, _PROBS):
         monkeypatch.setattr(kernel, "launch", lambda device, grid, *a, _k=kernel, **kw: calls.append((_k, a, kw)))
     return calls
 
@@ -49,8 +50,8 @@ def keys(calls, kernel) -> set[str]:
     return {repr(binder(*a, **kw)[1:]) for k, a, kw in calls if k is kernel}
 
 
-def _step(views, layout, specs, query):
-    acc = TritonScoreAccumulator(layout)
+def _step(views, layout, specs, query, split_keys=2048):
+    acc = TritonScoreAccumulator(layout, split_keys=split_keys)
     for i, (q0, q1, n, row) in enumerate(specs):
         acc.requests[f"r{i}"] = RequestScores(q0, q1, n, torch.tensor(row), want_attention=True, want_key_norm=False)
     for kv in views:
@@ -58,31 +59,37 @@ def _step(views, layout, specs, query):
 
 
 def _steps(views, layout):
-    """A one-token decode (kmax 1, a one-column block table, a contiguous query), then a decode and a
-    3-query chunk (kmax 48, three columns, the query a view of a fused qkv buffer)."""
+    """A one-token decode (kmax 1, a one-column block table, a contiguous query, one split), then a decode
+    and a 3-query chunk (kmax 48, three columns, the query a view of a fused qkv buffer, 2 splits: merged)."""
     gen = torch.Generator().manual_seed(1)
     _step(views, layout, [(0, 1, 1, [5])], torch.randn(1, HQ, HD, generator=gen).to(views[0].dtype))
     qkv = torch.randn(4, (HQ + 2 * HKV) * HD, generator=gen).to(views[0].dtype)
-    _step(views, layout, [(0, 1, 48, [1, 2, 3]), (1, 4, 33, [4, 6, 0])], qkv[:, : HQ * HD].view(4, HQ, HD))
+    _step(views, layout, [(0, 1, 48, [1, 2, 3]), (1, 4, 33, [4, 6, 0])], qkv[:, : HQ * HD].view(4, HQ, HD), 32)
 
 
 def test_steps_with_different_query_counts_and_rows_share_one_variant(recorded):
-    """Before ``do_not_specialize`` (kmax, bt_stride, q_st) the two steps mapped to different variants."""
+    """Before ``do_not_specialize`` (kmax, bt_stride, q_st; chunk, splits) the two steps mapped to different
+    variants."""
     views, layout = _caches()
     _steps(views, layout)
     assert len([c for c in recorded if c[0] is _PROBS]) == 4  # 2 steps × 2 layers
-    assert len(keys(recorded, _STATS)) == 1 and len(keys(recorded, _PROBS)) == 1
-    for kernel, names in ((_STATS, {"q_st", "bt_stride"}), (_PROBS, {"q_st", "bt_stride", "kmax"})):
+    assert len([c for c in recorded if c[0] is _MERGE]) == 2  # the split step's 2 layers
+    assert all(len(keys(recorded, k)) == 1 for k in (_STATS, _MERGE, _PROBS))
+    for kernel, names in (
+        (_STATS, {"q_st", "bt_stride", "chunk"}),
+        (_MERGE, {"splits"}),
+        (_PROBS, {"q_st", "bt_stride", "kmax"}),
+    ):
         assert {p.name for p in kernel.compiled().params if p.do_not_specialize} == names
 
 
 def test_score_warmup_launches_the_variant_the_steps_use(recorded):
     views, layout = _caches()
     TritonScoreAccumulator.warmup(layout, views[1], HQ, HD, views[0].dtype, HD**-0.5)
-    warm = {k: keys(recorded, k) for k in (_STATS, _PROBS)}
+    warm = {k: keys(recorded, k) for k in (_STATS, _MERGE, _PROBS)}
     assert all(len(v) == 1 for v in warm.values())
     _steps(views, layout)
-    assert all(keys(recorded, k) == warm[k] for k in (_STATS, _PROBS))
+    assert all(keys(recorded, k) == warm[k] for k in (_STATS, _MERGE, _PROBS))
 
 
 def test_mover_warmup_launches_the_three_variants_moves_use(recorded):
@@ -130,7 +137,7 @@ def test_what_the_warmups_launch_compiles_for_sm90(recorded):
     TritonSlotMover(layout, capacity=8).warmup(views)
     TritonScoreAccumulator.warmup(layout, views[0], HQ, HD, torch.bfloat16, HD**-0.5)
     backend = make_backend(GPUTarget("cuda", 90, 32))
-    assert len(recorded) == 5
+    assert len(recorded) == 6  # 3 mover variants, the 3 score kernels
     for kernel, args, kwargs in recorded:
         fn = kernel.compiled()
         kwargs = {**kwargs, "UPCAST": False} if "UPCAST" in kwargs else kwargs

@@ -1,4 +1,4 @@
-"""``TritonScoreAccumulator``: the policies' attention statistics from two Triton kernels per layer.
+"""``TritonScoreAccumulator``: the policies' attention statistics from Triton kernels, two or three per layer.
 
 Same contract and results as ``ScoreAccumulator`` (the torch reference, ``scores.py``): for a step's
 queries, ``softmax(q·Kᵀ·scale)`` over each request's live row slots ``0..seq_len-1`` (read through its block
@@ -8,8 +8,10 @@ to ``SlotScores`` (``accumulated``, ``last``, ``unimportant`` bits, ``window``; 
 attention kernel returns no weights, so they are recomputed after it ran; never the full ``[n_q, seq_len]``
 matrix, only what the statistics need:
 
-    per layer   1. _softmax_stats  grid (queries, kv heads): row max m and normaliser l of every (query,
-                   head) over its visible keys (online softmax over key tiles of the block table)
+    per layer   1. _softmax_stats  grid (queries, kv heads, splits): row max m and normaliser l of every
+                   (query, head) over its visible keys (online softmax over key tiles of the block table),
+                   split over key ranges at long contexts and merged exactly (``_softmax_merge``, only when
+                   there are several splits: ``triton_softmax``)
                 2. _probs          grid (queries, key tiles of the scored range): p = exp(s - m) / l, mean
                    over the heads; atomically added into sums[request, key - first] (Σ over queries and
                    layers) and, for the kept queries of a multi-query step (the last ≤ 64 for the bits,
@@ -23,32 +25,33 @@ host work scale with what can be evicted; ``m`` and ``l`` still cover every key.
 
 Any head_dim (padded to a power of two ≥ 16, masked), GQA/MQA (a kv head's query heads are one tile, padded
 to ≥ 16 rows for ``tl.dot``), fp16/bf16/fp32 inputs with fp32 accumulation (``ieee`` dot for fp32). CPU
-tensors run through Triton's interpreter (``triton_runtime``). Buffers are allocated per step on the first
-``add_layer``; the launch shapes follow the step's queries and longest row.
+tensors run through Triton's interpreter (``triton_runtime``). The launch metadata and buffers are built once
+per step on the first ``add_layer`` and reused by every layer (``triton_plan``); the launch shapes follow the
+step's queries and longest row.
 
-Compiled variants (CUDA): one ``_softmax_stats`` and one ``_probs`` per model, whatever the step. What
-changes from step to step is the grid (query count, key tiles) and three integer arguments that are not
-specialised (``do_not_specialize``): ``kmax`` (the longest row), ``bt_stride`` (the block table's width;
-both would otherwise compile a variant for 1 and for multiples of 16) and ``q_st`` (the query's token
+Compiled variants (CUDA): one ``_softmax_stats``, one ``_softmax_merge`` and one ``_probs`` per model,
+whatever the step. What changes from step to step is the grid (query count, splits, key tiles) and integer
+arguments that are not specialised (``do_not_specialize``): ``kmax`` (the longest row), ``chunk`` and
+``splits`` (the key split), ``bt_stride`` (the block table's width; each would otherwise compile a variant
+for 1 and for multiples of 16) and ``q_st`` (the query's token
 stride: vLLM's query may be a view of the fused qkv buffer, the warm-up's is contiguous; its alignment
 goes in as the constexpr Q_ALIGN = gcd(16, q_st, q_sh), which is gcd(16, head_dim) for every ``[T, H, D]``
 query whose heads are contiguous, so the query tiles keep their 16-byte loads). Everything else is fixed
 per model: the constexprs (heads, head dim, block size, layout strides' alignment, dtype → PRECISION,
 device → UPCAST), ``q_sh`` (= head_dim, as above), the cache strides, the pointers' dtypes and 16-byte
 alignment (torch allocations; a query view starting off a 16-byte boundary would add a variant).
-``TritonScoreAccumulator.warmup`` compiles both once at start-up.
+``TritonScoreAccumulator.warmup`` compiles all three once at start-up.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import triton.language as tl
 
-from vtoken.core.stats import SlotScores, unimportance_bits
+from vtoken.core.stats import SlotScores
 from vtoken.kernels.gpu_layout import PagedLayout, read_k
 from vtoken.kernels.scores import (
     RequestScores,
@@ -58,144 +61,11 @@ from vtoken.kernels.scores import (
     redundancy_stat,
     row_slots,
 )
-from vtoken.kernels.triton_runtime import TritonKernel, next_pow2
-from vtoken.policies.context import HISTORY_BITS, OBSERVATION_WINDOW
-
-# Triton's own combine functions: tl.reduce with them is tl.sum / tl.max, and the interpreter maps them to
-# numpy; tl.sum, tl.max and tl.zeros themselves are @jit functions that an interpreted kernel cannot call
-# unless TRITON_INTERPRET was set before triton was imported (triton_runtime).
-_SUM = tl.standard._sum_combine
-_MAX = tl.standard._elementwise_max
-
-
-def _kv_tile(
-    cache_ptr,
-    bt_ptr,
-    index_ptr,
-    req,
-    g,
-    start,
-    vis,
-    block_stride,
-    head_stride,
-    token_stride,
-    bt_stride,
-    BLOCK_SIZE,
-    BLOCK_N,
-    D,
-    D_P2,
-    WIDTH,
-    STRIDED,
-    ALIGN,
-    C0,
-):
-    """Keys (C0 = 0) or values (C0 = D) of row positions start..start+BLOCK_N-1 of request ``req``, kv head
-    ``g``, through its block table: ``[BLOCK_N, D_P2]`` (0 beyond ``vis`` or D), positions, validity. Element
-    offsets are int64 (a layer view of vLLM's LHBNC layout exceeds 2^31 elements on an H200-sized cache:
-    ``g * head_stride`` alone does, and Triton passes a stride below 2^31 as int32)."""
-    pos = start + tl.arange(0, BLOCK_N)
-    valid = pos < vis
-    d = tl.arange(0, D_P2)[None, :]
-    blk = tl.load(bt_ptr + req.to(tl.int64) * bt_stride + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    off = (pos % BLOCK_SIZE).to(tl.int64)[:, None]
-    kmask = valid[:, None] & (d < D)
-    row = blk[:, None] * block_stride + g * head_stride.to(tl.int64)  # g: a Python int when interpreted
-    if STRIDED:  # [ALIGN, ALIGN], not [ALIGN, 1]: every element is a multiple of ALIGN, along the size-1
-        # dim too; triton 3.6 takes dim 1's divisibility from the hint and with 1 loaded the keys element by
-        # element (ld.global.b16, no cp.async pipelining); 3.9 vectorised either way (test_triton_compile)
-        at = tl.multiple_of(row + off * token_stride, [ALIGN, ALIGN]) + C0 + d
-    else:
-        at = row + tl.load(index_ptr + off * WIDTH + C0 + d, mask=kmask, other=0)
-    k = tl.load(cache_ptr + at, mask=kmask, other=0.0)
-    return k, pos, valid
-
-
-def _query_tile(q_ptr, q_st, q_sh, t, g, GROUP, G_P2, D, D_P2, dtype, Q_ALIGN):
-    """Query token ``t``'s heads of kv group ``g``: ``[G_P2, D_P2]`` (0 beyond GROUP or D); int64 offsets.
-    Q_ALIGN divides q_st (16-byte vector loads although q_st itself is not specialised)."""
-    h = tl.arange(0, G_P2)[:, None]
-    d = tl.arange(0, D_P2)[None, :]
-    at = tl.multiple_of(t.to(tl.int64) * q_st, Q_ALIGN) + (g * GROUP + h).to(tl.int64) * q_sh
-    q = tl.load(q_ptr + at + d, mask=(h < GROUP) & (d < D), other=0.0)
-    return q.to(dtype)
-
-
-def _logits(q, k, scale, UPCAST, PRECISION):
-    if UPCAST:  # Triton 3.9's interpreter returns garbage from a bf16 tl.dot: CPU tensors go through fp32
-        return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
-    return tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-
-
-def _softmax_stats(
-    q_ptr,
-    q_st,
-    q_sh,
-    cache_ptr,
-    bt_ptr,
-    bt_stride,
-    index_ptr,
-    q_tok,
-    q_req,
-    q_vis,
-    m_ptr,
-    l_ptr,
-    block_stride,
-    head_stride,
-    token_stride,
-    scale,
-    HQ: tl.constexpr,
-    GROUP: tl.constexpr,
-    G_P2: tl.constexpr,
-    D: tl.constexpr,
-    D_P2: tl.constexpr,
-    WIDTH: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STRIDED: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    ALIGN: tl.constexpr,
-    Q_ALIGN: tl.constexpr,
-):
-    """Program (i, g): m and l of query i's heads in kv group g (writes m_ptr/l_ptr[i, heads])."""
-    i = tl.program_id(0)
-    g = tl.program_id(1)
-    t = tl.load(q_tok + i).to(tl.int64)
-    req = tl.load(q_req + i).to(tl.int64)
-    vis = tl.load(q_vis + i)
-    q = _query_tile(q_ptr, q_st, q_sh, t, g, GROUP, G_P2, D, D_P2, cache_ptr.dtype.element_ty, Q_ALIGN)
-    m = tl.full([G_P2], float("-inf"), tl.float32)
-    den = tl.full([G_P2], 0.0, tl.float32)
-    for start in range(0, vis, BLOCK_N):  # interpreted: range() calls vis.__index__ (triton_runtime)
-        k, pos, valid = _kv_tile(
-            cache_ptr,
-            bt_ptr,
-            index_ptr,
-            req,
-            g,
-            start,
-            vis,
-            block_stride,
-            head_stride,
-            token_stride,
-            bt_stride,
-            BLOCK_SIZE,
-            BLOCK_N,
-            D,
-            D_P2,
-            WIDTH,
-            STRIDED,
-            ALIGN,
-            0,
-        )
-        s = _logits(q, k, scale, UPCAST, PRECISION)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.reduce(s, 1, _MAX))
-        den = den * tl.exp(m - m_new) + tl.reduce(tl.exp(s - m_new[:, None]), 1, _SUM)
-        m = m_new
-    h = tl.arange(0, G_P2)
-    tl.store(m_ptr + i * HQ + g * GROUP + h, m, mask=h < GROUP)
-    tl.store(l_ptr + i * HQ + g * GROUP + h, den, mask=h < GROUP)
+from vtoken.kernels.triton_finish import request_stats, widened
+from vtoken.kernels.triton_plan import NO_ROW, device_meta, launch_state, plan_step
+from vtoken.kernels.triton_runtime import TritonKernel
+from vtoken.kernels.triton_softmax import _MERGE, _STATS, SplitPlan, launch_softmax_stats
+from vtoken.kernels.triton_tiles import _MAX, _SUM, _kv_tile, _logits, _query_tile  # noqa: F401 (_MAX: re-exported)
 
 
 def _probs(
@@ -287,86 +157,25 @@ def _probs(
             tl.store(rows_ptr + row * kmax + col, old + mean, mask=valid)
 
 
-_STATS = TritonKernel(_softmax_stats, helpers=(_kv_tile, _query_tile, _logits), do_not_specialize=("q_st", "bt_stride"))
 _PROBS = TritonKernel(_probs, helpers=(_kv_tile, _query_tile, _logits), do_not_specialize=("q_st", "bt_stride", "kmax"))
-NO_ROW = -1  # a query whose probabilities no kept row records (q_row)
-KERNELS = {"_softmax_stats": _STATS, "_probs": _PROBS}  # by name, for the device check's variant counts
-
-
-def _device_meta(
-    device: torch.device,
-    tok: list[int],
-    req: list[int],
-    vis: list[int],
-    row: list[int],
-    first: list[int],
-    bt: torch.Tensor,
-    kmax: int,
-    n_rows: int,
-) -> dict:
-    """The launch metadata on ``device``: int32 query tables (``first``: each query's first scored row
-    position), the int32 block table, zeroed fp32 ``sums`` ``[requests, kmax]`` (``kmax``: the longest
-    scored range) and ``rows`` ``[n_rows, kmax]`` (``[1, 1]``, never written, without kept rows;
-    ``n_rows`` records how many) (new tensors; pure)."""
-
-    def dev(values):  # CUDA: through pinned memory, so planning never waits for the stream
-        t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int32)
-        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
-
-    return dict(
-        tok=dev(tok),
-        req=dev(req),
-        vis=dev(vis),
-        row=dev(row),
-        first=dev(first),
-        bt=dev(bt),
-        kmax=kmax,
-        n_rows=n_rows,
-        sums=torch.zeros(bt.shape[0], kmax, device=device),
-        rows=torch.zeros(n_rows or 1, kmax if n_rows else 1, device=device),
-    )
-
-
-def kept_queries(rs: RequestScores) -> list[int]:
-    """Query indices whose rows ``finish`` needs: the last ≤ ``HISTORY_BITS`` and SnapKV's window; none for
-    a single query (its row is bit-identical to the request's sums, which ``finish`` reads instead) (pure)."""
-    if rs.n_q == 1:
-        return []
-    keep = set(range(max(0, rs.n_q - HISTORY_BITS), rs.n_q))
-    if rs.window:
-        keep.update(range(max(rs.window - OBSERVATION_WINDOW, 0), rs.window))
-    return sorted(keep)
+KERNELS = {"_softmax_stats": _STATS, "_softmax_merge": _MERGE, "_probs": _PROBS}  # by name: the device check's
+# compiled-variant counts
 
 
 @dataclass
 class TritonScoreAccumulator(ScoreAccumulator):
     """``ScoreAccumulator`` whose attention statistics come from the Triton kernels (``layout``: a
-    ``PagedLayout``)."""
+    ``PagedLayout``). ``block_n``: keys per tile; ``split_keys``, ``max_splits``: the split of the softmax
+    statistics over key ranges (``triton_softmax.plan_splits``: one split up to ``split_keys`` keys)."""
 
     block_n: int = 32
+    split_keys: int = 2048
+    max_splits: int = 16
     _meta: dict | None = None
 
     def _plan(self, scored: list[RequestScores], device: torch.device) -> dict:
-        tok, req, vis, row, first, tables, kept = [], [], [], [], [], [], []
-        n_rows = 0
-        for r, rs in enumerate(scored):
-            keep = kept_queries(rs)
-            where = {qi: n_rows + j for j, qi in enumerate(keep)}
-            n_rows += len(keep)
-            kept.append(keep)
-            for qi in range(rs.n_q):
-                tok.append(rs.q_start + qi)
-                req.append(r)
-                vis.append(rs.seq_len - rs.n_q + qi + 1)
-                row.append(where.get(qi, NO_ROW))
-                first.append(rs.first)
-            tables.append(rs.block_row.to("cpu", torch.int32))
-        width = max(int(t.numel()) for t in tables)
-        bt = torch.zeros(len(scored), width, dtype=torch.int32)
-        for r, t in enumerate(tables):
-            bt[r, : t.numel()] = t
-        kmax = max(max(rs.seq_len - rs.first for rs in scored), 1)
-        return dict(_device_meta(device, tok, req, vis, row, first, bt, kmax, n_rows), kept=kept, scored=scored)
+        """The step's launch metadata (``triton_plan.plan_step``), built once, used by every layer."""
+        return plan_step(scored, device, self.block_n, self.split_keys, self.max_splits)
 
     @classmethod
     def warmup(
@@ -379,14 +188,14 @@ class TritonScoreAccumulator(ScoreAccumulator):
         scale: float,
         block_n: int | None = None,
     ) -> None:
-        """Compile (CUDA) the model's one ``_softmax_stats`` and one ``_probs`` variant (module doc): both
-        launched once through the same ``_launch`` as a step, for one scratch query of ``num_q_heads ×
-        head_dim`` in ``dtype`` that sees no key (visible length 0, no kept row), so neither kernel reads or
-        writes ``kv_cache`` (only its pointer, dtype and device are used). Side effects: scratch buffers,
-        two launches on the current stream (asynchronous), Triton's compile cache. Call once at start-up,
-        outside graph capture, with any layer's cache view (all layers share one layout). ``block_n``: the
-        accumulators' (default: the class default). Raises ``ValueError`` on heads or head_dim that do not
-        fit ``layout``."""
+        """Compile (CUDA) the model's one ``_softmax_stats``, ``_softmax_merge`` and ``_probs`` variant
+        (module doc): each launched once through the same ``_launch`` as a step (the merge forced), for one
+        scratch query of ``num_q_heads × head_dim`` in ``dtype`` that sees no key (visible length 0, no kept
+        row), so no kernel reads or writes ``kv_cache`` (only its pointer, dtype and device are used). Side
+        effects: scratch buffers, three launches on the current stream (asynchronous), Triton's compile
+        cache. Call once at start-up, outside graph capture, with any layer's cache view (all layers share
+        one layout). ``block_n``: the accumulators' (default: the class default). Raises ``ValueError`` on
+        heads or head_dim that do not fit ``layout``."""
         if head_dim != layout.head_dim or num_q_heads < 1 or num_q_heads % layout.num_kv_heads:
             raise ValueError(
                 f"warmup: {num_q_heads} query heads of {head_dim} do not fit "
@@ -394,9 +203,11 @@ class TritonScoreAccumulator(ScoreAccumulator):
             )
         acc = cls(layout) if block_n is None else cls(layout, block_n=block_n)
         device = kv_cache.device
-        meta = _device_meta(device, [0], [0], [0], [NO_ROW], [0], torch.zeros(1, 1, dtype=torch.int32), 1, 0)
+        tables = np.array([[0], [0], [0], [NO_ROW], [0]], dtype=np.int32)  # QUERY_FIELDS of one query
+        one = SplitPlan(1, acc.block_n)
+        meta = device_meta(device, tables, torch.zeros(1, 1, dtype=torch.int32), 1, 0, one)
         query = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
-        acc._launch(query, kv_cache, scale, meta)
+        acc._launch(query, kv_cache, scale, meta, merge=True)
 
     def add_layer(self, query: torch.Tensor, key: torch.Tensor | None, kv_cache: torch.Tensor, scale: float) -> None:
         """Fold one layer in (see ``ScoreAccumulator.add_layer``); mutates the step's sums/rows buffers."""
@@ -418,31 +229,17 @@ class TritonScoreAccumulator(ScoreAccumulator):
                 rs.key_norm = n if rs.key_norm is None else rs.key_norm + n
                 rs.norm_layers += 1
 
-    def _launch(self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float, meta: dict) -> None:
+    def _launch(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float, meta: dict, merge: bool = False
+    ) -> None:
+        """One layer's launches: the split softmax statistics (and their merge: always when ``merge``), then
+        ``_probs`` into ``meta``'s sums/rows. Mutates ``meta`` (its buffers; ``launch_state`` on the first
+        layer). Asynchronous on CUDA."""
         lay: PagedLayout = self.layout
         if query.stride(-1) != 1:
             query = query.contiguous()
-        heads, d = query.shape[1], query.shape[2]
-        group = heads // lay.num_kv_heads
-        nq = int(meta["tok"].numel())
-        m = torch.empty(nq, heads, dtype=torch.float32, device=kv_cache.device)
-        den = torch.empty_like(m)
-        index = lay.index.to(device=kv_cache.device, dtype=torch.int32)
-        common = dict(
-            HQ=heads,
-            GROUP=group,
-            G_P2=max(16, next_pow2(group)),
-            D=d,
-            D_P2=max(16, next_pow2(d)),
-            WIDTH=lay.width,
-            BLOCK_SIZE=lay.block_size,
-            BLOCK_N=self.block_n,
-            STRIDED=lay.token_stride is not None,
-            PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-            UPCAST=kv_cache.device.type == "cpu",
-            ALIGN=math.gcd(16, lay.block_stride, lay.head_stride, lay.token_stride or 1),
-            Q_ALIGN=math.gcd(16, query.stride(0), query.stride(1)),
-        )
+        state = launch_state(meta, lay, query, kv_cache, self.block_n)
+        common, (m, den) = state["constexprs"], state["out"]
         head = (
             query,
             query.stride(0),
@@ -450,17 +247,20 @@ class TritonScoreAccumulator(ScoreAccumulator):
             kv_cache,
             meta["bt"],
             meta["bt"].stride(0),
-            index,
+            state["index"],
             meta["tok"],
             meta["req"],
             meta["vis"],
         )
         tail = (lay.block_stride, lay.head_stride, lay.token_stride or 0, float(scale))
-        _STATS.launch(kv_cache.device, (nq, lay.num_kv_heads), *head, m, den, *tail, **common)
+        device = kv_cache.device
+        launch_softmax_stats(
+            device, meta["split"], lay.num_kv_heads, head, tail, state["parts"], (m, den), common, merge
+        )
         tiles = -(-meta["kmax"] // self.block_n)
         _PROBS.launch(
-            kv_cache.device,
-            (nq, tiles),
+            device,
+            (int(meta["tok"].numel()), tiles),
             *head,
             meta["row"],
             meta["first"],
@@ -498,11 +298,11 @@ class TritonScoreAccumulator(ScoreAccumulator):
         meta = self._meta
         attention: dict[int, dict] = {}
         if meta is not None:
-            sums = _widened(meta["sums"].cpu().numpy(), meta["scored"])
+            sums = widened(meta["sums"].cpu().numpy(), meta["scored"])
             rows = meta["rows"].cpu().numpy() if meta["n_rows"] else None
             start = 0
             for r, rs in enumerate(meta["scored"]):
-                attention[id(rs)] = _request_stats(rs, sums[r], rows, start, meta["kept"][r])
+                attention[id(rs)] = request_stats(rs, sums[r], rows, start, meta["kept"][r])
                 start += len(meta["kept"][r])
         out: dict[str, SlotScores] = {}
         for rid, rs in self.requests.items():
@@ -512,43 +312,3 @@ class TritonScoreAccumulator(ScoreAccumulator):
             stats.update(redundancy_stat(rs))
             out[rid] = SlotScores(n_queries=rs.n_q, seq_len=rs.seq_len, first=rs.first, **stats)
         return out
-
-
-def _widened(sums: np.ndarray, scored: list[RequestScores]) -> np.ndarray | list[np.ndarray]:
-    """Each request's ``sums`` row over its scored range, float64, divided by its layers: the whole buffer
-    at once when the ranges fill at least half of it (a decode batch of similar rows: a few numpy calls in
-    all), else each request's slice alone (never a long row's width for every request). Pure."""
-    used = sum(rs.seq_len - rs.first for rs in scored)
-    if 2 * used >= sums.size:
-        return sums.astype(np.float64) / np.array([float(rs.layers) for rs in scored])[:, None]
-    return [sums[r, : rs.seq_len - rs.first].astype(np.float64) / rs.layers for r, rs in enumerate(scored)]
-
-
-def _request_stats(
-    rs: RequestScores, sums: np.ndarray, rows: np.ndarray | None, start: int, keep: list[int]
-) -> dict[str, np.ndarray]:
-    """One request's attention statistics over its scored range (``seq_len - first`` columns) from the
-    host buffers: its ``sums`` row (float64, ÷ layers: ``_widened``) and, from row ``start``, the rows of its
-    ``keep`` queries (none for a single query: its row is its sums), each sliced before it is widened. The
-    arrays may share memory with each other and the buffers: read-only. Pure."""
-    n = rs.seq_len - rs.first
-    acc = sums[:n]
-    if not keep:  # one query: accumulated, last and the window are its row
-        # unimportance_bits of one row that saw every key: bit 0 ⇔ below 1/seq_len (same values, no 2-D pass)
-        stats = {"accumulated": acc, "last": acc, "unimportant": (acc < 1.0 / rs.seq_len).astype(np.uint64)}
-        if rs.window:
-            stats["window"] = acc
-        return stats
-    by_q = dict(zip(keep, rows[start : start + len(keep), :n].astype(np.float64) / rs.layers))
-    last = [qi for qi in keep if qi >= rs.n_q - HISTORY_BITS]
-    seen = np.array(last)[:, None] + rs.seq_len - rs.n_q + 1  # keys each kept query saw, in all
-    visible = np.arange(rs.first, rs.seq_len)[None, :] < seen
-    stats = {
-        "accumulated": acc,
-        "last": by_q[rs.n_q - 1].copy(),
-        "unimportant": unimportance_bits(np.stack([by_q[qi] for qi in last]), visible, seen[:, 0]),
-    }
-    if rs.window:
-        rows_w = range(max(rs.window - OBSERVATION_WINDOW, 0), rs.window)
-        stats["window"] = sum(by_q[qi] for qi in rows_w)
-    return stats
