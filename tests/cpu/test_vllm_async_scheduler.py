@@ -344,9 +344,26 @@ def test_full_cuda_graph_engines_refuse_attention_policies_per_request():
     sched.add_request(make_request("qf", 16, 4, policy="knorm"))
     assert "att" in sched.grammar_compile_error_reqs
     assert "att" not in sched._vt_reqs and "qf" in sched._vt_reqs
-    sched = make_scheduler(vtoken={"policy": "h2o"}, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    sched = make_scheduler(
+        vtoken={"policy": "h2o", "score_layers": None}, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE
+    )
     assert sched.vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
     assert not sched.vllm_config.use_v2_model_runner
+
+
+def test_layer_subset_engines_keep_full_graphs_and_refuse_other_layers_per_request():
+    """An attention engine scoring a subset of the layers (``score_layers`` 1 of the tiny model's 2, the
+    default) keeps FULL_AND_PIECEWISE (queries buffered inside the graphs, vtoken/vllm/score_capture.py);
+    a request asking other layers finishes with an error, one with the engine's layers runs (issue 41)."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    sched = make_scheduler(vtoken={"policy": "h2o"}, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert sched.vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    sched.add_request(make_request("same", 16, 4, policy="tova"))
+    sched.add_request(make_request("all", 16, 4, score_layers=None))
+    sched.add_request(make_request("qf", 16, 4, policy="knorm", score_layers=None))
+    assert sched.grammar_compile_error_reqs == {"all"}
+    assert {"same", "qf"} <= set(sched._vt_reqs) and "all" not in sched._vt_reqs
 
 
 def test_prefix_cached_blocks_are_copied_not_rewritten_under_async_scheduling():

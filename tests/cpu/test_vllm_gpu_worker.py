@@ -361,29 +361,34 @@ _CUDA_SPLIT = "attention"  # vLLM's CUDA default: splitting_ops = the attention 
 
 
 @pytest.mark.parametrize(
-    "policy,scores,compile_mode,split,expect",
+    "policy,scores,compile_mode,split,expect,score_layers",
     [
-        ("h2o", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
-        ("tova", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
-        ("scissorhands", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
-        ("snapkv", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
-        ("h2o", "auto", "NONE", _CUDA_SPLIT, "NONE"),
-        ("random", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "FULL_AND_PIECEWISE"),
-        ("streamingllm", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "FULL_AND_PIECEWISE"),
-        ("knorm", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "FULL_AND_PIECEWISE"),
-        ("random", "always", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE"),
+        ("h2o", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE", None),
+        ("tova", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE", None),
+        ("scissorhands", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE", None),
+        ("snapkv", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE", 2),  # 2 of the tiny model's 2: every layer
+        ("h2o", "auto", "NONE", _CUDA_SPLIT, "NONE", None),
+        ("random", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "FULL_AND_PIECEWISE", None),
+        ("streamingllm", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "FULL_AND_PIECEWISE", None),
+        ("knorm", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "FULL_AND_PIECEWISE", None),
+        ("random", "always", "VLLM_COMPILE", _CUDA_SPLIT, "PIECEWISE", None),
         # splitting_ops=[] (or attention fusion): vLLM already made it FULL; PIECEWISE would capture attention
-        ("h2o", "auto", "VLLM_COMPILE", "empty", "NONE"),
-        ("snapkv", "auto", "VLLM_COMPILE", "empty", "NONE"),
-        ("knorm", "auto", "VLLM_COMPILE", "empty", "FULL_AND_PIECEWISE"),
+        ("h2o", "auto", "VLLM_COMPILE", "empty", "NONE", None),
+        ("snapkv", "auto", "VLLM_COMPILE", "empty", "NONE", None),
+        ("knorm", "auto", "VLLM_COMPILE", "empty", "FULL_AND_PIECEWISE", None),
         # Inductor's graph partition splits at the attention ops too
-        ("h2o", "auto", "VLLM_COMPILE", "inductor-partition", "PIECEWISE"),
+        ("h2o", "auto", "VLLM_COMPILE", "inductor-partition", "PIECEWISE", None),
+        # a subset of the layers (the default, 1): queries buffered inside the graphs, vLLM's mode kept
+        ("h2o", "auto", "VLLM_COMPILE", _CUDA_SPLIT, "FULL_AND_PIECEWISE", 1),
+        ("h2o", "auto", "VLLM_COMPILE", "empty", "FULL_AND_PIECEWISE", 1),
     ],
 )
-def test_cudagraph_mode_per_policy(vllm_config, policy, scores, compile_mode, split, expect, caplog):
-    """Query-free policies keep vLLM's FULL graphs; attention policies get PIECEWISE (their q·K hook is
-    Python, which FULL graphs do not replay) only where attention is split out of the captured pieces, NONE
-    otherwise, with the setting named in the log (issue 24, defect 3)."""
+def test_cudagraph_mode_per_policy(vllm_config, policy, scores, compile_mode, split, expect, score_layers, caplog):
+    """Query-free policies keep vLLM's FULL graphs, and so do attention policies that score a subset of the
+    layers (their queries are copied inside the graphs: tests/cpu/test_vllm_full_graphs.py); every-layer
+    attention statistics get PIECEWISE (their q·K hook is Python, which FULL graphs do not replay) only where
+    attention is split out of the captured pieces, NONE otherwise, with the setting named in the log (issue
+    24, defect 3)."""
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
     from vtoken.vllm.config import EngineSettings
@@ -395,7 +400,8 @@ def test_cudagraph_mode_per_policy(vllm_config, policy, scores, compile_mode, sp
     cc.splitting_ops = [] if split == "empty" else list(cc._attention_ops) + ["vllm::unified_kv_cache_update"]
     cc.use_inductor_graph_partition = split == "inductor-partition"
     cc.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE  # vLLM's CUDA default
-    settings = EngineSettings.from_additional_config({"vtoken": {"policy": policy, "scores": scores}}, 32)
+    raw = {"policy": policy, "scores": scores, "score_layers": score_layers}
+    settings = EngineSettings.from_additional_config({"vtoken": raw}, 32)
     with caplog.at_level("WARNING", logger="vtoken.vllm"):
         full = choose_cudagraph_mode(cfg, settings)
     assert cc.cudagraph_mode == CUDAGraphMode[expect]
@@ -403,7 +409,8 @@ def test_cudagraph_mode_per_policy(vllm_config, policy, scores, compile_mode, sp
     if expect == "NONE":
         assert cc.cudagraph_capture_sizes == []
         assert ("splitting_ops=[]" if split == "empty" else "compilation_config.mode=NONE") in caplog.text
-    # an explicit PIECEWISE over a graph that holds attention is not kept either
+    # an explicit PIECEWISE over a graph that holds attention is not kept either (every layer), and a
+    # buffered subset keeps it (the copies are replayed)
     cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
     choose_cudagraph_mode(cfg, settings)
     kept = CUDAGraphMode.NONE if expect == "NONE" else CUDAGraphMode.PIECEWISE

@@ -15,12 +15,18 @@ require V2), a config class vToken does not know, or a feature V1 refuses (vLLM'
 
 CUDA graphs (``choose_cudagraph_mode``): the moves and the edited ``seq_lens`` / slot mapping / block table
 live in the persistent buffers vLLM updates before every replay, so FULL graphs replay vToken steps
-correctly. What a FULL graph does not replay is Python: the per-layer ``impl.forward`` wrapper that
-collects q·K for the attention policies. So an engine whose policy needs attention statistics (h2o, tova,
-scissorhands, snapkv, or ``scores: always``) gets ``PIECEWISE`` when attention is split out of the captured
-pieces (vLLM's ``is_attention_compiled_piecewise``) and ``NONE`` otherwise (``splitting_ops=[]``, attention
-fusion, a mode that does not split), logged with the reason; query-free policies (random, streamingllm,
-knorm: key norms are read from the cache after the forward) keep vLLM's mode.
+correctly. What a FULL graph does not replay is Python. Three cases:
+
+* query-free policies (random, streamingllm, knorm: key norms are read from the cache after the forward)
+  keep vLLM's mode;
+* attention statistics from a subset of the layers (``score_layers`` below the model's depth; 1 by default)
+  keep vLLM's mode too: those layers' queries are copied into persistent buffers inside the (captured)
+  forward, a graph-safe ``copy_``, and scored after it (``vtoken/vllm/score_capture.py``);
+* attention statistics from every layer (``score_layers: null`` or ≥ depth) get ``PIECEWISE`` when attention
+  is split out of the captured pieces (vLLM's ``is_attention_compiled_piecewise``), so the per-layer
+  ``impl.forward`` wrapper runs eagerly, and ``NONE`` otherwise (``splitting_ops=[]``, attention fusion, a
+  mode that does not split), logged with the reason (one query buffer per layer would cost as much memory as
+  a layer of activations per layer).
 """
 
 from __future__ import annotations
@@ -113,16 +119,51 @@ def _graph_split_reason(cc) -> str:
     return f"compilation_config.splitting_ops={cc.splitting_ops!r} do not split attention out"
 
 
-def choose_cudagraph_mode(vllm_config, settings) -> bool:
-    """Apply vToken's CUDA-graph choice to ``vllm_config.compilation_config`` (mutates it when the engine's
-    policy needs attention statistics and attention would run inside a captured graph; logs why). Returns
-    whether the engine still runs FULL graphs (then requests must not switch to an attention policy).
+def model_depth(vllm_config) -> int:
+    """The model's attention layers on this pipeline stage (vLLM's ``ModelConfig
+    .get_num_layers_by_block_type(parallel_config, "attention")``): the depth ``score_layers`` is compared
+    with when the CUDA-graph mode is chosen. Pure."""
+    return int(vllm_config.model_config.get_num_layers_by_block_type(vllm_config.parallel_config, "attention"))
 
-    Attention policies need every attention layer to run as Python: PIECEWISE graphs give that only when
+
+def scores_every_layer(settings, depth: int) -> bool:
+    """Whether an engine's attention statistics come from every one of ``depth`` attention layers
+    (``score_layers`` null or ≥ depth). Pure."""
+    n = settings.cfg.score_layers
+    return n is None or n >= depth
+
+
+def captures_queries(vllm_config, settings) -> bool:
+    """Whether this engine scores through persistent query buffers (``vtoken/vllm/score_capture.py``): it
+    collects attention statistics from a subset of the layers and may capture attention in a CUDA graph
+    (a graph replays the buffer copies, never the Python score hook). Not under NONE, nor under PIECEWISE
+    with attention split out of the pieces: there the per-layer hook runs eagerly and serves any request's
+    ``score_layers``. The runner asks this at KV set-up, after ``choose_cudagraph_mode`` ran on the same
+    config, so both sides see the same answer. Pure."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    cc = vllm_config.compilation_config
+    mode = cc.cudagraph_mode
+    if mode is None or mode == CUDAGraphMode.NONE or not needs_attention_scores(settings):
+        return False
+    if mode == CUDAGraphMode.PIECEWISE and attention_outside_graphs(cc):
+        return False
+    return not scores_every_layer(settings, model_depth(vllm_config))
+
+
+def choose_cudagraph_mode(vllm_config, settings) -> bool:
+    """Apply vToken's CUDA-graph choice to ``vllm_config.compilation_config`` (mutates it only when the
+    engine's statistics need every attention layer's Python hook and a graph would skip it; logs why).
+    Returns whether requests are held to what the graphs collect: the engine keeps graphs with FULL pieces
+    and no per-layer hook (a query-free policy), or scores through query buffers (``captures_queries``);
+    ``refuse_under_full_graphs`` then rejects a request that would need other layers' queries.
+
+    Every-layer statistics need each attention layer to run as Python: PIECEWISE graphs give that only when
     attention is split out of the captured pieces (``attention_outside_graphs``). With ``splitting_ops=[]``,
     an attention-fusion pass or a compilation mode that does not split, vLLM has already turned PIECEWISE
     into FULL or NONE and a PIECEWISE graph would contain attention: then no graphs (``NONE``), said in the
-    log with the setting's name."""
+    log with the setting's name. A subset of the layers keeps vLLM's mode, whatever it is: the buffer copies
+    are replayed by FULL and PIECEWISE graphs alike."""
     from vllm.config.compilation import CUDAGraphMode
 
     cc = vllm_config.compilation_config
@@ -132,6 +173,16 @@ def choose_cudagraph_mode(vllm_config, settings) -> bool:
     if not needs_attention_scores(settings):
         return mode.has_full_cudagraphs()
     reason = "scores: always" if settings.scores == "always" else f"policy {settings.cfg.policy!r}"
+    if captures_queries(vllm_config, settings):
+        logger.info(
+            "vToken: cudagraph_mode %s kept: %s scores %d of %d attention layers, whose queries are copied "
+            "into persistent buffers inside the forward (replayed by CUDA graphs) and scored after it",
+            mode.name,
+            reason,
+            settings.cfg.score_layers,
+            model_depth(vllm_config),
+        )
+        return True
     if attention_outside_graphs(cc):
         if mode == CUDAGraphMode.PIECEWISE:
             return False
@@ -139,11 +190,12 @@ def choose_cudagraph_mode(vllm_config, settings) -> bool:
     else:
         new, why = CUDAGraphMode.NONE, f"no CUDA graph would run it: {_graph_split_reason(cc)}"
     logger.warning(
-        "vToken: cudagraph_mode %s -> %s: %s needs attention statistics, collected after each attention "
-        "layer by Python code; %s",
+        "vToken: cudagraph_mode %s -> %s: %s needs attention statistics from every layer (score_layers=%s), "
+        "collected after each attention layer by Python code; %s",
         mode.name,
         new.name,
         reason,
+        settings.cfg.score_layers,
         why,
     )
     cc.cudagraph_mode = new
@@ -153,15 +205,29 @@ def choose_cudagraph_mode(vllm_config, settings) -> bool:
     return False
 
 
-def refuse_under_full_graphs(request_cfg, engine_cfg) -> None:
-    """Raise ``ConfigError`` when a request of an engine that runs FULL CUDA graphs asks for an attention
-    policy (its statistics would never be collected)."""
-    if request_cfg.mode.evicts and request_cfg.policy_class.needs_attention():
+def refuse_under_full_graphs(request_cfg, engine) -> None:
+    """Raise ``ConfigError`` when a request of an engine whose graphs collect only what the engine asked for
+    (``choose_cudagraph_mode`` returned True) asks for attention statistics the graphs do not collect: an
+    attention policy on a query-free engine, or other ``score_layers`` than the engine's queries buffered.
+    ``engine``: the engine's ``EngineSettings`` (exact: ``scores: always`` counts) or its ``VTokenConfig``
+    (then only an attention policy counts as buffering queries: stricter, never wrong)."""
+    if not (request_cfg.mode.evicts and request_cfg.policy_class.needs_attention()):
+        return
+    engine_cfg = getattr(engine, "cfg", engine)
+    buffered = engine_cfg.policy_class.needs_attention() or getattr(engine, "scores", "auto") == "always"
+    if not buffered:
         raise ConfigError(
             f"policy {request_cfg.policy!r} needs attention statistics, which FULL CUDA graphs do not "
             f"collect; this engine keeps them for its query-free policy {engine_cfg.policy!r}: start it with "
-            "an attention policy (vToken then selects PIECEWISE) or with compilation_config.cudagraph_mode="
-            "PIECEWISE"
+            "an attention policy (vToken then copies its scored layers' queries inside the graphs) or with "
+            "compilation_config.cudagraph_mode=PIECEWISE"
+        )
+    if request_cfg.score_layers != engine_cfg.score_layers:
+        raise ConfigError(
+            f"score_layers={request_cfg.score_layers!r}: this engine keeps CUDA graphs and copies the queries "
+            f"of its score_layers={engine_cfg.score_layers!r} layers inside them; a request cannot score other "
+            "layers: drop the override, start the engine with this score_layers, or with "
+            "compilation_config.cudagraph_mode=PIECEWISE"
         )
 
 

@@ -70,10 +70,12 @@ Engine construction (worker and scheduler) — ``vtoken/vllm/engine_setup.py``
     watermarking are refused by name.
   * ``compilation_config.cudagraph_mode`` / ``mode`` (``CUDAGraphMode``, ``CompilationMode`` from
     ``vllm.config.compilation``), ``max_cudagraph_capture_size``, ``cudagraph_capture_sizes`` — read; set to
-    PIECEWISE (or NONE) for attention policies: FULL graphs do not replay the ``impl.forward`` wrapper.
-    ``CompilationConfig.is_attention_compiled_piecewise()`` (with ``splitting_ops``,
+    PIECEWISE (or NONE) for attention statistics from every layer: FULL graphs do not replay the
+    ``impl.forward`` wrapper. ``CompilationConfig.is_attention_compiled_piecewise()`` (with ``splitting_ops``,
     ``use_inductor_graph_partition``, ``pass_config.fuse_attn_quant`` named in the log) decides between the
-    two: PIECEWISE only when attention runs eagerly between the captured pieces.
+    two: PIECEWISE only when attention runs eagerly between the captured pieces. A subset of the layers
+    (``score_layers`` below ``ModelConfig.get_num_layers_by_block_type(parallel_config, "attention")``, read)
+    keeps vLLM's mode: the scored layers' queries are copied inside the graphs (worker side, below).
 
 Start-up refusals — ``vtoken/vllm/support.py`` (``check_engine_config``; reads only)
   * ``ParallelConfig.enable_dbo`` / ``ubatch_size`` — refused when ``enable_dbo`` or ``ubatch_size > 1``,
@@ -91,8 +93,8 @@ Start-up refusals — ``vtoken/vllm/support.py`` (``check_engine_config``; reads
     spans over multimodal prefixes as logical token ranges (``gpu_model_runner``, ``flash_attn``), which
     compacted rows no longer match: refused.
 
-Worker side (worker process) — ``vtoken/vllm/runner.py``, ``results.py``, ``worker.py``, ``cpu_worker.py``,
-``gpu_worker.py``
+Worker side (worker process) — ``vtoken/vllm/runner.py``, ``score_capture.py``, ``results.py``, ``worker.py``,
+``cpu_worker.py``, ``gpu_worker.py``
   * ``vllm.v1.worker.gpu_worker.Worker`` — subclassed by ``VTokenWorker`` (``worker_cls``), whose ``__new__``
     picks the platform's subclass from ``vllm.platforms.current_platform`` (``is_cpu`` / ``is_cuda`` /
     ``device_name``). CUDA: ``VTokenGPUWorker`` overrides ``Worker._make_model_runner`` (vLLM's hook for
@@ -128,7 +130,14 @@ Worker side (worker process) — ``vtoken/vllm/runner.py``, ``results.py``, ``wo
     scheduling) is wrapped in a subclass whose ``get_output()`` finishes the scores after vLLM's own copy.
     Read: ``self.device`` (CUDA: pinned host→device copies, ``torch.cuda.Event`` timing of the moves).
   * ``compilation_config.static_forward_context[layer].impl.forward`` — wrapped per instance to compute
-    q·K scores after vLLM's attention kernel wrote this step's keys; reads ``impl.scale``, ``impl.sinks`` /
+    q·K scores after vLLM's attention kernel wrote this step's keys; or, when the engine keeps CUDA graphs
+    and scores a subset of the layers (``vtoken/vllm/score_capture.py``), wrapped on the scored layers only
+    to copy ``query`` (``[num_tokens, num_heads, head_size]``, vLLM's padded batch) into a persistent
+    ``[GPUModelRunner.max_num_tokens, impl.num_heads, impl.head_size]`` buffer allocated at KV set-up: an
+    in-place device copy that vLLM's graph capture records (relies on the wrapper being called at capture,
+    i.e. ``impl.forward`` running as Python inside ``unified_attention_with_output`` for FULL and PIECEWISE
+    capture alike, and on ``query`` having a fixed address in each captured graph); the score kernels run on
+    the buffers in ``execute_model`` after ``super()``. Reads ``impl.scale``, ``impl.sinks`` /
     ``alibi_slopes`` / ``logits_soft_cap`` / ``sliding_window`` / ``kv_cache_dtype`` (refused when set),
     ``layer.isa`` (CPU), ``layer.kv_cache``. CUDA: the layer view ``[blocks, kv heads, block, 2·head_dim]``
     (its strides give the ``PagedLayout``; a kernel block size other than ``cache_config.block_size`` is

@@ -38,8 +38,8 @@ def finish_step_result(res: StepResult, acc, norm_reqs, norm_sum, norm_layers, t
     if missed:
         raise RuntimeError(
             f"vToken: attention statistics were requested for {missed[:4]} but no attention layer ran the "
-            "score hook this step (a FULL CUDA graph replay?); attention policies need cudagraph_mode "
-            "PIECEWISE or NONE (docs/gpu.md)"
+            "score hook this step (a FULL CUDA graph replay?); every-layer attention statistics need "
+            "cudagraph_mode PIECEWISE or NONE, a score_layers subset its query buffers (docs/gpu.md)"
         )
     scores = acc.finish() if acc is not None else {}
     if norm_reqs:

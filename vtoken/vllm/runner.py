@@ -18,9 +18,12 @@ Per step, in the order vLLM calls it::
                            physical positions (logical - offset) or the table's slot (reuse+repack),
                            and the score accumulator for this step
     forward                attention layers: after vLLM's kernel ran, ``impl.forward`` (wrapped per
-                           instance) folds q·K of the step's queries over the live keys into the accumulator
-    execute_model()        after the forward: the new keys' norms, read back from the cache (KNorm; works
-                           under FULL CUDA graphs, which do not replay the Python wrapper)
+                           instance) folds q·K of the step's queries over the live keys into the accumulator;
+                           under CUDA graphs with a ``score_layers`` subset it only copies the scored
+                           layers' queries into persistent buffers (vtoken/vllm/score_capture.py)
+    execute_model()        after the forward: the buffered queries scored (that case), the new keys' norms
+                           read back from the cache (KNorm); both work under FULL CUDA graphs, which do not
+                           replay Python
     sample_tokens()        vLLM's sampling; with TP > 1 the step's score buffers are all-reduced over the
                            TP group (every rank, same order); the scores and move timings ride back on
                            the ModelRunnerOutput (with async scheduling they are copied to pinned host
@@ -48,6 +51,7 @@ from vtoken.kernels.gpu_layout import PagedLayout, key_offsets, read_k
 from vtoken.kernels.moves import SlotMover, unique_caches
 from vtoken.kernels.scores import LayerGroups, RequestScores, ScoreAccumulator
 from vtoken.vllm.results import DeferredResultOutput, HostReadback, attach_step_result
+from vtoken.vllm.score_capture import QueryCapture, query_capture
 from vtoken.vllm.transport import StepPlan, StepResult, plan_of
 
 logger = logging.getLogger("vtoken.vllm")
@@ -72,6 +76,8 @@ class VTokenRunnerMixin:
     _vt_timer: tuple | None = None  # CUDA events around the moves (read when the result is finished)
     _vt_tp: object = None  # TPReducer with tensor parallelism (vtoken/vllm/tp.py), else None
     _vt_readback: HostReadback | None = None  # CUDA: async outputs' statistics copied on a side stream
+    _vt_capture: QueryCapture | None = None  # CUDA graphs + a layer subset: queries buffered, scored after
+    _vt_tokens: int = 0  # this step's scheduled tokens (the rows of the query buffers its requests index)
     _vt_group: int = 0  # the KV cache group vToken manages (the full-attention one on hybrid models)
     _vt_logical_lens: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's logical seq_lens (device,
     # host) when offsets made the shared ones physical and other KV cache groups need them (hybrid models)
@@ -137,8 +143,13 @@ class VTokenRunnerMixin:
         self._vt_mover = self._vt_make_mover(self._vt_layout)
         self._vt_readback = self._vt_make_readback()
         self._vt_depth = len(layers)
-        for index, layer in zip(_forward_order(names), layers):
-            self._vt_wrap(layer, index)
+        order = _forward_order(names)
+        self._vt_capture = query_capture(self, layers, order)
+        if self._vt_capture is not None:  # scored layers copy their queries (graph-safe); scored after
+            self._vt_capture.wrap()
+        else:
+            for index, layer in zip(order, layers):
+                self._vt_wrap(layer, index)
         self._vt_warmup(layers)
         self._vt_ready = True
         logger.info(
@@ -340,6 +351,8 @@ class VTokenRunnerMixin:
                     if rs.score_layers is None or rs.score_layers >= self._vt_depth
                     else (frozenset(score_layer_indices(rs.score_layers, self._vt_depth)))
                 )
+                if self._vt_capture is not None:
+                    self._vt_capture.check_covers(rid, subset)
                 if subset not in accs:
                     accs[subset] = self._vt_make_accumulator(self._vt_layout)
                 accs[subset].requests[rid] = RequestScores(
@@ -364,11 +377,14 @@ class VTokenRunnerMixin:
                 at += n
         order = sorted(accs, key=lambda s: (s is not None, sorted(s or ())))  # same on every TP rank
         self._vt_acc = LayerGroups([(s, accs[s]) for s in order]) if accs else None
+        self._vt_tokens = int(qsl[len(req_ids)])
         self._vt_norm_reqs = norms or None
         self._vt_norm_slots = torch.cat(slots) if slots else None
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         out = super().execute_model(scheduler_output, intermediate_tensors)
+        if self._vt_capture is not None and self._vt_acc is not None:  # the forward filled the buffers
+            self._vt_capture.score(self._vt_acc, self._vt_tokens)
         if self._vt_norm_slots is not None:
             self._vt_key_norms()
         if out is not None:  # no forward this step (vLLM returned early): report the moves now

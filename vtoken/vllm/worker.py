@@ -15,7 +15,8 @@ Before vLLM's own constructor runs, ``VTokenWorker.__init__`` validates the vTok
 engine configurations vToken cannot keep exact (``check_engine_config``: a bad value or an unsupported
 feature fails start-up in seconds, before the model loads) and applies the engine choices of
 ``vtoken.vllm.engine_setup`` to this engine's config: vLLM's V1 model runner, and PIECEWISE CUDA graphs
-for attention policies. Nothing is patched at import time or globally.
+for attention statistics from every layer (a ``score_layers`` subset keeps vLLM's graphs: its queries are
+copied inside them, ``vtoken/vllm/score_capture.py``). Nothing is patched at import time or globally.
 
 Importing this module imports no platform's worker: vLLM imports it in *every* worker process to resolve
 ``--worker-cls``, and vLLM's CPU worker module (``vllm.v1.worker.cpu_worker``) replaces ``torch.cuda.Event``,
