@@ -15,6 +15,7 @@ import pytest
 import triton.language as tl
 
 from vtoken.kernels.triton_attention import _DECODE
+from vtoken.kernels.triton_knorm import _KNORM
 from vtoken.kernels.triton_moves import _COPY
 from vtoken.kernels.triton_runtime import TritonKernel
 from vtoken.kernels.triton_scores import _PROBS
@@ -23,7 +24,7 @@ from vtoken.kernels.triton_softmax import _MERGE, _STATS
 pytestmark = pytest.mark.unit  # no engine, server or cluster: `make test-fast` runs it
 
 
-@pytest.mark.parametrize("kernel", [_COPY, _STATS, _MERGE, _PROBS, _DECODE], ids=lambda k: k.fn.__name__)
+@pytest.mark.parametrize("kernel", [_COPY, _STATS, _MERGE, _PROBS, _DECODE, _KNORM], ids=lambda k: k.fn.__name__)
 @pytest.mark.parametrize("interpret", [False, True])
 def test_both_variants_see_the_constexpr_annotations(kernel, interpret):
     annotated = {name for name, ann in kernel.fn.__annotations__.items() if "constexpr" in str(ann)}
