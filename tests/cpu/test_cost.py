@@ -18,7 +18,7 @@ from vtoken.core.cost import CostStats, Histogram, RequestCost
 from vtoken.core.kvstats import KVSnapshot
 from vtoken.core.token_table import TokenTable
 from vtoken.serve.control.autoscaling import ScalingParams, decide
-from vtoken.serve.replica.cost_field import lift, lift_cost
+from vtoken.serve.replica.cost_field import CostBook, lift, lift_cost, lift_events, recording
 from vtoken.serve.telemetry.stats import trimmed_since
 from vtoken.vllm import stats as vstats
 
@@ -89,10 +89,50 @@ def test_the_response_field_is_lifted_to_the_top_level():
     cost = {"evicted_tokens": 3, "context_tokens": 10}
     out = json.loads(lift(json.dumps({"id": "c", "kv_transfer_params": {"vtoken": cost}}).encode()))
     assert out == {"id": "c", "kv_transfer_params": None, "vtoken": cost}
-    out = json.loads(lift(json.dumps({"kv_transfer_params": {"vtoken": cost, "other": 1}}).encode()))
-    assert out == {"kv_transfer_params": {"other": 1}, "vtoken": cost}
+    out = json.loads(lift(json.dumps({"id": "c", "kv_transfer_params": {"vtoken": cost, "other": 1}}).encode()))
+    assert out == {"id": "c", "kv_transfer_params": {"other": 1}, "vtoken": cost}
     for body in (b'{"id": "c", "kv_transfer_params": null}', b"not json", b"[1, 2]", b'{"error": {}}'):
         assert lift(body) == body
+    book = CostBook()
+    book.record("cmpl-x-0", {"evicted_tokens": 1})
+    book.record("cmpl-x-1", {"evicted_tokens": 2})
+    out = json.loads(lift(json.dumps({"id": "cmpl-x", "kv_transfer_params": {"vtoken": cost}}).encode(), book))
+    assert out["vtoken"] == [{"evicted_tokens": 1}, {"evicted_tokens": 2}]  # every prompt's, in prompt order
+    assert out["kv_transfer_params"] is None and book.take("cmpl-x") is None  # taken
+
+
+def test_the_book_is_keyed_as_vllms_openai_layer_names_engine_requests_and_bounded():
+    book = CostBook(keep=3)
+    for key in ("chatcmpl-a", "chatcmpl-b_0", "chatcmpl-b_1", "cmpl-c-0"):
+        book.record(key, {"k": key})
+    assert book.take("chatcmpl-a") is None  # the oldest went when a fourth came
+    assert book.take("chatcmpl-b") == [{"k": "chatcmpl-b_0"}, {"k": "chatcmpl-b_1"}]
+    assert book.take("cmpl-c") == {"k": "cmpl-c-0"} and book.take("cmpl-c") is None  # one prompt: no list
+
+
+def test_recording_generate_books_the_finished_outputs_cost():
+    book = CostBook()
+
+    async def generate(prompt, params, request_id, **kwargs):
+        yield SimpleNamespace(finished=False, kv_transfer_params=None)
+        yield SimpleNamespace(finished=True, kv_transfer_params={"vtoken": {"evicted_tokens": 4}})
+
+    async def drain():
+        return [o async for o in recording(generate, book)("p", None, "cmpl-r-0", priority=0)]
+
+    assert len(asyncio.run(drain())) == 2 and book.take("cmpl-r") == {"evicted_tokens": 4}
+
+
+def test_a_stream_gets_the_cost_in_its_usage_chunk():
+    book = CostBook()
+    book.record("chatcmpl-s", {"evicted_tokens": 5})
+    state: dict = {}
+    first = b'data: {"id":"chatcmpl-s","choices":[{"delta":{"content":"a"}}]}\n\n'
+    assert lift_events(first, state, book) == first and state["id"] == "chatcmpl-s"
+    last = b'data: {"id":"chatcmpl-s","choices":[],"usage":{"total_tokens":9}}\n\ndata: [DONE]\n\n'
+    events = lift_events(last, state, book).split(b"\n\n")
+    assert json.loads(events[0][len(b"data: ") :])["vtoken"] == {"evicted_tokens": 5}
+    assert events[1] == b"data: [DONE]"
 
 
 def test_lift_cost_sends_one_body_with_its_length():

@@ -195,10 +195,11 @@ def test_openai_client_completions_chat_streaming_and_probes(app):
 
 
 def test_a_completion_says_what_eviction_cost_it(app):
-    """A non-streaming completion (and chat completion) carries a top-level ``vtoken`` object
+    """A completion (and chat completion) carries a top-level ``vtoken`` object
     (vtoken/serve/replica/cost_field.py; ``kv_transfer_params`` back to null): the tokens it lost equal what
     the replicas' ``vtoken:evicted_tokens_total`` rose by, its context is prompt + completion − 1, and the
-    replicas' ``vtoken:request_evicted_share`` histogram counted it once."""
+    replicas' ``vtoken:request_evicted_share`` histogram counted it once. The same request streamed with
+    ``include_usage`` (greedy: the same tokens, the same evictions) has it in its usage chunk."""
     ev0 = replica_samples(app, "vtoken:evicted_tokens_total")
     n0 = replica_samples(app, "vtoken:request_evicted_share_count")
     r = complete(app.http, max_tokens=24, prompt=PROMPT * 3, temperature=0)
@@ -220,6 +221,13 @@ def test_a_completion_says_what_eviction_cost_it(app):
         json={"model": "tiny-llama", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]},
     ).json()
     assert chat["vtoken"]["context_tokens"] == chat["usage"]["total_tokens"] - 1
+    body = {"prompt": PROMPT * 3, "max_tokens": 24, "temperature": 0, "stream": True}
+    with app.http.stream(
+        "POST", "/v1/completions", json={"model": "tiny-llama", **body, "stream_options": {"include_usage": True}}
+    ) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    usage = events[-1]  # the usage chunk carries the cost; the text chunks do not
+    assert usage["choices"] == [] and usage["vtoken"] == cost and all("vtoken" not in e for e in events[:-1])
 
 
 def test_pressure_with_memory_to_spare_is_stock_vllm_and_costs_nothing(app):

@@ -34,6 +34,7 @@ import ray
 from ray import serve
 
 from vtoken.serve.config import ServeAppConfig
+from vtoken.serve.replica.cost_field import CostBook, recording
 from vtoken.serve.telemetry.discovery import HEARTBEAT_S, ensure_registry, target_address
 from vtoken.serve.telemetry.sla import SloTargets
 from vtoken.serve.telemetry.stats import (
@@ -113,6 +114,8 @@ class VTokenReplica:
                 AsyncEngineArgs(**engine_args(cfg, model_path)), stat_loggers=[make_stat_logger_class(self._sink)]
             )
         api_key = cfg.limits.resolved_api_key()
+        costs = CostBook()  # each finished request's eviction cost, for its response (cost_field.py)
+        self._engine.generate = recording(self._engine.generate, costs)  # this instance only
         vllm_app = await build_vllm_app(self._engine, cfg, model_path)
         self._asgi = RequestGuard(
             vllm_app,
@@ -120,6 +123,7 @@ class VTokenReplica:
             api_key,
             {"x-vtoken-replica": self._replica_id, "x-vtoken-rank": str(self._rank), "x-vtoken-node": self._node_id},
             self._ready_info,
+            costs,
         )
         if cfg.metrics.port is not None:
             self._metrics_server, self.metrics_port = start_metrics_server(

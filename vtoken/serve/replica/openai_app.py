@@ -29,7 +29,7 @@ from typing import Any
 from vtoken.serve.config import ServeAppConfig
 from vtoken.serve.replica.asgi import replay_body
 from vtoken.serve.replica.cost_field import PATHS as COST_PATHS
-from vtoken.serve.replica.cost_field import lift_cost
+from vtoken.serve.replica.cost_field import CostBook, lift_cost
 from vtoken.serve.replica.errors import error_body, openai_errors, sse_errors
 
 GUARD_EXEMPT = ("/health", "/ready", "/ping")  # liveness/readiness probes need no key
@@ -112,7 +112,8 @@ def _text_len(value: Any) -> int:
 class RequestGuard:
     """Pure ASGI middleware: API key, body/parameter limits, ``/ready``, replica header.
 
-    ``ready_info`` is called for ``GET /ready`` and must return a JSON-serialisable dict. Stateless per
+    ``ready_info`` is called for ``GET /ready`` and must return a JSON-serialisable dict; ``cost_book``:
+    where the engine records each finished request's eviction cost (``cost_field.recording``). Stateless per
     request; the body is read once (bounded) and replayed to the inner app.
     """
 
@@ -123,6 +124,7 @@ class RequestGuard:
         api_key: str | None,
         replica_headers: dict[str, str],
         ready_info: Callable[[], dict],
+        cost_book: CostBook | None = None,
     ) -> None:
         from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
@@ -131,6 +133,7 @@ class RequestGuard:
         self._auth = AuthenticationMiddleware(app, [api_key]) if api_key else None  # reuse its check
         self._headers = [(k.lower().encode(), str(v).encode()) for k, v in replica_headers.items()]
         self._ready_info = ready_info
+        self._costs = cost_book  # filled by the engine's recording generate (cost_field.py)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -139,7 +142,7 @@ class RequestGuard:
         path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
         send = sse_errors(openai_errors(send))
         if path.startswith(COST_PATHS):
-            send = lift_cost(send)  # kv_transfer_params.vtoken → a top-level vtoken field (cost_field.py)
+            send = lift_cost(send, self._costs)  # the request's eviction cost as a top-level vtoken field
         send = self._tagging(send)
         if scope.get("method") != "OPTIONS" and self._auth is not None and not path.startswith(GUARD_EXEMPT):
             from starlette.datastructures import Headers
