@@ -158,8 +158,8 @@ def _probs(
 
 
 _PROBS = TritonKernel(_probs, helpers=(_kv_tile, _query_tile, _logits), do_not_specialize=("q_st", "bt_stride", "kmax"))
-KERNELS = {"_softmax_stats": _STATS, "_softmax_merge": _MERGE, "_probs": _PROBS}  # by name: the device check's
-# compiled-variant counts
+# by name, for the device check's compiled-variant counts
+KERNELS = {"_softmax_stats": _STATS, "_softmax_merge": _MERGE, "_probs": _PROBS}
 
 
 @dataclass
