@@ -88,7 +88,8 @@ class QueryCapture:
     def check_covers(self, rid: str, layers: frozenset[int] | None) -> None:
         """Raise ``RuntimeError`` when a request's scored layers (``None``: every layer) are not all
         buffered (the scheduler refuses such requests: ``engine_setup.refuse_under_full_graphs``)."""
-        if not self.every_layer if layers is None else not layers <= self.scored:
+        covered = self.every_layer if layers is None else layers <= self.scored
+        if not covered:
             raise RuntimeError(
                 f"vToken: request {rid} scores attention layers {'all' if layers is None else sorted(layers)}, "
                 f"but this engine buffers the queries of layers {sorted(self.scored)} only (CUDA graphs)"
