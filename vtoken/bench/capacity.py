@@ -27,15 +27,13 @@ only, so the concurrency a mode reaches is of the whole pool, the sliding-window
 
 from __future__ import annotations
 
-import shlex
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from vtoken.bench.report import emit
+from vtoken.bench.report import command_line, emit
 from vtoken.bench.settings import EVICTING
 from vtoken.core.config import VTokenConfig
 from vtoken.vllm.launch import scheduler_of, vllm_logs_to_stderr
@@ -259,7 +257,7 @@ def run_capacity(
 
     report: dict = {
         "bench": "capacity",
-        "command": "vtoken " + shlex.join(sys.argv[1:]),
+        "command": command_line(),
         **setup.to_report(),
         "requests": requests,
         "repeats": repeats,

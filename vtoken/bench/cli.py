@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import typer
 
 from vtoken.bench.longgen.cli import codegen_cmd, longgen_cmd, longgen_figure_cmd, trade_figure_cmd
-from vtoken.bench.report import refuse
+from vtoken.bench.report import command_line, refuse
 from vtoken.core.config import DEFAULT_SCORE_LAYERS
 from vtoken.models.default import MODEL_HELP
 
@@ -548,8 +548,6 @@ def yardstick_cmd(
     """Every setting measured on the yardstick, from several quality runs: one merged report (JSON), its
     figure and its Markdown table."""
     import json
-    import shlex
-    import sys
     from pathlib import Path
 
     from vtoken.bench.report import emit, partial_writer
@@ -569,7 +567,7 @@ def yardstick_cmd(
         merged = merge_reports(runs, chosen)
     except ValueError as exc:
         refuse(exc)
-    merged = {"command": "vtoken " + shlex.join(sys.argv[1:]), **merged}
+    merged = {"command": command_line(), **merged}
     if plot:
         plot_yardstick(merged, plot)
         merged["plot"] = plot

@@ -34,15 +34,13 @@ from __future__ import annotations
 
 import gc
 import os
-import shlex
 import statistics
-import sys
 import time
 from dataclasses import replace
 
 import numpy as np
 
-from vtoken.bench.report import emit
+from vtoken.bench.report import command_line, emit
 from vtoken.bench.settings import EVICTING
 from vtoken.core.config import DEFAULT_SCORE_LAYERS, VTokenConfig
 from vtoken.vllm.launch import scheduler_of, vllm_logs_to_stderr
@@ -55,6 +53,7 @@ REPORT_KEYS = frozenset(
         "command",
         "model",
         "block_size",
+        "numerics",
         "batch",
         "prompt_len",
         "gen_len",
@@ -84,12 +83,21 @@ OWN = {
 }
 
 
+def numerics() -> dict:
+    """What the engines run with (``platform_numerics``): the dtype and whether vLLM's CUDA graphs are on.
+    Reads vLLM's current platform."""
+    from vtoken.vllm.launch import platform_numerics
+
+    chosen = platform_numerics()
+    return {"dtype": chosen["dtype"], "cuda_graphs": not chosen.get("enforce_eager", False)}
+
+
 def _engine(model: str, cfg: VTokenConfig, scores: str, max_model_len: int, tp: int = 1):
     """An in-process engine with ``cfg``'s settings (its mode ``none``: vanilla vLLM, no hooks)."""
     from vllm import LLM
 
     from vtoken.vllm import engine_kwargs
-    from vtoken.vllm.launch import scoped_env, tp_engine_kwargs
+    from vtoken.vllm.launch import platform_numerics, scoped_env, tp_engine_kwargs
 
     kw = engine_kwargs(cfg, scores=scores) if cfg.mode.evicts else {"block_size": cfg.block_size}
     tp_kw, tp_env = tp_engine_kwargs(tp)
@@ -101,8 +109,7 @@ def _engine(model: str, cfg: VTokenConfig, scores: str, max_model_len: int, tp: 
     with scoped_env(**env):
         return LLM(
             model=model,
-            dtype="float32",
-            enforce_eager=True,
+            **platform_numerics(),  # CUDA: bf16 with graphs, the production path; CPU: fp32 eager
             max_model_len=max_model_len,
             seed=0,
             enable_prefix_caching=False,
@@ -255,7 +262,8 @@ def run_overhead(
     ms = {v: statistics.median(steps[v]) for v in variants}
     base = ms["none"]
     report = {
-        "command": "vtoken " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "command": command_line(),
+        "numerics": numerics(),
         "model": path,
         "block_size": vtoken.block_size,
         "batch": batch,

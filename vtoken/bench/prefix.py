@@ -13,15 +13,13 @@ engine in this process.
 
 from __future__ import annotations
 
-import shlex
 import statistics
-import sys
 import time
 from dataclasses import replace
 
 import numpy as np
 
-from vtoken.bench.report import emit
+from vtoken.bench.report import command_line, emit
 from vtoken.bench.settings import EVICTING
 from vtoken.core.config import VTokenConfig
 
@@ -149,7 +147,7 @@ def run_prefix(
         )
     llm.llm_engine.engine_core.shutdown()
     return {
-        "command": "vtoken " + shlex.join(sys.argv[1:]),
+        "command": command_line(),
         "model": model,
         "block_size": block_size,
         "policy": policy,

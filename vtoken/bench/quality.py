@@ -20,9 +20,7 @@ so both are charged what a real engine would hold. The full cache (mode ``none``
 
 from __future__ import annotations
 
-import shlex
 import statistics
-import sys
 import time
 from dataclasses import dataclass, fields, replace
 
@@ -30,6 +28,7 @@ from vtoken.bench.fidelity import run_fidelity
 from vtoken.bench.intervals import rate
 from vtoken.bench.quality_runs import blocks_summary, run_on_engine
 from vtoken.bench.quality_tasks import passkey_cases, perplexity, text_windows
+from vtoken.bench.report import command_line
 from vtoken.bench.ruler import run_ruler
 from vtoken.core.config import DEFAULT_SCORE_LAYERS, Scope, VTokenConfig
 
@@ -372,7 +371,7 @@ def run_quality(setup: QualitySetup, on_phase=lambda text: None) -> dict:
     merged_points = [merged(pt) for pt in pts if pt is not FULL]
     return {
         "bench": "quality",
-        "command": "vtoken " + shlex.join(sys.argv[1:]),
+        "command": command_line(),
         "model": setup.model,
         "setup": {k: v for k, v in setup.__dict__.items() if k != "model"},
         "full_cache": full,

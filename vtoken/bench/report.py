@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import NoReturn
@@ -35,6 +37,11 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def command_line() -> str:
+    """The command that is running, as a user would type it (``vtoken …``): what a report records."""
+    return "vtoken " + shlex.join(sys.argv[1:])
 
 
 def environment() -> dict:

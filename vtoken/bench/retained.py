@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import shlex
-import sys
 from dataclasses import replace
 
 import typer
 
-from vtoken.bench.report import emit
+from vtoken.bench.report import command_line, emit
 from vtoken.sim.run import SimConfig, run_simulation
 
 PAPER_RANGE_PCT = (-72.3, -27.2)
@@ -60,7 +58,7 @@ def run_retained(base: SimConfig, cfgs: list[SimConfig], markdown: bool, out: st
             bar.advance(task)
     report = {
         "bench": "retained",
-        "command": "vtoken " + shlex.join(sys.argv[1:]),
+        "command": command_line(),
         "source": str(base.traces) if base.traces else "synthetic",
         "prompt_len": base.prompt_len,
         "gen_len": base.gen_len,

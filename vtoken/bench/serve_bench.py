@@ -38,6 +38,7 @@ from pathlib import Path
 
 import httpx
 
+from vtoken.bench.report import command_line
 from vtoken.bench.serve_results import (
     ATTAINMENT_TARGET,
     ReplicaMetrics,
@@ -372,11 +373,10 @@ REPORT_KEYS = frozenset(
 
 def _report(s: ServeBenchSetup, model_path: str, repeats: list[list[dict]], started: float) -> dict:
     """The report of the repeats done so far (pure but the clock): ``REPORT_KEYS``."""
-    import shlex
 
     return {
         "bench": "serve",
-        "command": "vtoken " + shlex.join(sys.argv[1:]),
+        "command": command_line(),
         "model": model_path,
         "setup": {k: (list(v) if isinstance(v, tuple) else v) for k, v in s.__dict__.items()},
         "slo": {"ttft_ms": s.ttft_ms, "tpot_ms": s.tpot_ms, "attainment_target": ATTAINMENT_TARGET},

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import shlex
-import sys
 import threading
 import time
 from collections import Counter
@@ -36,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 
 from vtoken import metric_names as mn
+from vtoken.bench.report import command_line
 from vtoken.bench.serve_results import ReplicaMetrics
 from vtoken.bench.soak_client import COMPLETED, OUTCOMES, UNACCOUNTED, Outcome, SoakRequest, draw, send
 
@@ -286,7 +285,7 @@ def run_soak(setup: SoakSetup, on_phase=lambda text: None) -> dict:
     }
     return {
         "bench": "soak",
-        "command": "vtoken " + shlex.join(sys.argv[1:]),
+        "command": command_line(),
         "setup": asdict(setup),
         "requests": len(sent),
         "outcomes": {k: tally.get(k, 0) for k in OUTCOMES},

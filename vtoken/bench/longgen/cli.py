@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 import time
 from pathlib import Path
 
 import typer
 
-from vtoken.bench.report import emit, refuse
+from vtoken.bench.report import command_line, emit, refuse
 from vtoken.models.default import MODEL_HELP
 
 DEFAULT_POINT = "default"  # the engine's defaults, VTokenConfig() as it is declared
@@ -96,9 +94,7 @@ def longgen_cmd(
     start = time.perf_counter()
     with Console(stderr=True).status("longgen", spinner="dots") as status:
         measured = run_longgen(setup, wins, on_phase=lambda text: status.update(text))
-    report = build_report(
-        setup, wins, measured, digests(docs), "vtoken " + shlex.join(sys.argv[1:]), time.perf_counter() - start
-    )
+    report = build_report(setup, wins, measured, digests(docs), command_line(), time.perf_counter() - start)
     emit(report, out)
 
 
@@ -162,7 +158,7 @@ def codegen_cmd(
     start = time.perf_counter()
     with Console(stderr=True).status("codegen", spinner="dots") as status:
         judged = run_codegen(setup, on_phase=lambda text: status.update(text))
-    emit(build_report(setup, judged, "vtoken " + shlex.join(sys.argv[1:]), time.perf_counter() - start), out)
+    emit(build_report(setup, judged, command_line(), time.perf_counter() - start), out)
 
 
 def trade_figure_cmd(
