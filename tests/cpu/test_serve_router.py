@@ -278,7 +278,7 @@ def test_policy_callable_reads_serve_context_and_ignores_departed_replicas():
     ctx.aggregated_metrics["vtoken:kv_utilization"]["r1"] = 0.5
     assert policy(ctx)[0] == 1
     ctx.target_num_replicas = 2  # the second replica's node died: hold the target, Serve replaces it
-    assert policy(ctx) == (2, {"vtoken": {"reason": "hold", "mean_kv": 0.5, "waiting": 0.0}})
+    assert policy(ctx) == (2, {"vtoken": {"reason": "hold", "mean_kv": 0.5, "waiting": 0.0, "trimmed": None}})
 
 
 def test_autoscaling_keys_are_numeric_routing_stats():
