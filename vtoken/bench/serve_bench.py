@@ -300,7 +300,7 @@ def _drive(
             seen.limit_low,
             seen.preemptions,
             seen.timeline,
-            seen.cost,
+            seen.cost if mode != "none" else None,  # stock vLLM evicts nothing: no cost to report
         )
         echo(
             f"{label}: rate {rate} → {run['request_throughput']} req/s, goodput {run['goodput_req_s']}, "
