@@ -364,6 +364,12 @@ def test_layer_subset_engines_keep_full_graphs_and_refuse_other_layers_per_reque
     sched.add_request(make_request("qf", 16, 4, policy="knorm", score_layers=None))
     assert sched.grammar_compile_error_reqs == {"all"}
     assert {"same", "qf"} <= set(sched._vt_reqs) and "all" not in sched._vt_reqs
+    # a query-free engine with ``scores: always`` buffers its queries too: an attention request is served
+    always = make_scheduler(
+        vtoken={"policy": "random", "scores": "always"}, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE
+    )
+    always.add_request(make_request("h2o", 16, 4, policy="h2o"))
+    assert not always.grammar_compile_error_reqs and "h2o" in always._vt_reqs
 
 
 def test_prefix_cached_blocks_are_copied_not_rewritten_under_async_scheduling():

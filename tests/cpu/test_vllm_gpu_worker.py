@@ -15,6 +15,7 @@ import torch
 from vtoken.errors import ConfigError
 from vtoken.kernels.gpu_layout import PagedScoreAccumulator, PagedTorchMover, allocate_kv_caches, read_k
 from vtoken.kernels.scores import RequestScores
+from vtoken.kernels.triton_knorm import TritonKeyNorms
 from vtoken.kernels.triton_moves import TritonSlotMover
 from vtoken.kernels.triton_scores import TritonScoreAccumulator
 from vtoken.vllm.transport import StepPlan, StepResult, result_of
@@ -113,6 +114,16 @@ def test_gpu_runner_layout_mover_and_scores_come_from_the_cache_view():
     r._vt_key_norms()
     want = sum(read_k(v, r._vt_layout, slots).float().norm(dim=-1).mean(dim=-1) for v in views)
     assert torch.allclose(r._vt_norm_sum, want) and r._vt_norm_layers == L
+    # on CUDA one Triton launch reads every layer's (here run by Triton's interpreter): the same sums
+    assert r._vt_knorm is None  # CPU tensors: the torch loop above
+    r.device = SimpleNamespace(type="cuda")
+    assert type(r._vt_make_key_norms(r._vt_layout)) is TritonKeyNorms
+    r.device = torch.device("cpu")
+    knorm, launches = TritonKeyNorms(r._vt_layout), []
+    r._vt_knorm = SimpleNamespace(sum=lambda caches, s: launches.append(len(caches)) or knorm.sum(caches, s))
+    r._vt_norm_sum = None
+    r._vt_key_norms()
+    assert launches == [L] and torch.allclose(r._vt_norm_sum, want, atol=1e-5) and r._vt_norm_layers == L
 
 
 def test_gpu_runner_refuses_caches_it_cannot_address():

@@ -23,6 +23,7 @@ from vtoken.kernels.check import (
 from vtoken.kernels.gpu_layout import PagedTorchMover
 from vtoken.kernels.triton_moves import _COPY, TritonSlotMover
 from vtoken.kernels.triton_scores import _PROBS, _STATS, TritonScoreAccumulator
+from vtoken.kernels.triton_softmax import _MERGE
 
 pytestmark = pytest.mark.gpu
 LLAMA = Shape(4, 8, 32, 128, 16, 256, torch.bfloat16)
@@ -84,7 +85,7 @@ def test_warmups_compile_every_variant_the_steps_use(cuda):
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(caches, before))
     device = torch.device(cuda)
-    kernels = (_COPY, _STATS, _PROBS)
+    kernels = (_COPY, _STATS, _MERGE, _PROBS)
     variants = [k.compiled_variants(device) for k in kernels]
     assert all(variants)
     rng = np.random.default_rng(7)
@@ -96,5 +97,6 @@ def test_warmups_compile_every_variant_the_steps_use(cuda):
         specs = score_specs(plan, rng, max_queries)
         query = torch.randn(specs[-1][1], LLAMA.q_heads, LLAMA.head_dim, device=cuda).to(LLAMA.dtype)
         run_scores(TritonScoreAccumulator(layout), caches, specs, query, 0.1)
+        run_scores(TritonScoreAccumulator(layout, split_keys=64), caches, specs, query, 0.1)  # several splits
     torch.cuda.synchronize()
     assert [k.compiled_variants(device) for k in kernels] == variants

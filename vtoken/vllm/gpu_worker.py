@@ -20,6 +20,7 @@ from __future__ import annotations
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vtoken.kernels.gpu_layout import PagedScoreAccumulator, paged_layout
+from vtoken.kernels.triton_knorm import TritonKeyNorms
 from vtoken.kernels.triton_moves import TritonSlotMover
 from vtoken.kernels.triton_scores import TritonScoreAccumulator
 from vtoken.vllm.results import HostReadback
@@ -56,15 +57,21 @@ class VTokenGPUModelRunner(VTokenRunnerMixin, GPUModelRunner):
             return TritonScoreAccumulator(layout)
         return PagedScoreAccumulator(layout)
 
+    def _vt_make_key_norms(self, layout):
+        """CUDA: ``TritonKeyNorms`` (every layer's key norms in one launch); elsewhere the torch loop."""
+        return TritonKeyNorms(layout) if self.device.type == "cuda" else None
+
     def _vt_warmup(self, layers) -> None:
-        """CUDA: compile the Triton mover's three variants and the score kernels' one each now, on harmless
-        launches that leave every cache byte unchanged (``TritonSlotMover.warmup``,
-        ``TritonScoreAccumulator.warmup``): otherwise they compile during the first requests (seconds of
-        stall; an error under ``--jit-monitor-mode=error``). Runs before vLLM captures CUDA graphs."""
+        """CUDA: compile the Triton mover's three variants, the score kernels' one each and the key-norm
+        kernel now, on harmless launches that leave every cache byte unchanged (``TritonSlotMover.warmup``,
+        ``TritonScoreAccumulator.warmup``, ``TritonKeyNorms.warmup``): otherwise they compile during the
+        first requests (seconds of stall; an error under ``--jit-monitor-mode=error``). Runs before vLLM
+        captures CUDA graphs."""
         if self.device.type != "cuda":
             return
         impl = layers[0].impl
         self._vt_mover.warmup(self._vt_kv_tensors)
+        self._vt_knorm.warmup(self._vt_kv_tensors)
         TritonScoreAccumulator.warmup(
             self._vt_layout,
             layers[0].kv_cache,

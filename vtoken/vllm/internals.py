@@ -18,7 +18,8 @@ Scheduler side (engine-core process) — ``vtoken/vllm/scheduler.py``, ``async_s
       ``grammar_compile_error_reqs``, the set vLLM finishes with ``FINISHED_ERROR`` — and an output to the
       client — at the next ``update_from_output``),
       ``_preempt_request`` (drop the token table: recomputation is from logical tokens),
-      ``_free_request`` (finished/aborted: drop state, write the trace),
+      ``_free_request`` (finished/aborted: drop state, write the trace; its returned ``kv_transfer_params``,
+      which vLLM hands to the request's last output, gains the request's cost under ``"vtoken"``),
       ``make_stats`` (attach vToken gauges to ``SchedulerStats``).
     Read: ``self.running``, ``self.requests``, ``self.kv_cache_manager``, ``self.block_size``,
     ``Request.num_computed_tokens`` / ``num_tokens`` / ``num_tokens_with_spec`` /
@@ -175,6 +176,12 @@ Engine/front end
     which is where ``vtoken.vllm.lifetime.watch_parent`` starts: nothing in vLLM ends an engine core whose
     front end died.
   * ``vllm.v1.metrics.stats.SchedulerStats`` (read in the front end by ``vtoken_stats_from``).
+  * ``AsyncLLM.generate`` — replaced on the Serve replica's engine *instance* by a wrapper that yields the
+    same ``RequestOutput``\ s and records a finished one's ``kv_transfer_params["vtoken"]`` (the request's
+    eviction cost) by the request id it was called with (``vtoken/serve/replica/cost_field.py``); relies on
+    vLLM's OpenAI layer naming engine requests ``<response id>`` (chat), ``<id>-<i>`` (completions) or
+    ``<id>_<i>`` (chat with several prompts), and on its streaming usage chunk (``choices: []``, ``usage``)
+    and non-streaming bodies' ``kv_transfer_params``, which the replica rewrites to a top-level ``vtoken``.
   * ``vllm.v1.sample.logits_processor.AdapterLogitsProcessor`` — subclassed by ``vtoken.vllm.teacher
     .TeacherForcing`` (``LLM(logits_processors=[...])``), which forces given tokens one decode step at a time for
     ``vtoken bench longgen``; relies on vLLM computing returned log-probabilities from the raw logits

@@ -77,6 +77,7 @@ class VTokenRunnerMixin:
     _vt_tp: object = None  # TPReducer with tensor parallelism (vtoken/vllm/tp.py), else None
     _vt_readback: HostReadback | None = None  # CUDA: async outputs' statistics copied on a side stream
     _vt_capture: QueryCapture | None = None  # CUDA graphs + a layer subset: queries buffered, scored after
+    _vt_knorm: object = None  # CUDA: TritonKeyNorms (every layer's key norms in one launch), else None
     _vt_tokens: int = 0  # this step's scheduled tokens (the rows of the query buffers its requests index)
     _vt_group: int = 0  # the KV cache group vToken manages (the full-attention one on hybrid models)
     _vt_logical_lens: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's logical seq_lens (device,
@@ -93,6 +94,11 @@ class VTokenRunnerMixin:
     def _vt_make_accumulator(self, layout) -> ScoreAccumulator:
         """A fresh accumulator for one step's attention statistics."""
         raise NotImplementedError
+
+    def _vt_make_key_norms(self, layout):
+        """Every layer's key norms in one launch (``TritonKeyNorms``-like: ``sum(caches, slots)``), or
+        ``None``: ``_vt_key_norms`` reads them layer by layer with torch (the CPU)."""
+        return None
 
     def _vt_warmup(self, layers) -> None:
         """Compile what the steps will launch, once, at start-up (platforms with JIT kernels override)."""
@@ -141,6 +147,7 @@ class VTokenRunnerMixin:
         self._vt_tp = tp_reducer(vllm_config) if vllm_config is not None else None
         self._vt_layout, self._vt_paged = self._vt_make_layout(layers[0])
         self._vt_mover = self._vt_make_mover(self._vt_layout)
+        self._vt_knorm = self._vt_make_key_norms(self._vt_paged)
         self._vt_readback = self._vt_make_readback()
         self._vt_depth = len(layers)
         order = _forward_order(names)
@@ -395,6 +402,10 @@ class VTokenRunnerMixin:
         """Σ over layers of the new keys' L2 norms (mean over kv heads), read from the cache after the
         forward wrote them: ``_vt_norm_sum`` (device tensor, reduced to host when the result is finished)."""
         caches = unique_caches(self._vt_kv_tensors)
+        if self._vt_knorm is not None:  # one launch for every layer (CUDA)
+            self._vt_norm_sum = self._vt_knorm.sum(caches, self._vt_norm_slots)
+            self._vt_norm_layers = len(caches)
+            return
         total, offsets = None, {}  # per device: the keys' element offsets, the same for every layer
         for kv in caches:
             slots = self._vt_norm_slots.to(kv.device)

@@ -125,7 +125,7 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
                 rs = request_settings(self.vt, getattr(request.sampling_params, "extra_args", None))
                 self._vt_check_pressure(rs.cfg)
                 if self._vt_full_graphs:
-                    refuse_under_full_graphs(rs.cfg, self.vt.cfg)
+                    refuse_under_full_graphs(rs.cfg, self.vt)
             except ConfigError as e:
                 logger.error("vToken: request %s rejected: %s", request.request_id, e)
                 super().add_request(request)
