@@ -32,20 +32,22 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy vtoken/core vtoken/policies
 
+# everything a CPU machine runs: tests/unit, tests/integration (in-process engines), tests/e2e (Ray Serve,
+# Prometheus, `vtoken serve`), tests/docs
 test: $(STAMP)
 	sh scripts/install-system-deps.sh
-	$(BIN)/python -m pytest tests/cpu -q
+	$(BIN)/python -m pytest tests/unit tests/integration tests/e2e tests/docs -q
 
-# the inner loop: the modules marked `unit` (no engine, server or cluster), about a minute on 2 cores
+# the inner loop: tests/unit (no engine, server or cluster), about a minute on 2 cores
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests/cpu -q -m "unit and not slow"
+	$(BIN)/python -m pytest tests/unit -q
 
 # On a CUDA machine. Needs only torch, triton, numpy and pytest (no vLLM, no install of this project: tests/gpu
 # and scripts/gpu_check.py put the repository root on sys.path); GPU_PY picks .venv's python where there is
 # one, else $(PY). docs/gpu.md, "The device check", says what it prints.
 GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
 test-gpu:
-	$(GPU_PY) -m pytest tests/gpu -q -p no:cacheprovider
+	$(GPU_PY) -m pytest tests/gpu -q -m gpu -p no:cacheprovider
 	$(GPU_PY) scripts/gpu_check.py --out gpu_check.json
 
 serve: $(STAMP)
