@@ -1,7 +1,7 @@
 """vToken's Grafana dashboards, generated with grafana-foundation-sdk (the committed JSON is this output).
 
     python dashboards/build.py          # rewrite dashboards/vtoken-kv.json and dashboards/vtoken-sla.json
-    python dashboards/build.py --check  # exit 1 if the committed JSON differs (tests/cpu/test_dashboards.py)
+    python dashboards/build.py --check  # exit 1 if the committed JSON differs (tests/e2e/test_dashboards.py)
 
 Every query reads only series a replica exports, each named through its declaration in
 vtoken/metric_names.py (the queue panel reads vLLM's own ``vllm:num_requests_*`` gauges, which the

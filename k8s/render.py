@@ -22,7 +22,7 @@ own CPU bundle + one ``{CPU: 1, GPU: 1}`` bundle per rank, STRICT_PACK: vLLM's R
 there) instead of ``num_gpus``; each GPU worker pod has 2 GPUs (one replica per pod).
 
 The GPU worker group's min/max replicas are the Serve deployment's autoscaling bounds (or its fixed
-``num_replicas``). tests/cpu/test_k8s.py checks that the committed files equal this rendering, that
+``num_replicas``). tests/e2e/test_k8s.py checks that the committed files equal this rendering, that
 undoing the two changes gives deploy/serve_config.yaml back, and validates everything against the CRDs.
 
 Side effect of importing this file: k8s/ and the repository root go on ``sys.path`` (for k8s/rules.py and

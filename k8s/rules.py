@@ -6,7 +6,7 @@ exporter (vtoken/serve/telemetry/metrics.py) and the dashboards use. k8s/render.
 ``sys.path`` before importing this file, so rendering needs pyyaml and the checkout, not an installed vtoken.
 
 Every expression uses only names a replica exports (vtoken/serve/telemetry/metrics.py, docs/metrics.md) plus
-Prometheus' own ``up`` for the scrape target; tests/cpu/test_k8s.py checks that, parses each expression
+Prometheus' own ``up`` for the scrape target; tests/e2e/test_k8s.py checks that, parses each expression
 with ``promtool check rules`` and proves each alert fires and stays silent with ``promtool test rules``
 on k8s/tests/rules_test.yaml. The runbook of every alert is the section of docs/operations.md whose
 heading is the alert's name.

@@ -178,7 +178,7 @@ def correctness(cfg: dict, device: str) -> dict:
 def large_offsets(cfg: dict, device: str) -> dict:
     """Moves and scores where element offsets exceed 2^31 (``large_offsets_check``); CUDA only."""
     if cfg["large"] is None:
-        return {"skipped": "needs CUDA (tests/cpu/test_triton_large_offsets.py runs it in the interpreter)"}
+        return {"skipped": "needs CUDA (tests/integration/test_triton_large_offsets.py runs it in the interpreter)"}
     row = large_offsets_check("LHBNC", cfg["large"], device)
     torch.cuda.empty_cache()  # give the 12.9 GB back to the sections after this one
     row["offsets_exceed_2^31"] = row["max_element_offset"] >= 2**31

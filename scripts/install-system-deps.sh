@@ -2,7 +2,7 @@
 # System packages the tests need that pip cannot provide: the Prometheus server (Debian package
 # `prometheus`, which also ships `promtool`) and kubectl (`kubernetes-client`, for `kubectl kustomize`
 # of k8s/). Idempotent: installs only what is missing from PATH.
-# Used by `make test` (tests/cpu/test_serve_e2e.py starts its own Prometheus on 127.0.0.1).
+# Used by `make test` (tests/e2e/test_serve_e2e.py starts its own Prometheus on 127.0.0.1).
 set -eu
 PKGS=""
 if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then

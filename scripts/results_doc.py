@@ -6,7 +6,7 @@ JSON here, beside a link to that JSON and the command that wrote it (the report'
 
 Which reports make a figure, and in what order, is declared below (``SERVED``, ``CAPACITY``, ``RETAINED``,
 ``FLEET``, ``LONGGEN``, ``CODEGEN``, ``RULER``); the numbers are not (the quality tables are rendered by
-``vtoken.bench.longgen.tables``). tests/cpu/test_results_doc.py checks the committed file is this script's
+``vtoken.bench.longgen.tables``). tests/docs/test_results_doc.py checks the committed file is this script's
 output. Pure but for the file I/O.
 """
 

@@ -2,7 +2,7 @@
 
 Every ``vtoken serve …`` line of a fenced shell block is run with ``show-config`` (the whole config is
 validated, nothing starts): a documented command that exits 2 fails here. Every ``vtoken bench SUB …`` and
-``vtoken verify …`` line is parsed by the CLI as it would run it (``cli_support.parse_vtoken``: every option
+``vtoken verify …`` line is parsed by the CLI as it would run it (``support.cli.parse_vtoken``: every option
 and value checked, nothing runs).
 The commands themselves (minutes to hours of benchmarks) run where their results are produced.
 """

@@ -1,4 +1,4 @@
-"""GPU checks (run on a CUDA machine: ``pytest tests/gpu``; ``make test`` runs tests/cpu only).
+"""GPU checks (run on a CUDA machine: ``pytest tests/gpu``; ``make test`` runs the CPU suites only).
 
 The reference mover is layout-generic torch, so it must give the same slot-by-slot result on CUDA
 tensors as on CPU. The Triton mover of the GPU issue will be checked against it here.
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def cuda():
     if not torch.cuda.is_available():
-        pytest.fail("tests/gpu needs a CUDA device (run them on the GPU machine; make test runs tests/cpu)")
+        pytest.fail("tests/gpu needs a CUDA device (run them on the GPU machine; make test runs the CPU suites)")
     return torch.device("cuda")
 
 

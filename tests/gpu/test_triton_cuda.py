@@ -1,5 +1,5 @@
 """The Triton kernels compiled on a CUDA device vs the torch references (``pytest tests/gpu``; not run by
-``make test``). The same checks as tests/cpu/test_triton_kernels.py, at Llama-3-8B-like shapes, plus a CUDA
+``make test``). The same checks as tests/unit/kernels/test_triton_kernels.py, at Llama-3-8B-like shapes, plus a CUDA
 graph capture of the fixed-shape move launch, an LHBNC cache whose offsets pass 2^31 and the start-up
 warm-ups (no compile after them). ``scripts/gpu_check.py`` is the timed version. Needs only torch, triton,
 numpy and pytest (conftest.py puts the repository root on ``sys.path``).
@@ -32,7 +32,7 @@ LLAMA = Shape(4, 8, 32, 128, 16, 256, torch.bfloat16)
 @pytest.fixture(scope="module")
 def cuda():
     if not torch.cuda.is_available():
-        pytest.fail("tests/gpu needs a CUDA device (run them on the GPU machine; make test runs tests/cpu)")
+        pytest.fail("tests/gpu needs a CUDA device (run them on the GPU machine; make test runs the CPU suites)")
     return "cuda"
 
 

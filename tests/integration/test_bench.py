@@ -244,7 +244,7 @@ def test_retained_grid_prints_json_with_the_command(tmp_path):
 
     for row, policy in zip(report["rows"], ("h2o", "random"), strict=True):
         # each row is the simulation its cell describes (the block counts themselves are checked against
-        # the pool in tests/cpu/test_sim.py::test_blocks_taken_from_the_pool_follow_the_live_set)
+        # the pool in tests/integration/test_sim.py::test_blocks_taken_from_the_pool_follow_the_live_set)
         sim, _ = run_simulation(
             SimConfig.of(
                 policy=policy, budget="0.2", block_size=16, prompt_len=96, gen_len=32, requests=4, sinks=2, recent=8

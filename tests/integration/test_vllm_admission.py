@@ -1,5 +1,5 @@
 """SLO-aware admission in the vToken scheduler, in-process and without model weights (as
-tests/cpu/test_vllm_async_scheduler.py builds its scheduler; ``ModelRunnerOutput``s fed by hand).
+tests/support/scheduler.py builds it for test_vllm_async_scheduler.py; ``ModelRunnerOutput``s fed by hand).
 
 The "GPU" is a fake clock: a decode step running ``n`` requests takes ``A + B·n`` seconds, a step that
 prefills ``P`` more per prompt token. With a TPOT target that only ``DECODE_CAP`` requests would meet if

@@ -387,8 +387,9 @@ def test_admission_cap_keeps_outputs_exact(prefix_engine, ref_llama):
     """SLO-aware admission (vtoken/core/admission.py) switched on in the running engine with a target no step
     meets, its model already fitted (two 1 s steps at batch 1): the cap is 1 from the first schedule, so the
     requests run one at a time while the others wait. Every output is still the HF masked reference's.
-    Running requests are never preempted for a cap (tests/cpu/test_vllm_admission.py: a batch above the cap
-    drains); the setting's path (``admission_tpot_ms`` → the scheduler) is tested in tests/cpu/test_admission.py."""
+    Running requests are never preempted for a cap (tests/integration/test_vllm_admission.py: a batch above the
+    cap drains); the setting's path (``admission_tpot_ms`` → the scheduler) is tested in
+    tests/unit/core/test_admission.py."""
     from vtoken.core.admission import AdmissionConfig, StepTimeModel
 
     llm, d = prefix_engine

@@ -4,7 +4,7 @@ The CPU platform runs no CUDA graphs, so ``engine_setup.captures_queries`` answe
 per-layer hook scores. This test forces the answer to True for one engine (in-process, so the worker reads
 the patched function), so vLLM's real CPU attention calls the copying wrappers, and the runner scores the
 buffers after the forward: its decisions and tokens must equal a hook-path engine's for the same requests
-(the GPU-side replay of a captured forward is tests/cpu/test_vllm_full_graphs.py)."""
+(the GPU-side replay of a captured forward is tests/unit/vllm/test_vllm_full_graphs.py)."""
 
 from __future__ import annotations
 

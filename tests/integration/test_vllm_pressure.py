@@ -172,7 +172,7 @@ def test_pressure_refusal_names_the_option():
 
 def test_engine_with_pressure_and_async_scheduling_is_refused_at_construction():
     """The scheduler vLLM's engine core builds (CUDA's default async scheduling; the CPU platform forces it
-    off, so it is built by hand as tests/cpu/test_vllm_async_scheduler.py does) refuses an engine-level
+    off, so it is built by hand as tests/support/scheduler.py does) refuses an engine-level
     ``trigger: pressure`` by the option's name; with ``trigger: step`` the same engine starts."""
     from support.scheduler import make_scheduler
 

@@ -88,7 +88,7 @@ SETUP_KEYS = (
     "max_seqs",
     "tensor_parallel_size",
 )
-# the top-level keys ``run_capacity`` returns (``report.emit`` adds ``environment``); tests/cpu/test_bench.py
+# the top-level keys ``run_capacity`` returns (``report.emit`` adds ``environment``); tests/integration/test_bench.py
 # holds the builder and the committed capacity-*.json to them
 REPORT_KEYS = frozenset(
     {"bench", "command", *SETUP_KEYS, "requests", "repeats", "slo", "kv_cache_groups", "modes", "ratios_vs_naive"}

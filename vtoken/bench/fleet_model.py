@@ -60,7 +60,7 @@ class KVProfile:
 def kv_profiles(classes=WORKLOAD, vtoken: VTokenConfig = BASE, requests: int = 16) -> dict[str, list[KVProfile]]:
     """``{mode: [KVProfile per class]}`` for ``MODES`` under ``vtoken``'s settings (its seed also seeds the
     synthetic attention), from ``vtoken.sim.run_simulation`` (the fast engine, checked equal to the core's
-    exact replay by tests/cpu/test_sim.py)."""
+    exact replay by tests/integration/test_sim.py)."""
     from dataclasses import replace
 
     from vtoken.sim.run import SimConfig, run_simulation

@@ -38,7 +38,7 @@ from vtoken.vllm.launch import scheduler_of
 
 DEFAULT_STEPS_FILE = Path("docs/results/fleet-steps.json")
 # the top-level keys ``measure_steps`` returns (``environment`` included: the steps file is written as is);
-# tests/cpu/test_bench.py holds the committed docs/results/fleet-steps.json to them
+# tests/integration/test_bench.py holds the committed docs/results/fleet-steps.json to them
 REPORT_KEYS = frozenset(
     {
         "bench",

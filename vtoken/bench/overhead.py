@@ -47,7 +47,7 @@ from vtoken.vllm.launch import scheduler_of, vllm_logs_to_stderr
 
 # the top-level keys ``run_overhead`` always returns; besides them ``policy`` (one policy) or ``policies``
 # (several), and with a query-free policy ``SCORE_COLLECTION_KEYS``; ``report.emit`` adds ``environment``
-# (tests/cpu/test_bench.py holds the committed overhead-*.json to them)
+# (tests/integration/test_bench.py holds the committed overhead-*.json to them)
 REPORT_KEYS = frozenset(
     {
         "command",

@@ -27,7 +27,7 @@ from vtoken.core.config import VTokenConfig
 # (``--modes``), so ``mode`` is the bench's own (``settings.configure``)
 BASE = replace(EVICTING, budget=0.3)
 OWN = {"mode": "--modes picks the modes, one per request"}
-# the top-level keys ``run_prefix`` returns (``report.emit`` adds ``environment``); tests/cpu/test_bench.py
+# the top-level keys ``run_prefix`` returns (``report.emit`` adds ``environment``); tests/integration/test_bench.py
 # holds the committed prefix-*.json to them
 REPORT_KEYS = frozenset(
     {

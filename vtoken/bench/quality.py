@@ -10,7 +10,7 @@ from vLLM's block rows — the retained-block figure of every point comes from t
   compression, SnapKV's setting) and keeps evicting as the answer grows (decode-time eviction);
 * language modelling: the window is fed in chunks of ``chunk`` tokens (``max_num_batched_tokens``), so
   the policy evicts between chunks during the prefill; the prompt log-probabilities of every token give
-  the perplexity (they are exact under eviction: tests/cpu/test_bench_quality.py compares them with the
+  the perplexity (they are exact under eviction: tests/integration/test_bench_quality.py compares them with the
   masked Hugging Face reference).
 
 Token granularity runs in ``repack`` mode (blocks held = ⌈live/B⌉); block granularity evicts whole
@@ -138,7 +138,7 @@ FULL = Point("h2o", "token", None)
 SETTING_DEFAULTS = {f.name: f.default for f in fields(Point) if f.name != "budget"}
 
 # the top-level keys ``run_quality`` returns; the CLI adds ``plot`` with ``--plot`` and ``report.emit`` adds
-# ``environment`` (tests/cpu/test_bench.py holds the builder and the committed quality-*.json to them)
+# ``environment`` (tests/integration/test_bench.py holds the builder and the committed quality-*.json to them)
 REPORT_KEYS = frozenset(
     {
         "bench",

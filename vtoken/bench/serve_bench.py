@@ -364,7 +364,7 @@ def run_serve_bench(
     return report
 
 
-# the top-level keys ``_report`` writes (``report.emit`` adds ``environment``); tests/cpu/test_bench.py holds
+# the top-level keys ``_report`` writes (``report.emit`` adds ``environment``); tests/integration/test_bench.py holds
 # the builder and every committed docs/results/serve-*.json to them
 REPORT_KEYS = frozenset(
     {"bench", "command", "model", "setup", "slo", "client", "variants", "repeats", "repeats_done", "summary", "seconds"}

@@ -24,7 +24,7 @@ The scheduler (vtoken/vllm/scheduler.py) sets vLLM's admission limit (``max_num_
 ``min(configured max, cap)`` before every step. The cap only stops *admission*: running requests are never
 preempted for it, so a batch already above the cap drains by requests finishing.
 
-Invariants (tested in tests/cpu/test_admission.py):
+Invariants (tested in tests/unit/core/test_admission.py):
 
 * ``cap(max_n)`` is ``None`` (no cap) until ``min_samples`` steps have been observed;
 * otherwise ``1 ≤ cap(max_n) ≤ max_n``: at least one request always runs (no starvation, no deadlock:

@@ -11,7 +11,7 @@ every step (same budget, same protected set) and per-row state stays rectangular
     naive accounting, per original block:                              orig_live[r, b]
 
 Victims come from the policy's ``select_batch`` (same order as ``select``: score, then position);
-moves follow the planner's rule (holes ascending ← tail tokens descending). ``tests/cpu/test_sim.py``
+moves follow the planner's rule (holes ascending ← tail tokens descending). ``tests/integration/test_sim.py``
 checks block series and move counts against the exact engine. Block granularity (whole original blocks, a
 ragged number per row) is the exact engine's only: ``simulate_fast`` refuses it.
 """

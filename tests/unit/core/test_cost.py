@@ -1,7 +1,7 @@
 """What eviction cost a request (vtoken/core/cost.py): the record, the engine's histograms, their trip
 through vLLM's SchedulerStats, the response field and the autoscaler's trimmed share. No engine: the
-engine's side is tests/cpu/test_vllm_engine.py::test_each_output_says_what_eviction_cost_it, the served
-side tests/cpu/test_serve_e2e.py::test_a_completion_says_what_eviction_cost_it."""
+engine's side is tests/integration/test_vllm_engine.py::test_each_output_says_what_eviction_cost_it, the served
+side tests/e2e/test_serve_e2e.py::test_a_completion_says_what_eviction_cost_it."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Which layers (``score_layer_indices``), validation everywhere the setting enters (engine, request, serving
 config, CLIs), the step's accumulator groups (``LayerGroups``: an unscored layer never reaches the group's
 accumulator, the mean is over the scored layers), the runner's grouping of a step's requests and its layer
-order. The engine test (the real scheduler → worker path) is in tests/cpu/test_vllm_engine.py.
+order. The engine test (the real scheduler → worker path) is in tests/integration/test_vllm_engine.py.
 """
 
 from __future__ import annotations

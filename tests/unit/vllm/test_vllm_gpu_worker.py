@@ -178,7 +178,7 @@ def test_results_are_finished_when_an_async_output_is_read():
 
 def test_gpu_runner_warms_the_triton_kernels_up_at_start_up(monkeypatch):
     """CUDA: the mover's and the score kernels' variants compile when the KV cache is set up, not during the
-    first requests (issue 24, defect 6); the warm-ups themselves are tests/cpu/test_triton_warmup.py."""
+    first requests (issue 24, defect 6); the warm-ups themselves are tests/unit/kernels/test_triton_warmup.py."""
     r, views, ctx, _ = _gpu_runner()
     for layer in ctx.values():
         layer.impl.num_heads, layer.impl.head_size = 4, D
@@ -394,7 +394,7 @@ _CUDA_SPLIT = "attention"  # vLLM's CUDA default: splitting_ops = the attention 
 )
 def test_cudagraph_mode_per_policy(vllm_config, policy, scores, compile_mode, split, expect, score_layers, caplog):
     """Query-free policies keep vLLM's FULL graphs, and so do attention policies that score a subset of the
-    layers (their queries are copied inside the graphs: tests/cpu/test_vllm_full_graphs.py); every-layer
+    layers (their queries are copied inside the graphs: tests/unit/vllm/test_vllm_full_graphs.py); every-layer
     attention statistics get PIECEWISE (their q·K hook is Python, which FULL graphs do not replay) only where
     attention is split out of the captured pieces, NONE otherwise, with the setting named in the log (issue
     24, defect 3)."""

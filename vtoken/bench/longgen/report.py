@@ -10,8 +10,8 @@ import numpy as np
 from vtoken.bench.longgen import rule
 from vtoken.bench.longgen.run import LonggenSetup, full_cache_blocks
 
-# the top-level keys ``build_report`` returns; ``report.emit`` adds ``environment`` (tests/cpu/test_bench.py holds
-# the committed longgen-*.json to them)
+# the top-level keys ``build_report`` returns; ``report.emit`` adds ``environment``
+# (tests/integration/test_bench.py holds the committed longgen-*.json to them)
 REPORT_KEYS = frozenset(
     {"bench", "command", "model", "setup", "rule", "sources", "windows", "full_cache", "points", "seconds"}
 )
