@@ -60,7 +60,7 @@ Scheduler side (engine-core process) — ``vtoken/vllm/scheduler.py``, ``async_s
     ``max_model_len`` request; ``VllmConfig.max_in_flight_tokens`` read) and the null block reserved by
     ``get_kv_cache_configs``' start-up check — so ``vtoken serve`` refuses a pool vLLM would refuse, by name,
     before anything starts; reads ``hf_text_config.layer_types`` / ``sliding_window`` and
-    ``scheduler_config.disable_hybrid_kv_cache_manager``. ``tests/cpu/test_vllm_hybrid.py`` compares it with
+    ``scheduler_config.disable_hybrid_kv_cache_manager``. ``tests/integration/test_vllm_hybrid.py`` compares it with
     the groups and pool of a real engine.
 
 Engine construction (worker and scheduler) — ``vtoken/vllm/engine_setup.py``

@@ -23,7 +23,7 @@ forward, on the same stream, on eager steps and graph replays alike::
 Exactness: the score kernels read the same query values and the same cache contents as the per-layer hook
 (only layer ℓ's attention writes ``kv_cache[ℓ]``, before the copy; nothing writes it again until the next
 step's moves, which are enqueued after ``score``), in the same layer order, so the statistics equal the hook
-path's (``tests/cpu/test_vllm_full_graphs.py``). The copy must not depend on the step: at capture no step is
+path's (``tests/unit/vllm/test_vllm_full_graphs.py``). The copy must not depend on the step: at capture no step is
 running (``_vt_acc`` is None) and the copy is recorded all the same. Invariants checked in the wrapper are
 static per captured shape (dtype, heads, ``T ≤ max_tokens``) and raise at capture, never at replay.
 """

@@ -23,7 +23,7 @@ Importing this module imports no platform's worker: vLLM imports it in *every* w
 streams, ``Tensor.pin_memory`` and more process-wide when it is imported (``vllm.v1.worker.cpu.shm``), which
 on a CUDA worker would break event timing, vLLM's async output copy and memory profiling. Each platform's
 classes are imported by ``platform_worker_class`` only on that platform
-(``tests/cpu/test_vllm_import_hygiene.py``).
+(``tests/integration/test_vllm_import_hygiene.py``).
 """
 
 from __future__ import annotations
