@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from vtoken.core.admission import StepTimeModel
 from vtoken.vllm.config import EngineSettings
@@ -18,7 +19,13 @@ from vtoken.vllm.config import EngineSettings
 logger = logging.getLogger("vtoken.vllm")
 
 
-class AdmissionMixin:
+if TYPE_CHECKING:  # the type checker sees the scheduler this is mixed into; at run time a plain mixin
+    from vllm.v1.core.sched.scheduler import Scheduler as _SchedulerBase
+else:
+    _SchedulerBase = object
+
+
+class AdmissionMixin(_SchedulerBase):
     """State: ``_vt_steptime`` (``None``: admission off), ``_vt_max_active``, ``_vt_clock``, ``_vt_started``,
     ``_vt_last_update``. The scheduler calls ``_vt_init_admission`` in its constructor, ``_vt_admit`` /
     ``_vt_scheduled`` around each ``schedule()`` and ``_vt_time_step`` in ``update_from_output``."""
@@ -60,6 +67,7 @@ class AdmissionMixin:
         if start is not None:
             step_s = now - (start if self._vt_last_update is None else max(start, self._vt_last_update))
             model = self._vt_steptime
+            assert model is not None, "_vt_time_step runs only with admission on"
             if scheduler_output.total_num_scheduled_tokens == n:
                 model.observe(n, step_s)
                 model.observe_overhead(0.0, n)

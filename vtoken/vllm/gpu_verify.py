@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,7 +115,7 @@ def rounds_before(trace, prompt_len: int, divergence: int | None) -> int:
     return int(trace.epochs[-1].placed_round[prompt_len + divergence])
 
 
-def _outputs(llm, prompt: list[int], vt: list[dict | None], max_tokens: int):
+def _outputs(llm, prompt: list[int], vt: Sequence[Mapping[str, object] | None], max_tokens: int):
     from vllm import SamplingParams
 
     params = [

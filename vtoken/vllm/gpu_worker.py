@@ -69,8 +69,9 @@ class VTokenGPUModelRunner(VTokenRunnerMixin, GPUModelRunner):
         captures CUDA graphs."""
         if self.device.type != "cuda":
             return
-        impl = layers[0].impl
-        self._vt_mover.warmup(self._vt_kv_tensors)
+        impl, mover = layers[0].impl, self._vt_mover
+        assert isinstance(mover, TritonSlotMover), "the CUDA runner's mover (_vt_make_mover)"
+        mover.warmup(self._vt_kv_tensors)
         self._vt_knorm.warmup(self._vt_kv_tensors)
         TritonScoreAccumulator.warmup(
             self._vt_layout,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from vtoken.core.token_table import TokenTable
 from vtoken.errors import IntegrityError
@@ -45,7 +46,9 @@ def pool_violations(pool, rows: Iterable[tuple[str, list]], deferred: Iterable[l
             if not blk.is_null:
                 holders[blk.block_id] += 1
                 owner.setdefault(blk.block_id, "(deferred free)")
-    leaked, wrong, unreferenced = [], [], 0
+    leaked: list[Any] = []
+    wrong: list[Any] = []
+    unreferenced = 0
     for blk in pool.blocks:
         if blk.is_null:
             continue

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any
 
-from vtoken.core.config import Scope, VTokenConfig
+from vtoken.core.config import Budget, Mode, Scope, VTokenConfig
 
 
 @contextlib.contextmanager
@@ -108,9 +109,15 @@ def start_engine(
 
     from vtoken.vllm import engine_kwargs
 
-    window = {k: v for k, v in (("sinks", sinks), ("recent", recent)) if v is not None}
+    window: dict[str, Any] = {k: v for k, v in (("sinks", sinks), ("recent", recent)) if v is not None}
     cfg = VTokenConfig(
-        policy="h2o", budget=0.5, mode="repack", block_size=block_size, seed=seed, scope=Scope.ALL, **window
+        policy="h2o",
+        budget=Budget.parse(0.5),
+        mode=Mode.REPACK,
+        block_size=block_size,
+        seed=seed,
+        scope=Scope.ALL,
+        **window,
     )
     kw = engine_kwargs(cfg, trace_dir=trace_dir, check=check, invariants="fatal" if check else "log")
     kw.update(kwargs)

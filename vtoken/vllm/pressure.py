@@ -18,6 +18,8 @@ engine is constructed (``pressure_refusal``, a ``ConfigError`` naming the option
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from vllm.v1.request import RequestStatus
 
 from vtoken.core import pressure
@@ -48,9 +50,27 @@ def refuse_pressure(why: str) -> ConfigError:
     )
 
 
-class PressureMixin:
+if TYPE_CHECKING:  # the type checker sees the scheduler this is mixed into; at run time a plain mixin
+    from vllm.v1.core.sched.scheduler import Scheduler as _SchedulerBase
+
+    from vtoken.core.kvstats import ReclaimCounters
+    from vtoken.vllm.request_state import RequestState
+else:
+    _SchedulerBase = object
+
+
+class PressureMixin(_SchedulerBase):
     """The pressure round of ``VTokenScheduler`` (see the module docstring). Needs the scheduler's
     ``_vt_reqs``, ``_vt_manager``, ``_vt_protect`` and ``_vt_decide``."""
+
+    _vt_reqs: dict[str, RequestState]
+    _vt_manager: Any  # the SingleTypeKVCacheManager of the group vToken manages
+    _vt_counters: ReclaimCounters
+    if TYPE_CHECKING:
+
+        def _vt_protect(self, request, st: RequestState) -> Any: ...
+
+        def _vt_decide(self, request, st: RequestState, work, victims=None, cfg=None) -> None: ...
 
     def _vt_init_pressure(self, vllm_config, kv_cache_config, engine_trigger: Trigger) -> None:
         """Decide whether pressure can run here; refuse an engine whose own trigger is ``pressure`` where it
@@ -122,17 +142,17 @@ class PressureMixin:
             return  # no pressure request runs: nothing to decide (every other engine pays only this loop)
         admit = self._vt_admit_need(left)
         free = pool.get_num_free_blocks()
-        need = fixed + sum(max(st.table.required_blocks_after_place(n) - held, 0) for _, st, n, held in ready)
+        need = fixed + sum(max(st.live_table().required_blocks_after_place(n) - held, 0) for _, st, n, held in ready)
         if need + admit <= free:
             return  # nothing is short: nothing is evicted
         cands, chosen = [], {}
         for request, st, n, held in ready:
             cfg = self._vt_protect(request, st)
             if cfg is None:
-                fixed += max(st.table.required_blocks_after_place(n) - held, 0)
+                fixed += max(st.live_table().required_blocks_after_place(n) - held, 0)
                 continue
             chosen[request.request_id] = (request, st, cfg)
-            cands.append(pressure.candidate(request.request_id, st.table, st.policy, cfg, st.salt, held, n))
+            cands.append(pressure.candidate(request.request_id, st.live_table(), st.policy, cfg, st.salt, held, n))
         decision = pressure.plan_pressure(cands, free, fixed, margin=len(self.running), admit=admit)
         if not decision.fired:
             return  # short only for a head that no eviction could admit: it waits, as in vLLM

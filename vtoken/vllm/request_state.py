@@ -104,6 +104,13 @@ class RequestState:
     normed: int = 0  # KNorm: logical tokens of the table whose key norms a step has asked for
     score_all: bool = False  # the engine's ``scores: always``: every row slot is scored
 
+    def live_table(self) -> TokenTable:
+        """The request's token table, which every caller past its first step relies on (raises
+        ``IntegrityError`` when there is none: before its first step or after a preemption). Pure."""
+        if self.table is None:
+            raise IntegrityError("4: logical positions", "a request with no token table reached a step decision")
+        return self.table
+
     def drop_table(self) -> None:
         """Preemption: the table, the reservation and the steps in flight go (late scores are dropped)."""
         self.table, self.preplaced, self.normed = None, None, 0
@@ -112,7 +119,7 @@ class RequestState:
     def first_scored(self) -> int:
         """The first row slot a step of this table scores (``vtoken.core.scored_range``; the caller compares
         it with the step's live length: nothing to score below it). Needs the table. Pure."""
-        return first_scored(self.settings.cfg, self.table.prompt_len, full=self.score_all)
+        return first_scored(self.settings.cfg, self.live_table().prompt_len, full=self.score_all)
 
     def norm_back(self, computed_before: int, n: int) -> int:
         """How many keys before this step's ``n`` new ones (logical ``computed_before ..``) need their norms

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -57,7 +58,13 @@ from vtoken.vllm.transport import StepPlan, StepResult, plan_of
 logger = logging.getLogger("vtoken.vllm")
 
 
-class VTokenRunnerMixin:
+if TYPE_CHECKING:  # the type checker sees vLLM's runner this is mixed into; at run time a plain mixin
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as _RunnerBase
+else:
+    _RunnerBase = object
+
+
+class VTokenRunnerMixin(_RunnerBase):
     """Mixed in front of vLLM's V1 runner class (the worker builds or switches the runner to it)."""
 
     _vt_ready: bool = False
@@ -65,9 +72,9 @@ class VTokenRunnerMixin:
     _vt_result: StepResult | None = None
     _vt_acc: LayerGroups | ScoreAccumulator | None = None
     _vt_depth: int = 0  # attention layers (the depth ``score_layers`` is spread over)
-    _vt_layout: object = None  # what the mover and the accumulator read through (platform-specific)
-    _vt_paged: PagedLayout | None = None  # the same layout as a PagedLayout (key norms)
-    _vt_mover: SlotMover | None = None
+    _vt_layout: Any = None  # what the mover and the accumulator read through (platform-specific)
+    _vt_paged: PagedLayout  # the same layout as a PagedLayout (key norms); set at KV set-up
+    _vt_mover: SlotMover  # set at KV set-up
     _vt_kv_tensors: tuple[torch.Tensor, ...] = ()
     _vt_norm_reqs: dict[str, tuple[int, int, int]] | None = None  # rid -> (start, end) in the norms, seq_len
     _vt_norm_slots: torch.Tensor | None = None
@@ -77,7 +84,7 @@ class VTokenRunnerMixin:
     _vt_tp: object = None  # TPReducer with tensor parallelism (vtoken/vllm/tp.py), else None
     _vt_readback: HostReadback | None = None  # CUDA: async outputs' statistics copied on a side stream
     _vt_capture: QueryCapture | None = None  # CUDA graphs + a layer subset: queries buffered, scored after
-    _vt_knorm: object = None  # CUDA: TritonKeyNorms (every layer's key norms in one launch), else None
+    _vt_knorm: Any = None  # CUDA: TritonKeyNorms (every layer's key norms in one launch), else None
     _vt_tokens: int = 0  # this step's scheduled tokens (the rows of the query buffers its requests index)
     _vt_group: int = 0  # the KV cache group vToken manages (the full-attention one on hybrid models)
     _vt_logical_lens: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's logical seq_lens (device,
@@ -259,9 +266,11 @@ class VTokenRunnerMixin:
         return super()._update_states(scheduler_output)
 
     def _vt_move(self, plan: StepPlan) -> None:
-        """All of the plan's moves, every layer (mutates the KV caches; timed)."""
+        """All of the plan's moves, every layer (mutates the KV caches; timed into the step's result)."""
+        result = self._vt_result
+        assert result is not None, "a step's result exists from its plan on (_update_states)"
         src, dst = torch.from_numpy(plan.src), torch.from_numpy(plan.dst)
-        self._vt_result.num_moves = plan.num_moves
+        result.num_moves = plan.num_moves
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -271,7 +280,7 @@ class VTokenRunnerMixin:
             return
         t0 = time.perf_counter()
         self._vt_mover.move(self._vt_kv_tensors, src, dst)
-        self._vt_result.move_seconds = time.perf_counter() - t0
+        result.move_seconds = time.perf_counter() - t0
 
     def _vt_replace(self, rid: str, blocks: dict[int, int]) -> None:
         """Put ``blocks[index]`` at ``index`` of a request's block row (cached state and the persistent batch
@@ -401,14 +410,15 @@ class VTokenRunnerMixin:
     def _vt_key_norms(self) -> None:
         """Σ over layers of the new keys' L2 norms (mean over kv heads), read from the cache after the
         forward wrote them: ``_vt_norm_sum`` (device tensor, reduced to host when the result is finished)."""
-        caches = unique_caches(self._vt_kv_tensors)
+        caches, new = unique_caches(self._vt_kv_tensors), self._vt_norm_slots
+        assert new is not None, "called only for a step with new keys to norm"
         if self._vt_knorm is not None:  # one launch for every layer (CUDA)
-            self._vt_norm_sum = self._vt_knorm.sum(caches, self._vt_norm_slots)
+            self._vt_norm_sum = self._vt_knorm.sum(caches, new)
             self._vt_norm_layers = len(caches)
             return
         total, offsets = None, {}  # per device: the keys' element offsets, the same for every layer
         for kv in caches:
-            slots = self._vt_norm_slots.to(kv.device)
+            slots = new.to(kv.device)
             if kv.device not in offsets:
                 offsets[kv.device] = key_offsets(self._vt_paged, slots)
             keys = read_k(kv, self._vt_paged, slots, offsets[kv.device]).float()

@@ -191,7 +191,7 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
             self.kv_cache_manager.block_pool, rows, (b for _, b in getattr(self, "deferred_frees", ()))
         )
         tables = {
-            rid: self._vt_reqs[rid].table
+            rid: self._vt_reqs[rid].live_table()
             for rid in scheduled
             if rid in self._vt_reqs and self._vt_reqs[rid].table is not None
         }
@@ -247,7 +247,7 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
         scheduling, have no statistics yet: protected like the recent window), after marking its shared
         leading blocks in the table; ``None`` when it must not decide this step (a shared block past the
         prefix could not be replaced). Mutates the table's shared count."""
-        t, cfg = st.table, st.settings.cfg
+        t, cfg = st.live_table(), st.settings.cfg
         guard = st.inflight.unobserved(t.seen)
         if guard > cfg.recent:
             cfg = dataclasses.replace(cfg, recent=guard)
@@ -264,7 +264,7 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
         write, moves, the cut tail) before vLLM allocates this step (mutates the table, the row and the pool).
         ``victims`` (with the ``cfg`` ``_vt_protect`` gave): the tokens a pressure round took from this
         request (vtoken/vllm/pressure.py), instead of its budget's choice."""
-        t, rid = st.table, request.request_id
+        t, rid = st.live_table(), request.request_id
         if victims is None:
             if eviction_count(t.live, t.seen, t.prompt_len, st.settings.cfg) == 0 and st.settings.cfg.keep_mass is None:
                 return  # nothing due (with keep_mass the scores decide, in choose_victims)
@@ -309,7 +309,7 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
                 continue
             computed_before = self.requests[rid].num_computed_tokens - n  # _update_after_schedule advanced it
             slots = self._vt_place_one(rid, st, computed_before, n)
-            t = st.table
+            t = st.live_table()
             offset = t.seen - t.live
             appended = int(slots[0]) == t.live - n and (n == 1 or int(slots[-1]) == t.live - 1)
             window = window_queries(t.prompt_len, computed_before, n) if st.want_window else 0  # SnapKV's, once

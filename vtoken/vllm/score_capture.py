@@ -30,6 +30,8 @@ static per captured shape (dtype, heads, ``T ≤ max_tokens``) and raise at capt
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from vtoken.core.config import score_layer_indices
@@ -47,7 +49,7 @@ class QueryCapture:
         wanted = set(score_layer_indices(score_layers, depth))
         self.scored = frozenset(wanted)  # forward-order places whose queries are buffered
         self.every_layer = len(wanted) == depth
-        self._entries: list[tuple[int, object, torch.Tensor]] = []  # (place, layer, buffer), forward order
+        self._entries: list[tuple[int, Any, torch.Tensor]] = []  # (place, layer, buffer), forward order
         for place, layer in sorted(zip(order, layers), key=lambda pair: pair[0]):
             if place not in wanted:
                 continue

@@ -95,7 +95,7 @@ def decode(items: dict[str, int]) -> KVSnapshot | None:
     """Inverse of ``encode`` (``source="vtoken"``, ``at`` = now); ``None`` when the dict carries no vToken
     keys or a different field set (an engine of another version)."""
     raw: dict[str, Any] = {}
-    labels: dict[str, str] = {}
+    labels: dict[str, Any] = {}
     for key, value in items.items():
         if not key.startswith(PREFIX) or key == ADMISSION_LIMIT or key.startswith(COST):
             continue

@@ -27,10 +27,11 @@ import tempfile
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from vtoken.core.config import Budget, Mode, VTokenConfig
+from vtoken.core.config import Budget, Granularity, Mode, VTokenConfig
 from vtoken.vllm.launch import start_engine
 
 PROSE = (
@@ -176,9 +177,9 @@ def run_cases(
         VTokenConfig(
             policy=c.policy,
             budget=Budget.parse(c.budget),
-            mode=c.mode,
+            mode=Mode.parse(c.mode),
             block_size=block_size,
-            granularity=c.granularity,
+            granularity=Granularity.parse(c.granularity),
             score_layers=c.score_layers,
         )
     own = llm is None
@@ -186,7 +187,7 @@ def run_cases(
     if own:
         tmp = tempfile.TemporaryDirectory(prefix="vtoken-verify-")
         trace_dir = tmp.name
-        tp = {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}
+        tp: dict[str, Any] = {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}
         llm = start_engine(model, block_size, trace_dir, sinks=sinks, recent=recent, seed=seed, **tp)
     assert trace_dir is not None, "pass the trace_dir the engine was started with"
     salt = zlib.crc32(bytes(np.asarray(prompt, np.int64)))  # same prompt ⇒ same salt ⇒ paired decisions

@@ -22,7 +22,7 @@ from typing import Annotated
 
 import typer
 
-from vtoken.core.config import SET_HELP, Budget, Mode, VTokenConfig, parse_sets, with_sets
+from vtoken.core.config import SET_HELP, Budget, Granularity, Mode, VTokenConfig, parse_sets, with_sets
 from vtoken.errors import ConfigError
 from vtoken.models.default import MODEL_HELP
 from vtoken.vllm.verify import VerifyCase, run_cases
@@ -82,7 +82,7 @@ def verify(
                 sinks=sinks,
                 recent=recent,
                 seed=seed,
-                granularity=granularity,
+                granularity=Granularity.parse(granularity),
                 score_layers=score_layers,
             ),
             sets or (),
@@ -109,7 +109,7 @@ def verify(
         raise typer.Exit(2) from None
     if gpu:
         _verify_gpu(path, cfg, prompt_len, max_tokens, as_json)
-    bval = b.count if b.count is not None else b.fraction
+    bval: float = b.count if b.count is not None else float(b.fraction or 0.0)
     partner = Mode.REPACK if m is Mode.NAIVE else Mode.NAIVE  # the paired run: same decisions, other mode
     g = cfg.granularity.value
     cases = [VerifyCase(policy, mode_.value, bval, granularity=g, score_layers=score_layers) for mode_ in (m, partner)]
