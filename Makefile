@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy vtoken/core vtoken/policies
+	$(BIN)/mypy vtoken/core vtoken/policies vtoken/vllm
 
 # everything a CPU machine runs: tests/unit, tests/integration (in-process engines), tests/e2e (Ray Serve,
 # Prometheus, `vtoken serve`), tests/docs

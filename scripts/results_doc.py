@@ -4,7 +4,7 @@ JSON here, beside a link to that JSON and the command that wrote it (the report'
     python scripts/results_doc.py            # rewrite docs/results.md
     python scripts/results_doc.py --check    # exit 1 if docs/results.md is not what the JSONs give
 
-Which reports make a figure, and in what order, is declared below (``SERVED``, ``CAPACITY``, ``RETAINED``,
+Which reports make a figure, and in what order, is declared below (``SERVED``, ``PRESSURE``, ``CAPACITY``, ``RETAINED``,
 ``FLEET``, ``LONGGEN``, ``CODEGEN``, ``RULER``); the numbers are not (the quality tables are rendered by
 ``vtoken.bench.longgen.tables``). tests/docs/test_results_doc.py checks the committed file is this script's
 output. Pure but for the file I/O.
@@ -29,6 +29,13 @@ SERVED = [
     ("serve-smollm2-32-blocks-stock-median.json", "2026-12-03-stock-baseline-32-blocks.md"),
     ("serve-smollm2-64-blocks-stock-median.json", "2026-12-03-stock-baseline-64-blocks.md"),
 ]
+# (report, experiment): eviction only when memory is short (trigger pressure) on bursts, every server side by side
+PRESSURE = [
+    ("serve-smollm2-burst-12-blocks.json", "2026-12-06-burst-pressure.md"),
+    ("serve-smollm2-burst-12-blocks-low.json", "2026-12-06-burst-pressure.md"),
+]
+# the decode-only H2O points of the long-generation yardstick: what a final share of context lost costs
+YARDSTICK = "longgen-smollm2-224.json"
 CAPACITY = ["capacity-smollm2.json", "capacity-tiny-llama.json", "capacity-gemma3-270m.json"]
 RETAINED = ["retained_smollm2.json", "retained_synthetic.json"]
 FLEET = "fleet-256.json"
@@ -157,6 +164,97 @@ def served_rows(results: Path) -> tuple[str, str]:
         f"them: [serving.md](serving.md#served-path-benchmark--vtoken-bench-serve).\n\n"
     )
     return intro + head + "".join(rows), "".join(sources)
+
+
+def yardstick_shares(report: dict) -> list[tuple[float, float, float]]:
+    """``[(final share of context lost, budget, perplexity ratio)]`` of the yardstick's decode-only H2O points,
+    by share (pure): the share is the point's evicted tokens per window over the window's context."""
+    setup = report["setup"]
+    context = setup["windows"] * (setup["prompt_tokens"] + setup["continuation_tokens"])
+    out = []
+    for p in report["points"]:
+        st = p["settings"]
+        if st["policy"] == "h2o" and st["scope"] == "generated" and st["trigger"] == "step":
+            out.append((p["evicted_tokens"] / context, float(st["budget"]), p["perplexity_ratio"]))
+    return sorted(out)
+
+
+def paid(runs: list[dict]) -> tuple[int, int, float | None]:
+    """``(requests finished, trimmed, mean share of context a trimmed request lost)`` over ``runs`` (pure)."""
+    costs = [r["cost"] for r in runs if r.get("cost")]
+    finished = sum(c["finished"] for c in costs)
+    trimmed = sum(c["trimmed"] for c in costs)
+    lost = sum(c["evicted_share_mean_trimmed"] * c["trimmed"] for c in costs if c["trimmed"])
+    return finished, trimmed, (lost / trimmed if trimmed else None)
+
+
+def pressure_rows(results: Path) -> tuple[str, str]:
+    yard = yardstick_shares(load(YARDSTICK, results))
+    head = (
+        "| server | max rate at ≥ 90 % (req/s) | ÷ stock vLLM | ÷ stock vLLM + admission | preemptions, all runs "
+        "| requests trimmed | context lost per trimmed request | yardstick at that share ¹ |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+    )
+    rows, sources, notes = [], [], []
+    for name, experiment in PRESSURE:
+        r = load(name, results)
+        rows.append(f"| **{', '.join(str(x) for x in r['setup']['rates'])} req/s offered** |" + " |" * 7 + "\n")
+        reps = r["repeats"]
+        from vtoken.bench.serve_results import variant_label
+
+        def label(v: dict) -> str:
+            return variant_label(v["mode"], v["policy"], v["admission"], v.get("trigger", "step"))
+
+        by_label = [{label(v): v for v in rep} for rep in reps]
+        for lab in [label(v) for v in reps[0]]:
+            vs = [rep[lab] for rep in by_label]
+            rate = median_cell([v["max_rate_at_target"] for v in vs], [at_grid_top(v) for v in vs])
+            missed = sum(v["max_rate_at_target"] is None for v in vs)
+            rate += f"; no rate in {missed} of {len(vs)}" if missed else ""
+            ratios = []
+            for base in ("none", "none +admission"):
+                summary = r["summary"]["ratios"].get(f"{lab} / {base}")
+                if summary is None or lab == base:
+                    ratios.append("–")
+                    continue
+                vals = summary["max_rate_at_target"]["values"]
+                ratios.append(median_cell(vals, [at_grid_top(v) for v in vs], "×"))
+            runs = [run for v in vs for run in v["runs"]]
+            pre = sum(run["preemptions"] or 0 for run in runs)
+            finished, trimmed, lost = paid(runs)
+            if not finished:
+                rows.append(f"| {lab} | {rate} | {' | '.join(ratios)} | {pre} | – | – | – |\n")
+                continue
+            over = [p for p in yard if p[0] >= (lost or 0.0)]
+            at = f"≤ ×{num(over[0][2], 3)} (budget {num(over[0][1])})" if lost is not None and over else "–"
+            lost_cell = f"{pct(lost * 100)} %" if lost is not None else "–"
+            rows.append(
+                f"| {lab} | {rate} | {' | '.join(ratios)} | {pre} | {trimmed} of {finished} | {lost_cell} | {at} |\n"
+            )
+        setup = r["setup"]
+        notes.append(
+            f"{setup['input_len']} + {setup['output_len']} tokens (lengths ±{num(setup['range_ratio'] * 100, 0)} %), "
+            f"{setup['num_prompts']} requests per rate, burstiness {num(setup['burstiness'])}, "
+            f"{setup['pool_blocks']}-block pool, SLOs {num(r['slo']['ttft_ms'] / 1000)} s / "
+            f"{num(r['slo']['tpot_ms'])} ms, {len(reps)} repeat(s) with workload seeds "
+            f"{', '.join(str(rep[0]['seed']) for rep in reps)}; budget {num(float(setup['budget']) * 100, 0)} % "
+            f"decode-only (the fixed budget's, and pressure's floor); "
+            f"[experiment](experiments/{experiment})"
+        )
+        sources.append(source_line(name, r))
+    shape = "; ".join(dict.fromkeys(notes))  # the reports share one workload and pool: said once
+    intro = (
+        "Eviction only when vLLM's pool cannot hold the next step (`trigger: pressure`) against the fixed budget "
+        "and stock vLLM, on arrivals in bursts (gamma gaps) above the pool: " + shape + ". Rates and "
+        'ratios as above ("≥": the variant met the grid\'s top); the cost columns add up every run of the '
+        "variant (`cost` in the JSON: the replica's cost histograms).\n\n"
+    )
+    foot = (
+        "\n¹ The long-generation yardstick's decode-only H2O point ([longgen](results/longgen-smollm2-224.json)) "
+        "whose final share of context lost is the smallest at or above the trimmed requests' mean: its perplexity "
+        "ratio bounds theirs from above, as they lost that share later in their generation.\n"
+    )
+    return intro + head + "".join(rows) + foot, "".join(sources)
 
 
 # -------------------------------------------------------------------------------------------- capacity
@@ -321,6 +419,7 @@ def render(results: Path = ROOT / "docs/results") -> str:
     for title, (body, sources) in (
         ("Quality: what eviction costs, against the full cache", quality_rows(results)),
         ("Served: SLO-constrained request rate", served_rows(results)),
+        ("Served when memory is short: bursts, evicting only under pressure", pressure_rows(results)),
         ("Capacity in the engine: `vtoken bench capacity`", capacity_rows(results)),
         ("Retained blocks: `vtoken bench retained`", retained_rows(results)),
         ("A fleet on paper: `vtoken bench fleet`", fleet_rows(results)),

@@ -231,3 +231,39 @@ def test_a_broken_link_is_caught(tmp_path, monkeypatch):
         "docs/a.md#nope: no heading with that anchor",
         "docs/b.md: no such file",
     ]
+
+
+@pytest.mark.parametrize("name", ["serve-smollm2-burst-12-blocks.json", "serve-smollm2-burst-12-blocks-low.json"])
+def test_the_pressure_rows_quote_their_reports_summary_and_costs(name):
+    """The bursts table (``PRESSURE``): recomputed from the report's own ``summary`` and each run's ``cost``,
+    not from the script: every server's median rate, repack under pressure over stock vLLM, preemptions and
+    the requests trimmed over every run of each server."""
+    report = json.loads((RESULTS / name).read_text())
+    text = DOC.read_text()
+    section = text[text.index("## Served when memory is short") :].split("\n## ", 1)[0]
+    group = f"| **{', '.join(str(x) for x in report['setup']['rates'])} req/s offered** |"
+    lines = section[section.index(group) :].splitlines()[1:]
+    rows = {}
+    for line in lines:
+        if not line.startswith("| ") or line.startswith("| **"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells
+    assert set(rows) == set(report["summary"]["variants"])
+    for label, summary in report["summary"]["variants"].items():
+        assert _fmt(summary["max_rate_at_target"]["median"]) in rows[label][1], (label, rows[label])
+        runs = [r for rep in report["repeats"] for v in rep for r in v["runs"] if _label(v) == label]
+        costs = [r["cost"] for r in runs if r["cost"]]
+        if costs:
+            trimmed, finished = sum(c["trimmed"] for c in costs), sum(c["finished"] for c in costs)
+            assert rows[label][5] == f"{trimmed} of {finished}", (label, rows[label])
+        assert rows[label][4] == str(sum(r["preemptions"] or 0 for r in runs)), (label, rows[label])
+    (pressure,) = [label for label in rows if label.startswith("repack/h2o@pressure")]
+    ratio = report["summary"]["ratios"][f"{pressure} / none"]["max_rate_at_target"]
+    assert _fmt(ratio["median"]) + "×" in rows[pressure][2]
+
+
+def _label(v: dict) -> str:
+    trigger = v.get("trigger", "step")
+    name = v["mode"] if v["policy"] is None else f"{v['mode']}/{v['policy']}"
+    return name + ("" if trigger == "step" else f"@{trigger}") + (" +admission" if v["admission"] else "")
