@@ -2,7 +2,7 @@
 
 Not used by the engine (vLLM's own kernels run the model). One program per (request, kv head): its query
 heads as one tile, an online softmax over the row's keys read through the block table and the cache's
-``PagedLayout`` (the score kernels' tile loaders, ``triton_scores``), ``out = softmax(q·Kᵀ·scale)·V``.
+``PagedLayout`` (the score kernels' tile loaders, ``triton_tiles``), ``out = softmax(q·Kᵀ·scale)·V``.
 ``paged_decode_reference`` is the torch version it is tested against. Pure apart from writing ``out``.
 """
 
@@ -16,7 +16,7 @@ import triton.language as tl
 from vtoken.kernels.gpu_layout import PagedLayout, read_kv
 from vtoken.kernels.scores import row_slots
 from vtoken.kernels.triton_runtime import TritonKernel, next_pow2
-from vtoken.kernels.triton_scores import _MAX, _SUM, _kv_tile, _logits, _query_tile
+from vtoken.kernels.triton_tiles import _MAX, _SUM, _kv_tile, _logits, _query_tile
 
 
 def _paged_decode(

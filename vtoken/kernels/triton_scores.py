@@ -65,7 +65,7 @@ from vtoken.kernels.triton_finish import request_stats, widened
 from vtoken.kernels.triton_plan import NO_ROW, device_meta, launch_state, plan_step
 from vtoken.kernels.triton_runtime import TritonKernel
 from vtoken.kernels.triton_softmax import _MERGE, _STATS, SplitPlan, launch_softmax_stats
-from vtoken.kernels.triton_tiles import _MAX, _SUM, _kv_tile, _logits, _query_tile  # noqa: F401 (_MAX: re-exported)
+from vtoken.kernels.triton_tiles import _SUM, _kv_tile, _logits, _query_tile
 
 
 def _probs(
