@@ -189,6 +189,8 @@ def paid(runs: list[dict]) -> tuple[int, int, float | None]:
 
 
 def pressure_rows(results: Path) -> tuple[str, str]:
+    from vtoken.bench.serve_results import report_label
+
     yard = yardstick_shares(load(YARDSTICK, results))
     head = (
         "| server | max rate at ≥ 90 % (req/s) | ÷ stock vLLM | ÷ stock vLLM + admission | preemptions, all runs "
@@ -200,13 +202,8 @@ def pressure_rows(results: Path) -> tuple[str, str]:
         r = load(name, results)
         rows.append(f"| **{', '.join(str(x) for x in r['setup']['rates'])} req/s offered** |" + " |" * 7 + "\n")
         reps = r["repeats"]
-        from vtoken.bench.serve_results import variant_label
-
-        def label(v: dict) -> str:
-            return variant_label(v["mode"], v["policy"], v["admission"], v.get("trigger", "step"))
-
-        by_label = [{label(v): v for v in rep} for rep in reps]
-        for lab in [label(v) for v in reps[0]]:
+        by_label = [{report_label(v): v for v in rep} for rep in reps]
+        for lab in [report_label(v) for v in reps[0]]:
             vs = [rep[lab] for rep in by_label]
             rate = median_cell([v["max_rate_at_target"] for v in vs], [at_grid_top(v) for v in vs])
             missed = sum(v["max_rate_at_target"] is None for v in vs)

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from support.paths import ROOT
 
+from vtoken.bench.serve_results import report_label
+
 RESULTS = ROOT / "docs" / "results"
 DOC = ROOT / "docs" / "results.md"
 
@@ -252,7 +254,7 @@ def test_the_pressure_rows_quote_their_reports_summary_and_costs(name):
     assert set(rows) == set(report["summary"]["variants"])
     for label, summary in report["summary"]["variants"].items():
         assert _fmt(summary["max_rate_at_target"]["median"]) in rows[label][1], (label, rows[label])
-        runs = [r for rep in report["repeats"] for v in rep for r in v["runs"] if _label(v) == label]
+        runs = [r for rep in report["repeats"] for v in rep for r in v["runs"] if report_label(v) == label]
         costs = [r["cost"] for r in runs if r["cost"]]
         if costs:
             trimmed, finished = sum(c["trimmed"] for c in costs), sum(c["finished"] for c in costs)
@@ -261,9 +263,3 @@ def test_the_pressure_rows_quote_their_reports_summary_and_costs(name):
     (pressure,) = [label for label in rows if label.startswith("repack/h2o@pressure")]
     ratio = report["summary"]["ratios"][f"{pressure} / none"]["max_rate_at_target"]
     assert _fmt(ratio["median"]) + "×" in rows[pressure][2]
-
-
-def _label(v: dict) -> str:
-    trigger = v.get("trigger", "step")
-    name = v["mode"] if v["policy"] is None else f"{v['mode']}/{v['policy']}"
-    return name + ("" if trigger == "step" else f"@{trigger}") + (" +admission" if v["admission"] else "")

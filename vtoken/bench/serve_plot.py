@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vtoken.bench.serve_results import variant_label
+from vtoken.bench.serve_results import report_label
 
 
 def plot_serve(report: dict, path: str | Path) -> None:
@@ -24,9 +24,7 @@ def plot_serve(report: dict, path: str | Path) -> None:
     for i, variant in enumerate(report["variants"]):
         runs = sorted(variant["runs"], key=lambda r: r["rate"])
         colour = plt.cm.tab10(i % 10)
-        label = variant_label(
-            variant["mode"], variant["policy"], variant.get("admission"), variant.get("trigger", "step")
-        )
+        label = report_label(variant)
         rates = [r["rate"] for r in runs]
         att.plot(rates, [r["slo_attainment"] for r in runs], "o-", color=colour, label=label)
         good.plot(rates, [r["goodput_req_s"] for r in runs], "o-", color=colour, label=label)

@@ -43,6 +43,12 @@ def variant_label(mode: str, policy: str | None, admission: bool | None = False,
     return name + ("" if trigger == "step" else f"@{trigger}") + (" +admission" if admission else "")
 
 
+def report_label(variant: dict) -> str:
+    """``variant_label`` of one variant's report (``run_variant``'s dict; a report from before triggers
+    existed ran ``step``). Pure."""
+    return variant_label(variant["mode"], variant["policy"], variant.get("admission"), variant.get("trigger", "step"))
+
+
 class ReplicaMetrics:
     """Polls a replica's ``/metrics`` every ``period`` s in a thread (context manager; side effect: HTTP
     GETs): ``peak`` is the largest ``vllm:num_requests_running`` seen; ``prefix_hits`` / ``prefix_queries``
