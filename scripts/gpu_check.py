@@ -23,7 +23,7 @@ repository root goes on ``sys.path``). Writes one JSON report (``--out``, also p
                      the overhead ratios
 
 The random inputs are drawn with seeded ``torch.Generator``s on the device the check runs on: every cache's
-contents (``vtoken.kernels.check.fill_random`` draws on the caches' device), the decode sections' queries and
+contents (``vtoken.kernels.backend_check.fill_random`` draws on the caches' device), the decode sections' queries and
 block tables. The full check fills ~28e9 cache elements,
 which the host's generator took 110–240 s of the 270 s budget to draw. Left on the host: the repack plans
 (numpy, a few thousand draws) and ``check_scores``' query (a few hundred thousand). Kernels and references
@@ -50,8 +50,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from vtoken.kernels import triton_moves, triton_scores  # noqa: E402
-from vtoken.kernels.check import (  # noqa: E402
+from vtoken.kernels.backend_check import (  # noqa: E402
     Shape,
     check_moves,
     check_scores,
@@ -66,9 +65,11 @@ from vtoken.kernels.check import (  # noqa: E402
 )
 from vtoken.kernels.gpu_layout import PagedTorchMover, allocate_kv_caches, layout_for  # noqa: E402
 from vtoken.kernels.scores import RequestScores  # noqa: E402
-from vtoken.kernels.triton_attention import paged_decode, paged_decode_reference  # noqa: E402
-from vtoken.kernels.triton_moves import TritonSlotMover  # noqa: E402
-from vtoken.kernels.triton_scores import TritonScoreAccumulator  # noqa: E402
+from vtoken.kernels.triton import moves as triton_moves  # noqa: E402
+from vtoken.kernels.triton import scores as triton_scores  # noqa: E402
+from vtoken.kernels.triton.attention import paged_decode, paged_decode_reference  # noqa: E402
+from vtoken.kernels.triton.moves import TritonSlotMover  # noqa: E402
+from vtoken.kernels.triton.scores import TritonScoreAccumulator  # noqa: E402
 
 FORBIDDEN = ("vllm", "typer", "rich", "ray", "transformers", "pydantic")
 SCORE_TOL = 1e-4

@@ -6,7 +6,7 @@ JSON here, beside a link to that JSON and the command that wrote it (the report'
 
 Which reports make a figure, and in what order, is declared below (``SERVED``, ``PRESSURE``, ``CAPACITY``, ``RETAINED``,
 ``FLEET``, ``LONGGEN``, ``CODEGEN``, ``RULER``); the numbers are not (the quality tables are rendered by
-``vtoken.bench.longgen.tables``). tests/docs/test_results_doc.py checks the committed file is this script's
+``vtoken.bench.quality.longgen.tables``). tests/docs/test_results_doc.py checks the committed file is this script's
 output. Pure but for the file I/O.
 """
 
@@ -97,7 +97,7 @@ def source_line(name: str, report: dict) -> str:
 
 
 def at_grid_top(v: dict) -> bool:
-    from vtoken.bench.serve_summary import at_grid_top as top
+    from vtoken.bench.served.summary import at_grid_top as top
 
     return top(v)
 
@@ -189,7 +189,7 @@ def paid(runs: list[dict]) -> tuple[int, int, float | None]:
 
 
 def pressure_rows(results: Path) -> tuple[str, str]:
-    from vtoken.bench.serve_results import report_label
+    from vtoken.bench.served.measures import report_label
 
     yard = yardstick_shares(load(YARDSTICK, results))
     head = (
@@ -382,7 +382,7 @@ def fleet_rows(results: Path) -> tuple[str, str]:
 
 
 def quality_rows(results: Path) -> tuple[str, str]:
-    from vtoken.bench.longgen.tables import ruler_table, task_table, text_table
+    from vtoken.bench.quality.longgen.tables import ruler_table, task_table, text_table
 
     longgen = [load(n, results) for n in LONGGEN]
     codegen = [load(n, results) for n in CODEGEN]

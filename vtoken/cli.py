@@ -11,7 +11,7 @@ from vtoken.models.cli import model_app  # light: heavy deps are imported lazily
 from vtoken.serve.launch.cli import serve_app
 from vtoken.sim.cli import simulate
 from vtoken.sim.trace_cli import trace_app
-from vtoken.vllm.verify_cli import verify
+from vtoken.vllm.offline.verify_cli import verify
 
 app = typer.Typer(
     name="vtoken",
@@ -77,7 +77,7 @@ def settings(
 
 
 app.command("simulate")(simulate)
-app.command("verify")(verify)  # vtoken/vllm/verify_cli.py (vLLM/transformers imported only when it runs)
+app.command("verify")(verify)  # vtoken/vllm/offline/verify_cli.py (vLLM/transformers imported only when it runs)
 app.add_typer(bench_app, name="bench")
 app.add_typer(model_app, name="model")
 app.add_typer(trace_app, name="trace")  # vtoken/sim/trace_cli.py

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-# How every start-up refusal of an engine configuration begins (vtoken/vllm/support.py writes it; the serving
+# How every start-up refusal of an engine configuration begins (vtoken/vllm/supported_configs.py writes it; the serving
 # launcher finds it in Serve's status messages to report the reason).
 REFUSAL_PREFIX = "vToken cannot run this engine"
 

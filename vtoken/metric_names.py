@@ -8,7 +8,7 @@ unchanged); ``ALL_METRICS`` both. The alert thresholds at the bottom are shared 
 alert rules.
 
 Imported by vtoken/serve/telemetry/metrics.py (builds the collectors from these declarations),
-vtoken/serve/telemetry/stats.py (router/autoscaler keys), dashboards/build.py and k8s/rules.py (PromQL),
+vtoken/serve/telemetry/stat_logger.py (router/autoscaler keys), dashboards/build.py and k8s/rules.py (PromQL),
 and the tests that check that dashboards and alerts read only exported series. Standard library only, no
 vtoken import, so the two generator scripts can import it from the checkout without the serving stack.
 Importing it has no side effects. docs/metrics.md describes the same series for readers.
@@ -178,7 +178,7 @@ PRESSURE_AT_FLOOR = Metric(
     "steps",
 )
 
-# ------------- vToken per-request cost (the engine's cumulative histograms, vtoken/core/cost.py)
+# ------------- vToken per-request cost (the engine's cumulative histograms, vtoken/core/reporting/request_cost.py)
 REQUEST_EVICTED_SHARE = Metric(
     "vtoken:request_evicted_share",
     HISTOGRAM,

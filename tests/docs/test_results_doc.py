@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from support.paths import ROOT
 
-from vtoken.bench.serve_results import report_label
+from vtoken.bench.served.measures import report_label
 
 RESULTS = ROOT / "docs" / "results"
 DOC = ROOT / "docs" / "results.md"
@@ -84,7 +84,7 @@ def _fmt(x: float) -> str:
 
 @pytest.mark.parametrize(("name", "experiment"), SERVED)
 def test_each_served_row_quotes_its_reports_summary(name, experiment):
-    """Recomputed from the report's own ``summary`` (``vtoken/bench/serve_summary.py``), not from the script:
+    """Recomputed from the report's own ``summary`` (``vtoken/bench/served/summary.py``), not from the script:
     the medians and spreads of repack ÷ stock and repack ÷ Naive-Evict, and each variant's median rate."""
     report = json.loads((RESULTS / name).read_text())
     row = _row(DOC.read_text(), experiment)

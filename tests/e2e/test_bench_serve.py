@@ -1,4 +1,4 @@
-"""`vtoken bench serve`: the served-path benchmark (vtoken/bench/serve_bench.py).
+"""`vtoken bench serve`: the served-path benchmark (vtoken/bench/served/bench.py).
 
 The pure parts (variants, commands, a run's numbers from vLLM's result file, the max rate at the
 attainment target) are checked on hand-built inputs; the command contract runs for real once: a
@@ -17,15 +17,15 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from vtoken import metric_names as names
-from vtoken.bench.serve_bench import client_command, variant_config
-from vtoken.bench.serve_results import (
+from vtoken.bench.served.bench import client_command, variant_config
+from vtoken.bench.served.measures import (
     ReplicaMetrics,
     max_rate_meeting,
     rate_at_target,
     run_summary,
     sweep_done,
 )
-from vtoken.bench.serve_setup import CHAT_RANGE_RATIO, ServeBenchSetup
+from vtoken.bench.served.plan import CHAT_RANGE_RATIO, ServeBenchSetup
 
 VTOKEN = [sys.executable, "-m", "vtoken.cli"]
 
@@ -111,9 +111,9 @@ def test_a_hybrid_models_server_gets_the_longest_length_its_pool_holds_in_every_
     engine config): 80 blocks hold max_model_len 608 in every group (4 x 19 + 3 + 1 = 80), not the 79 x 32
     a one-group model gets — vLLM refused that engine, so the served bench could not run a hybrid model; a
     pool that cannot hold the longest request in every group is refused naming --pool-blocks."""
-    from vtoken.bench.serve_bench import pool_shape_of
+    from vtoken.bench.served.bench import pool_shape_of
     from vtoken.models.default import resolve_model
-    from vtoken.vllm.pool_need import FULL
+    from vtoken.vllm.scheduling.pool_need import FULL
 
     s = ServeBenchSetup(model="tiny-gemma3", pool_blocks=80, input_len=64, output_len=64)
     shape = pool_shape_of(s, str(resolve_model("tiny-gemma3")))
@@ -289,7 +289,7 @@ def test_sigterm_stops_the_server_it_started(tmp_path):
     pid_file = tmp_path / "server.pid"
     script = f"""
 import sys
-from vtoken.bench import serve_bench
+from vtoken.bench.served import bench as serve_bench
 serve_bench.server_command = lambda config, port: [sys.executable, "-c", {STAND_IN_SERVER!r}, {str(pid_file)!r}]
 serve_bench.run_serve_bench(serve_bench.ServeBenchSetup(model="tiny-llama", modes=("none",)))
 """
@@ -434,8 +434,8 @@ def _variant(mode, policy, admission, rate, interpolated):
 
 
 def test_repeats_are_summarised_as_medians_of_ratios_computed_within_each_repeat():
-    """Known answer: the docstring's example (serve_summary.py), plus a repeat where naive met no rate."""
-    from vtoken.bench.serve_summary import headline, summarize
+    """Known answer: the docstring's example (bench/served/summary.py), plus a repeat where naive met no rate."""
+    from vtoken.bench.served.summary import headline, summarize
 
     table = [(0.20, 0.15, 0.30), (0.25, 0.20, 0.30), (0.20, 0.20, 0.35), (0.20, None, 0.30), (0.2, 0.15, None)]
     repeats = [
@@ -471,7 +471,7 @@ def test_repeats_are_summarised_as_medians_of_ratios_computed_within_each_repeat
 def test_a_variant_that_met_the_grid_top_makes_its_ratios_lower_bounds():
     """Repack met every rate up to the grid's top (0.6) in two repeats and missed 0.5 in a third: those two
     ratios are lower bounds, counted, and the headline says so; when every repeat is one it writes "≥"."""
-    from vtoken.bench.serve_summary import at_grid_top, headline, summarize
+    from vtoken.bench.served.summary import at_grid_top, headline, summarize
 
     def v(mode, rate, ran):
         runs = [{"rate": r} for r in ran]
@@ -501,7 +501,7 @@ def test_each_repeat_replays_another_workload_seed():
 
 
 def test_an_admission_variant_is_also_compared_with_stock_under_the_same_cap():
-    from vtoken.bench.serve_summary import summarize
+    from vtoken.bench.served.summary import summarize
 
     def v(mode, policy, admission, rate):
         return {
@@ -548,8 +548,8 @@ def test_pressure_variants_run_beside_the_fixed_budget_and_are_compared_with_it(
     """--triggers step,pressure: each evicting variant once per trigger; a pressure variant's server evicts
     only when short (its budget a floor), and the summary compares it with stock, stock + the same admission
     cap, Naive-Evict under pressure and the same mode with the fixed budget."""
-    from vtoken.bench.serve_setup import Variant
-    from vtoken.bench.serve_summary import baselines, summarize
+    from vtoken.bench.served.plan import Variant
+    from vtoken.bench.served.summary import baselines, summarize
 
     s = ServeBenchSetup(
         model="tiny-llama", modes=("none", "naive", "repack"), triggers=("step", "pressure"), admission=(True,)

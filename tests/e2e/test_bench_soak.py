@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vtoken.bench.soak_client import ABORTED
+from vtoken.bench.served.soak_client import ABORTED
 
 
 @pytest.mark.slow
@@ -15,7 +15,7 @@ def test_short_soak_accounts_for_every_request_and_leaves_nothing_behind():
     cleanly or was aborted by its client; a replica was killed mid-run and the replicas went idle with their
     KV invariant check clean and no block held; the pool forced preemptions; no engine process left; greedy
     mode-none replay equal."""
-    from vtoken.bench.soak import SoakSetup, run_soak
+    from vtoken.bench.served.soak import SoakSetup, run_soak
 
     report = run_soak(SoakSetup(duration_s=45, concurrency=4, seed=0, pool_blocks=40))  # 40: two long requests preempt
     print(

@@ -129,7 +129,7 @@ class Replica:
 
         from vtoken.serve.telemetry.metrics import LabelledView, ReplicaMetrics, start_metrics_server
         from vtoken.serve.telemetry.sla import SloTargets
-        from vtoken.serve.telemetry.stats import StatsSink
+        from vtoken.serve.telemetry.stat_logger import StatsSink
 
         labels = {"application": "vtoken", "deployment": "VTokenReplica", "replica": name, "node": node}
         self.sink = StatsSink(pool_blocks=63)
@@ -147,8 +147,8 @@ class Replica:
         self.costs = None
 
     def tick(self) -> None:
-        from vtoken.core.cost import CostStats, RequestCost
-        from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
+        from vtoken.core.reporting.engine_kv import KVSnapshot, ReclaimCounters
+        from vtoken.core.reporting.request_cost import CostStats, RequestCost
         from vtoken.serve.telemetry.sla import RequestLatency
 
         i = self.step = self.step + 1

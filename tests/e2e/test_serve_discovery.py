@@ -91,7 +91,7 @@ def test_prometheus_finds_the_registered_endpoints_through_file_sd(tmp_path):
     from vtoken.serve.launch.local import free_port
     from vtoken.serve.telemetry.metrics import ReplicaMetrics, start_metrics_server
     from vtoken.serve.telemetry.sla import SloTargets
-    from vtoken.serve.telemetry.stats import StatsSink
+    from vtoken.serve.telemetry.stat_logger import StatsSink
 
     path = tmp_path / "sd.json"
     reg = MetricsRegistry(str(path), ttl_s=60)

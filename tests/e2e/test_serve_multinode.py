@@ -33,7 +33,7 @@ from support.ops import load_module
 from support.paths import ROOT
 from support.serve import PrometheusServer, wait_for
 
-from vtoken.bench.serve_results import ReplicaMetrics
+from vtoken.bench.served.measures import ReplicaMetrics
 from vtoken.serve.config import ServeAppConfig
 from vtoken.serve.launch import procs
 from vtoken.serve.launch.cluster import ClusterState

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from vtoken.kernels.check import (
+from vtoken.kernels.backend_check import (
     Shape,
     check_moves,
     check_scores,
@@ -21,9 +21,9 @@ from vtoken.kernels.check import (
     setup,
 )
 from vtoken.kernels.gpu_layout import PagedTorchMover
-from vtoken.kernels.triton_moves import _COPY, TritonSlotMover
-from vtoken.kernels.triton_scores import _PROBS, _STATS, TritonScoreAccumulator
-from vtoken.kernels.triton_softmax import _MERGE
+from vtoken.kernels.triton.moves import _COPY, TritonSlotMover
+from vtoken.kernels.triton.scores import _PROBS, _STATS, TritonScoreAccumulator
+from vtoken.kernels.triton.softmax import _MERGE
 
 pytestmark = pytest.mark.gpu
 LLAMA = Shape(4, 8, 32, 128, 16, 256, torch.bfloat16)

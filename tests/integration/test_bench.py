@@ -109,7 +109,7 @@ def attainments(burst: dict, slo: dict) -> set[float]:
 def test_sla_attainment_counts_requests_meeting_both_slos():
     """A burst's attainment = requests meeting both SLOs (at most the SLO counts) / requests submitted (an
     unfinished one misses); goodput = those requests per second of the burst."""
-    from vtoken.bench.capacity import Outcome, goodput_row
+    from vtoken.bench.engine.capacity import Outcome, goodput_row
 
     out = Outcome(
         requests=6,
@@ -263,7 +263,7 @@ def test_retained_grid_prints_json_with_the_command(tmp_path):
             "moves_reuse_repack": m["reuse+repack"]["moves_total"],
         }
         assert row["naive"] > row["repack"]  # measured: at 20 % the survivors stay scattered
-    from vtoken.bench.retained import REPORT_KEYS
+    from vtoken.bench.engine.retained import REPORT_KEYS
 
     assert set(report) == REPORT_KEYS | {"environment"}
 
@@ -272,8 +272,8 @@ def test_retained_grid_prints_json_with_the_command(tmp_path):
 
 
 def test_serve_report_has_exactly_its_report_keys():
-    from vtoken.bench.serve_bench import REPORT_KEYS, _report
-    from vtoken.bench.serve_setup import ServeBenchSetup
+    from vtoken.bench.served.bench import REPORT_KEYS, _report
+    from vtoken.bench.served.plan import ServeBenchSetup
 
     variant = {
         "mode": "repack",
@@ -293,7 +293,7 @@ def test_quality_report_has_exactly_its_report_keys(monkeypatch):
     """``run_quality`` with both tasks stubbed (no engine): the report it assembles."""
     import transformers
 
-    from vtoken.bench import quality
+    from vtoken.bench.quality import bench as quality
 
     def task(key):
         def run(setup, tokenizer, pts, on_phase):
@@ -324,7 +324,7 @@ def test_quality_report_has_exactly_its_report_keys(monkeypatch):
 
 def test_capacity_report_has_exactly_its_report_keys(monkeypatch):
     """``run_capacity`` with the engine stubbed: every batch fits (so the search stops at ``max_seqs``)."""
-    from vtoken.bench import capacity
+    from vtoken.bench.engine import capacity
 
     def run_batch(llm, setup, mode, count, tag, stop_on_preemption):
         return capacity.Outcome(
@@ -350,7 +350,7 @@ def test_overhead_report_has_its_report_keys(monkeypatch, policies):
     import transformers
 
     import vtoken.models.default
-    from vtoken.bench import overhead
+    from vtoken.bench.engine import overhead
 
     counters = SimpleNamespace(repack_moves=0)
     scheduler = SimpleNamespace(vtoken_stats=lambda: SimpleNamespace(counters=counters))
@@ -377,15 +377,15 @@ def test_overhead_report_has_its_report_keys(monkeypatch, policies):
 def test_kernels_report_has_exactly_its_report_keys():
     import torch
 
-    from vtoken.bench.kernels import REPORT_KEYS, run_kernels
-    from vtoken.kernels.check import Shape
+    from vtoken.bench.engine.kernels import REPORT_KEYS, run_kernels
+    from vtoken.kernels.backend_check import Shape
 
     report = run_kernels("torch", "cpu", "cpu", Shape(1, 1, 1, 8, 4, 4, torch.float32), 2, 0, 8)
     assert set(report) == REPORT_KEYS  # + "timings" on CUDA only
 
 
 def test_sim_scale_report_has_exactly_its_report_keys(tmp_path, capsys):
-    from vtoken.bench.sim_scale import REPORT_KEYS, run_sim_scale
+    from vtoken.bench.engine.sim_scale import REPORT_KEYS, run_sim_scale
     from vtoken.sim.run import RESULT_KEYS, SimConfig
 
     cfg = SimConfig.of(policy="h2o", budget="0.2", block_size=16, prompt_len=64, gen_len=8, requests=2)
@@ -397,7 +397,7 @@ def test_sim_scale_report_has_exactly_its_report_keys(tmp_path, capsys):
 
 def test_score_host_report_has_exactly_its_report_keys():
     """A small shape: the old and new paths fold the same statistics for every evictable token."""
-    from vtoken.bench.score_host import REPORT_KEYS, run_score_host
+    from vtoken.bench.engine.score_host import REPORT_KEYS, run_score_host
 
     report = run_score_host("h2o", 16, 1, 0, shapes=((3, 200),))
     assert set(report) == REPORT_KEYS
@@ -407,8 +407,8 @@ def test_score_host_report_has_exactly_its_report_keys():
 
 
 def test_fleet_report_has_exactly_its_report_keys():
-    from vtoken.bench.fleet import AUTOSCALER_KEYS, REPORT_KEYS, run_fleet
-    from vtoken.bench.fleet_model import BASE
+    from vtoken.bench.fleet.bench import AUTOSCALER_KEYS, REPORT_KEYS, run_fleet
+    from vtoken.bench.fleet.model import BASE
     from vtoken.serve.telemetry.sla import SloTargets
 
     steps = RESULTS / "fleet-steps.json"
@@ -440,23 +440,15 @@ def test_fleet_report_has_exactly_its_report_keys():
 
 def bench_keys() -> dict[str, tuple[frozenset, bool]]:
     """bench name → (top-level REPORT_KEYS, whether it runs vLLM: its report must name the vLLM version)."""
-    from vtoken.bench import (
-        capacity,
-        fleet,
-        fleet_steps,
-        kernels,
-        overhead,
-        prefix,
-        quality,
-        retained,
-        score_host,
-        serve_bench,
-        sim_scale,
-        soak,
-        yardstick_plot,
-    )
-    from vtoken.bench.longgen import codegen
-    from vtoken.bench.longgen import report as longgen_report
+    from vtoken.bench.engine import capacity, kernels, overhead, prefix, retained, score_host, sim_scale
+    from vtoken.bench.fleet import bench as fleet
+    from vtoken.bench.fleet import steps as fleet_steps
+    from vtoken.bench.quality import bench as quality
+    from vtoken.bench.quality import yardstick_plot
+    from vtoken.bench.quality.longgen import codegen
+    from vtoken.bench.quality.longgen import report as longgen_report
+    from vtoken.bench.served import bench as serve_bench
+    from vtoken.bench.served import soak
 
     return {
         "serve": (serve_bench.REPORT_KEYS, True),
@@ -491,10 +483,10 @@ def required_keys(bench: str, words: list[str], report: dict) -> list[tuple[tupl
     """``(path, keys)`` pairs: the keys the current code writes at each path of ``bench``'s report."""
     from dataclasses import fields
 
-    from vtoken.bench.fleet import AUTOSCALER_KEYS
-    from vtoken.bench.overhead import SCORE_COLLECTION_KEYS
-    from vtoken.bench.quality import QualitySetup
-    from vtoken.bench.serve_setup import ServeBenchSetup
+    from vtoken.bench.engine.overhead import SCORE_COLLECTION_KEYS
+    from vtoken.bench.fleet.bench import AUTOSCALER_KEYS
+    from vtoken.bench.quality.bench import QualitySetup
+    from vtoken.bench.served.plan import ServeBenchSetup
     from vtoken.policies import get_policy_class
     from vtoken.sim.run import RESULT_KEYS
 

@@ -82,8 +82,8 @@ def test_bench_kernels_reports_exact_moves_and_close_scores(tmp_path, backend, l
 def test_bench_kernels_runs_the_lhbnc_layout_and_counts_bit_mismatches():
     """``--layout LHBNC`` (heads outside blocks: the layout whose layer views pass 2^31 elements at H200
     scale) in-process, the interpreter; the report counts the bits' mismatches instead of one boolean."""
-    from vtoken.bench.kernels import problems, run_kernels
-    from vtoken.kernels.check import Shape
+    from vtoken.bench.engine.kernels import problems, run_kernels
+    from vtoken.kernels.backend_check import Shape
 
     assert problems("triton", "cpu", "LHBNC", "float16", {"--blocks": 8}, 4, 2) == []
     report = run_kernels("triton", "cpu", "LHBNC", Shape(2, 2, 4, 64, 16, 8, torch.float16), 3, 0, 16)

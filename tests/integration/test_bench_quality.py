@@ -24,8 +24,8 @@ def test_prompt_logprobs_under_eviction_between_chunks_equal_the_masked_referenc
     from vllm import SamplingParams
 
     from vtoken.models.hf_reference import load_reference_model, masked_logprobs
-    from vtoken.vllm.launch import start_engine
-    from vtoken.vllm.trace import RequestTrace
+    from vtoken.vllm.offline.launch import start_engine
+    from vtoken.vllm.scheduling.trace import RequestTrace
 
     rng = np.random.default_rng(3)
     prompt = rng.integers(3, 500, 160).tolist()  # the tiny models have a vocabulary of about 512
@@ -63,7 +63,7 @@ def test_passkey_cases_and_text_windows_follow_the_seed(default_model):
     text windows are real prose of the requested length from distinct sources (held-out ones first)."""
     from transformers import AutoTokenizer
 
-    from vtoken.bench.quality_tasks import passkey_cases, perplexity, text_windows
+    from vtoken.bench.quality.tasks import passkey_cases, perplexity, text_windows
 
     tok = AutoTokenizer.from_pretrained(str(default_model))
     a = passkey_cases(tok, 200, (0.1, 0.9), 2, seed=0)
@@ -91,8 +91,8 @@ def test_a_base_model_without_a_chat_template_gets_plain_prompts_with_its_bos(de
     length; SmolLM2's prompts do not change (its tokenizer adds nothing)."""
     from transformers import AutoTokenizer
 
-    from vtoken.bench.fidelity import fidelity_prompts
-    from vtoken.bench.quality_tasks import bos_ids, passkey_cases, text_windows
+    from vtoken.bench.quality.fidelity import fidelity_prompts
+    from vtoken.bench.quality.tasks import bos_ids, passkey_cases, text_windows
     from vtoken.models.default import resolve_model
 
     gemma = AutoTokenizer.from_pretrained(str(resolve_model("gemma3-270m")))
@@ -192,7 +192,7 @@ def test_quality_command_reports_full_cache_and_points(default_model, tmp_path):
     h2o = next(p for p in report["points"] if p["granularity"] == "token")
     ok = h2o["ruler"]["at_parity"] and h2o["fidelity"]["keeps_fidelity"]
     assert parity["parity_budget"] == (0.2 if ok else None)
-    from vtoken.bench.yardstick_plot import yardstick_table
+    from vtoken.bench.quality.yardstick_plot import yardstick_table
 
     table = yardstick_table(report)
     assert "niah_single_1@512" in table and table.count("\n") == 4  # head, rule, full cache, h2o 0.2
@@ -226,7 +226,7 @@ def test_the_committed_sweep_covers_every_policy_and_budget_and_the_docs_show_it
     in both granularities, the full-cache reference, a plot beside it, and its experiment file
     (docs/experiments/2026-11-30-quality-sweep-every-policy.md) shows exactly the table ``quality_table``
     makes of it (a re-run that is not copied into the docs fails here)."""
-    from vtoken.bench.quality_plot import quality_table
+    from vtoken.bench.quality.plot import quality_table
     from vtoken.policies import policy_names
 
     root = ROOT

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vtoken.bench.fidelity import first_divergence, kl_lower_bound, teacher_forced
-from vtoken.bench.intervals import inside, rate, wilson
-from vtoken.bench.ruler_tasks import TASKS, RulerCase, ruler_cases
+from vtoken.bench.quality.fidelity import first_divergence, kl_lower_bound, teacher_forced
+from vtoken.bench.quality.intervals import inside, rate, wilson
+from vtoken.bench.quality.ruler_tasks import TASKS, RulerCase, ruler_cases
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def test_the_kl_bound_from_two_top_k_maps_never_exceeds_the_true_kl(seed, k, tem
 
 
 def test_the_parity_budget_is_the_smallest_with_every_larger_one_at_parity_too():
-    from vtoken.bench.quality import parity_budgets
+    from vtoken.bench.quality.bench import parity_budgets
 
     def point(policy, budget, parity, fidelity=True, granularity="token"):
         return {
@@ -165,7 +165,7 @@ def test_the_parity_budget_is_the_smallest_with_every_larger_one_at_parity_too()
 
 
 def test_the_ruler_task_half_pairs_samples_with_the_full_cache():
-    from vtoken.bench.ruler import task_rule
+    from vtoken.bench.quality.ruler import task_rule
 
     full = {"niah@1024": {"per_sample": [True] * 50}, "vt@1024": {"per_sample": [True] * 25 + [False] * 25}}
     same = {

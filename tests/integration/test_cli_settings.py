@@ -84,13 +84,13 @@ def config_reached(args, kwargs) -> VTokenConfig:
 
 # every bench command that runs a vToken config: (its words, the module and entry point it hands the config to)
 BENCHES = [
-    (("capacity",), "vtoken.bench.capacity", "main"),
-    (("overhead",), "vtoken.bench.overhead", "overhead"),
-    (("prefix",), "vtoken.bench.prefix", "prefix"),
-    (("fleet",), "vtoken.bench.fleet", "run_fleet"),
-    (("sim-scale",), "vtoken.bench.sim_scale", "run_sim_scale"),
-    (("retained",), "vtoken.bench.retained", "run_retained"),
-    (("quality", "--quick", "--policies", "h2o", "--model", "tiny-llama"), "vtoken.bench.quality", "run_quality"),
+    (("capacity",), "vtoken.bench.engine.capacity", "main"),
+    (("overhead",), "vtoken.bench.engine.overhead", "overhead"),
+    (("prefix",), "vtoken.bench.engine.prefix", "prefix"),
+    (("fleet",), "vtoken.bench.fleet.bench", "run_fleet"),
+    (("sim-scale",), "vtoken.bench.engine.sim_scale", "run_sim_scale"),
+    (("retained",), "vtoken.bench.engine.retained", "run_retained"),
+    (("quality", "--quick", "--policies", "h2o", "--model", "tiny-llama"), "vtoken.bench.quality.bench", "run_quality"),
 ]
 
 
@@ -146,11 +146,11 @@ def test_bench_refuses_a_set_of_what_it_sets_itself(words, key, named):
 @pytest.mark.parametrize(
     "command, module, entry",
     [
-        ("capacity", "vtoken.bench.capacity", "main"),
-        ("overhead", "vtoken.bench.overhead", "overhead"),
-        ("prefix", "vtoken.bench.prefix", "prefix"),
-        ("fleet", "vtoken.bench.fleet", "run_fleet"),
-        ("sim-scale", "vtoken.bench.sim_scale", "run_sim_scale"),
+        ("capacity", "vtoken.bench.engine.capacity", "main"),
+        ("overhead", "vtoken.bench.engine.overhead", "overhead"),
+        ("prefix", "vtoken.bench.engine.prefix", "prefix"),
+        ("fleet", "vtoken.bench.fleet.bench", "run_fleet"),
+        ("sim-scale", "vtoken.bench.engine.sim_scale", "run_sim_scale"),
     ],
 )
 def test_bench_budget_takes_a_token_count_and_sets_go_over_flags(monkeypatch, command, module, entry):
@@ -167,10 +167,18 @@ def test_bench_engines_are_built_from_the_config_passed_down(monkeypatch):
     variant's mode and policy over it), fleet's simulated replicas."""
     import dataclasses
 
-    from vtoken.bench import capacity, fleet_model, overhead
+    from vtoken.bench.engine import capacity, overhead
+    from vtoken.bench.fleet import model as fleet_model
 
     cfg, (setup, *_) = run_bench(
-        monkeypatch, ("capacity",), "vtoken.bench.capacity", "main", "--set", "vtoken.sinks=8", "--block-size", "64"
+        monkeypatch,
+        ("capacity",),
+        "vtoken.bench.engine.capacity",
+        "main",
+        "--set",
+        "vtoken.sinks=8",
+        "--block-size",
+        "64",
     )
     assert setup.to_report()["sinks"] == 8 and setup.to_report()["block_size"] == 64
     got: list = []
@@ -186,7 +194,7 @@ def test_bench_engines_are_built_from_the_config_passed_down(monkeypatch):
 
 
 def test_retained_cells_share_the_set_and_keep_their_own():
-    from vtoken.bench.retained import BASE, grid
+    from vtoken.bench.engine.retained import BASE, grid
     from vtoken.bench.settings import configure
     from vtoken.sim.run import SimConfig
 
@@ -197,13 +205,13 @@ def test_retained_cells_share_the_set_and_keep_their_own():
 
 
 def test_quality_set_sets_the_engine_or_one_value_in_every_point(monkeypatch):
-    import vtoken.bench.quality as quality
+    import vtoken.bench.quality.bench as quality
 
     words = ("quality", "--quick", "--policies", "h2o,tova", "--model", "tiny-llama")
     cfg, (setup,) = run_bench(
         monkeypatch,
         words,
-        "vtoken.bench.quality",
+        "vtoken.bench.quality.bench",
         "run_quality",
         "--set",
         "vtoken.scope=generated",
@@ -258,7 +266,7 @@ def test_simulate_takes_sets_over_its_flags():
 
 
 def test_verify_takes_sets_it_carries_and_refuses_the_others(monkeypatch):
-    import vtoken.vllm.verify_cli as verify_cli
+    import vtoken.vllm.offline.verify_cli as verify_cli
 
     calls: list = []
     monkeypatch.setattr(verify_cli, "run_cases", recorder(calls))
@@ -274,7 +282,7 @@ def test_verify_takes_sets_it_carries_and_refuses_the_others(monkeypatch):
 def test_quality_points_are_overrides_of_one_base_config():
     import dataclasses
 
-    from vtoken.bench.quality import BASE, FULL, SETTING_DEFAULTS, Point, QualitySetup
+    from vtoken.bench.quality.bench import BASE, FULL, SETTING_DEFAULTS, Point, QualitySetup
     from vtoken.core.config import Mode
 
     pt = Point("tova", "block", 512, prompt_tail=8, scope="generated")
@@ -293,8 +301,8 @@ def test_quality_points_are_overrides_of_one_base_config():
 
 
 def test_quality_refuses_a_bad_point_before_any_engine(monkeypatch):
-    import vtoken.bench.quality as quality
-    from vtoken.bench.cli import QUALITY_PRESETS
+    import vtoken.bench.quality.bench as quality
+    from vtoken.bench.quality.presets import QUALITY_PRESETS
 
     assert QUALITY_PRESETS["quick"].ruler_tasks == "niah_single_1" and QUALITY_PRESETS["full"].policies == "all"
     calls: list = []
@@ -319,7 +327,7 @@ def test_a_point_with_an_unknown_key_is_refused_listing_the_valid_ones(command):
 
 
 def test_points_are_read_as_sets_are():
-    from vtoken.bench.longgen.cli import parse_point
+    from vtoken.bench.quality.longgen.cli import parse_point
 
     label, cfg = parse_point("scope=all,budget=512,score_layers=null,keep_mass=0.9")
     assert label == "scope=all,budget=512,score_layers=null,keep_mass=0.9"
@@ -340,7 +348,7 @@ def test_every_committed_point_still_reads_as_the_settings_it_ran():
     """The committed longgen and codegen reports' points parse to the settings each report records."""
     import json
 
-    from vtoken.bench.longgen.cli import parse_point
+    from vtoken.bench.quality.longgen.cli import parse_point
 
     results = RESULTS
     checked = 0

@@ -10,8 +10,8 @@ import statistics
 import pytest
 from support.paths import RESULTS
 
-from vtoken.bench.longgen import code, rule
-from vtoken.bench.longgen.codegen import FULL_LABEL, POINT_KEYS, REPORT_KEYS, CodegenSetup, build_report
+from vtoken.bench.quality.longgen import code, rule
+from vtoken.bench.quality.longgen.codegen import FULL_LABEL, POINT_KEYS, REPORT_KEYS, CodegenSetup, build_report
 from vtoken.core.config import VTokenConfig
 
 COMMITTED = sorted(RESULTS.glob("codegen-*.json"))
@@ -109,7 +109,7 @@ def test_the_task_half_rejects_decode_only_h2o_on_the_model_that_solves_problems
 # ---------------------------------------------------------------- the real engine
 @pytest.mark.slow
 def test_codegen_on_the_engine_judges_each_point_against_the_full_cache(default_model):
-    from vtoken.bench.longgen.codegen import run_codegen
+    from vtoken.bench.quality.longgen.codegen import run_codegen
 
     setup = CodegenSetup(
         model=str(default_model),

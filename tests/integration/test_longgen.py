@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from support.paths import RESULTS, ROOT
 
-from vtoken.bench.longgen import rule
-from vtoken.bench.longgen.cli import parse_point
-from vtoken.bench.longgen.report import POINT_KEYS, summarize
-from vtoken.bench.longgen.texts import all_windows, documents, windows
+from vtoken.bench.quality.longgen import rule
+from vtoken.bench.quality.longgen.cli import parse_point
+from vtoken.bench.quality.longgen.report import POINT_KEYS, summarize
+from vtoken.bench.quality.longgen.texts import all_windows, documents, windows
 from vtoken.core.config import Scope, VTokenConfig
 from vtoken.errors import ConfigError
 
@@ -107,7 +107,7 @@ def test_points_are_settings_over_the_engine_defaults():
 def test_the_teacher_processor_refuses_a_malformed_teacher():
     from vllm import SamplingParams
 
-    from vtoken.vllm.teacher import TeacherForcing
+    from vtoken.vllm.offline.teacher import TeacherForcing
 
     TeacherForcing.validate_params(SamplingParams(extra_args={"teacher": [1, 2]}))
     with pytest.raises(ValueError, match="list of token ids"):
@@ -141,9 +141,9 @@ def test_committed_summaries_recompute_from_their_windows(path):
 @pytest.fixture(scope="module")
 def small_yardstick(default_model):
     """12 windows, 32 + 96 tokens, on SmolLM2: the old default (decode-only H2O 10 %) and today's default."""
-    from vtoken.bench.longgen.report import build_report
-    from vtoken.bench.longgen.run import LonggenSetup, run_longgen
-    from vtoken.bench.longgen.texts import digests
+    from vtoken.bench.quality.longgen.report import build_report
+    from vtoken.bench.quality.longgen.run import LonggenSetup, run_longgen
+    from vtoken.bench.quality.longgen.texts import digests
 
     points = (parse_point("scope=generated,budget=0.1"), parse_point("default"))
     setup = LonggenSetup(
@@ -183,8 +183,8 @@ def test_the_report_has_exactly_its_keys():
     """``build_report`` on a synthetic measurement: ``REPORT_KEYS`` at the top, ``POINT_KEYS`` per point."""
     from types import SimpleNamespace
 
-    from vtoken.bench.longgen.report import POINT_KEYS, REPORT_KEYS, build_report
-    from vtoken.bench.longgen.run import LonggenSetup
+    from vtoken.bench.quality.longgen.report import POINT_KEYS, REPORT_KEYS, build_report
+    from vtoken.bench.quality.longgen.run import LonggenSetup
 
     wins = [SimpleNamespace(name=f"w{i}") for i in range(3)]
     full = {w.name: {"nll": np.array([2.0, 3.0]), "top1": np.array([5, 6])} for w in wins}
@@ -210,7 +210,7 @@ def test_the_report_has_exactly_its_keys():
 @pytest.mark.parametrize("path", committed_reports(), ids=lambda p: p.name)
 def test_the_experiments_show_each_committed_table_verbatim(path):
     """Each committed run's table is in the lab notebook (docs/experiments/), as first measured."""
-    from vtoken.bench.longgen.report import markdown_table
+    from vtoken.bench.quality.longgen.report import markdown_table
 
     notebook = ROOT / "docs" / "experiments"
     docs = "\n".join(p.read_text() for p in sorted(notebook.glob("*.md")))
@@ -218,7 +218,7 @@ def test_the_experiments_show_each_committed_table_verbatim(path):
 
 
 def test_the_figure_refuses_reports_of_another_shape_and_draws_one_marker_per_setting(tmp_path):
-    from vtoken.bench.longgen.plot import merged_points, plot_longgen
+    from vtoken.bench.quality.longgen.plot import merged_points, plot_longgen
 
     path = committed_reports()[0]
     report = json.loads(path.read_text())

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from vtoken.cli import app
 from vtoken.core.config import Mode
 from vtoken.core.manager import CacheManager
-from vtoken.core.stats import StepScores
+from vtoken.core.step_stats import StepScores
 from vtoken.errors import ConfigError
 from vtoken.policies import get_policy_class, policy_names
 from vtoken.sim.exact import request_name, simulate_exact

@@ -26,12 +26,12 @@ from support.paths import ROOT
 # peak RSS, which also counts the interpreter, numpy and thread arenas (2 GB on one CI host, 0.3 GB here).
 CODE = """
 import ctypes, json, mmap, resource, torch
-from vtoken.kernels.check import Shape, empty_kv_caches, large_offsets_check
+from vtoken.kernels.backend_check import Shape, empty_kv_caches, large_offsets_check
 shape = Shape(2, 8, 8, 16, 16, 655360, torch.float16)
 caches = empty_kv_caches("LHBNC", shape, "cpu")
 row = large_offsets_check("LHBNC", shape, "cpu", caches=caches)
 from vtoken.kernels.gpu_layout import key_offsets, layout_for, read_k
-from vtoken.kernels.triton_knorm import TritonKeyNorms
+from vtoken.kernels.triton.knorm import TritonKeyNorms
 lay, top = layout_for("LHBNC", caches[0]), shape.blocks - 1
 slots = torch.cat([torch.arange(16) + b * 16 for b in (top, top - 1, top - 2, top - 3, 0)])
 got = TritonKeyNorms(lay).sum(caches, slots)

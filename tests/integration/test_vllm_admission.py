@@ -16,8 +16,8 @@ from collections import deque
 import pytest
 from support.scheduler import make_request, make_scheduler
 
-from vtoken.core.admission import HEADROOM, cap_for
-from vtoken.vllm.stats import admission_limit_from
+from vtoken.core.batch.admission import HEADROOM, cap_for
+from vtoken.vllm.gauges import admission_limit_from
 
 A, B = 0.010, 0.010  # decode step = 10 ms + 10 ms per running request
 P = 0.010  # + 10 ms per prefill token: a 16-token prompt makes its step 160 ms slower (not a batch-size cost)

@@ -21,13 +21,13 @@ def test_async_llm_multiprocess(tmp_path, monkeypatch):
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     from vtoken.core.config import VTokenConfig
-    from vtoken.core.kvstats import KVSnapshot
+    from vtoken.core.reporting.engine_kv import KVSnapshot
     from vtoken.models.hf_reference import load_reference_model
     from vtoken.models.tiny import tiny_model
     from vtoken.vllm import engine_kwargs
-    from vtoken.vllm.stats import vtoken_stats_from
-    from vtoken.vllm.trace import RequestTrace
-    from vtoken.vllm.verify import reference_scores
+    from vtoken.vllm.gauges import vtoken_stats_from
+    from vtoken.vllm.offline.verify import reference_scores
+    from vtoken.vllm.scheduling.trace import RequestTrace
 
     seen: list[KVSnapshot] = []
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from support.engine import MODES, POLICIES, TOL, check_against_reference, shutdown, small_pool_engine, sp
 
-from vtoken.vllm.launch import scheduler_of, start_engine
-from vtoken.vllm.trace import RequestTrace
-from vtoken.vllm.verify import VerifyCase, run_cases
+from vtoken.vllm.offline.launch import scheduler_of, start_engine
+from vtoken.vllm.offline.verify import VerifyCase, run_cases
+from vtoken.vllm.scheduling.trace import RequestTrace
 
 pytestmark = pytest.mark.slow
 
@@ -349,11 +349,12 @@ def test_abort_frees_state_and_blocks(prefix_engine):
 
 
 def test_each_output_says_what_eviction_cost_it(prefix_engine):
-    """The last output of each request carries its cost (``kv_transfer_params["vtoken"]``, vtoken/core/cost.py):
+    """The last output of each request carries its cost (``kv_transfer_params["vtoken"]``,
+    vtoken/core/reporting/request_cost.py):
     the tokens it lost equal the engine's own eviction counter for it (a separate account: victims as
     decided), its context is prompt + output − 1 (the last token is sampled, never cached), the attention
     mass only where scores exist; the engine's histograms count each request once, trimmed or not."""
-    from vtoken.vllm.stats import cost_from
+    from vtoken.vllm.gauges import cost_from
 
     llm, _ = prefix_engine
     sched = scheduler_of(llm)
@@ -384,13 +385,13 @@ def test_each_output_says_what_eviction_cost_it(prefix_engine):
 
 
 def test_admission_cap_keeps_outputs_exact(prefix_engine, ref_llama):
-    """SLO-aware admission (vtoken/core/admission.py) switched on in the running engine with a target no step
+    """SLO-aware admission (vtoken/core/batch/admission.py) switched on in the running engine with a target no step
     meets, its model already fitted (two 1 s steps at batch 1): the cap is 1 from the first schedule, so the
     requests run one at a time while the others wait. Every output is still the HF masked reference's.
     Running requests are never preempted for a cap (tests/integration/test_vllm_admission.py: a batch above the
     cap drains); the setting's path (``admission_tpot_ms`` → the scheduler) is tested in
     tests/unit/core/test_admission.py."""
-    from vtoken.core.admission import AdmissionConfig, StepTimeModel
+    from vtoken.core.batch.admission import AdmissionConfig, StepTimeModel
 
     llm, d = prefix_engine
     sched = scheduler_of(llm)

@@ -1,4 +1,4 @@
-"""The buffered-query scoring path (vtoken/vllm/score_capture.py) inside a real vLLM engine on the CPU.
+"""The buffered-query scoring path (vtoken/vllm/runner/score_capture.py) inside a real vLLM engine on the CPU.
 
 The CPU platform runs no CUDA graphs, so ``engine_setup.captures_queries`` answers False there and the
 per-layer hook scores. This test forces the answer to True for one engine (in-process, so the worker reads
@@ -13,7 +13,7 @@ import gc
 import numpy as np
 import pytest
 
-from vtoken.vllm.trace import RequestTrace
+from vtoken.vllm.scheduling.trace import RequestTrace
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def _run(tmp, monkeypatch, buffered: bool):
 
     from vtoken.models.tiny import tiny_model
     from vtoken.vllm import engine_setup
-    from vtoken.vllm.launch import start_engine
+    from vtoken.vllm.offline.launch import start_engine
 
     if buffered:
         monkeypatch.setattr(

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from support.engine import POLICIES, TOL, check_against_reference, shutdown, sp
 
-from vtoken.vllm.launch import scheduler_of, start_engine
-from vtoken.vllm.trace import RequestTrace
-from vtoken.vllm.verify import VerifyCase, run_cases
+from vtoken.vllm.offline.launch import scheduler_of, start_engine
+from vtoken.vllm.offline.verify import VerifyCase, run_cases
+from vtoken.vllm.scheduling.trace import RequestTrace
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_pool_need_is_the_groups_vllm_built_and_the_smallest_pool_it_starts_on(h
     """``pool_need`` from the config alone names the groups vLLM built (3 sliding of 64, 1 full) and their
     need at max_model_len 448 with 64 tokens in flight — 14 + 3 x 5 + 1 = 30, the fixture's pool, on which
     the engine runs; one block fewer and vLLM refuses to start (what ``vtoken serve`` now says first)."""
-    from vtoken.vllm.pool_need import pool_shape
+    from vtoken.vllm.scheduling.pool_need import pool_shape
 
     llm, _ = hybrid_engine
     sched = scheduler_of(llm)

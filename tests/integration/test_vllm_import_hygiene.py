@@ -53,7 +53,7 @@ importlib.import_module("vtoken.vllm.plugin").register()
 changed = sorted(k for k, v in before.items()
                  if getattr(resolve(k.rpartition(".")[0]), k.rpartition(".")[2]) is not v)
 loaded = sorted(m for m in sys.modules if m in ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu.shm",
-                                                 "vtoken.vllm.cpu_worker"))
+                                                 "vtoken.vllm.runner.cpu"))
 print(json.dumps({"changed": changed, "loaded": loaded}))
 """
 
@@ -70,7 +70,7 @@ def _probe(extra: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "extra", ["vtoken.vllm.gpu_worker.VTokenGPUWorker", "vtoken.vllm.results.DeferredResultOutput"]
+    "extra", ["vtoken.vllm.runner.gpu.VTokenGPUWorker", "vtoken.vllm.runner.step_result.DeferredResultOutput"]
 )
 def test_importing_the_named_classes_leaves_cuda_events_streams_and_pinned_memory_alone(extra):
     got = _probe(extra)
@@ -88,7 +88,7 @@ def test_the_cpu_platform_still_gets_the_cpu_worker():
 
     assert current_platform.is_cpu()
     cls = platform_worker_class()
-    assert cls.__module__ == "vtoken.vllm.cpu_worker" and issubclass(cls, VTokenWorker)
+    assert cls.__module__ == "vtoken.vllm.runner.cpu" and issubclass(cls, VTokenWorker)
     import torch
     from vllm.v1.worker.cpu import shm  # noqa: F401  (what loading the CPU class loads)
 

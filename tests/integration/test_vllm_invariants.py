@@ -1,4 +1,4 @@
-"""The always-on KV invariants (vtoken/vllm/invariants.py) on vLLM's real ``BlockPool``, and in the engine
+"""The always-on KV invariants (vtoken/vllm/scheduling/invariants.py) on vLLM's real ``BlockPool``, and in the engine
 with a deliberately leaking copy of the block release (it must fire: logged and counted, or raised)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from vtoken.core.config import VTokenConfig
 from vtoken.core.token_table import TokenTable
 from vtoken.errors import ConfigError, IntegrityError
 from vtoken.vllm.config import EngineSettings
-from vtoken.vllm.invariants import pool_violations, table_violations
-from vtoken.vllm.launch import scheduler_of
+from vtoken.vllm.offline.launch import scheduler_of
+from vtoken.vllm.scheduling.invariants import pool_violations, table_violations
 
 
 def pool(n: int = 16):
@@ -75,7 +75,7 @@ def test_bad_invariant_settings_are_named(bad, needle):
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from vtoken.models.tiny import tiny_model
-    from vtoken.vllm.launch import start_engine
+    from vtoken.vllm.offline.launch import start_engine
 
     llm = start_engine(
         str(tiny_model("llama")), 32, str(tmp_path_factory.mktemp("inv")), max_model_len=512, recent=8, check=False
@@ -114,7 +114,9 @@ def test_idle_check_runs_clean_then_fires_on_a_leaking_copy(engine, monkeypatch,
         real_free(blocks)
 
     monkeypatch.setattr(block_pool, "free_blocks", leaky_free)
-    monkeypatch.setattr("vtoken.vllm.blocks.release", lambda bp, blocks: leaky_free(blocks) if blocks else None)
+    monkeypatch.setattr(
+        "vtoken.vllm.scheduling.blocks.release", lambda bp, blocks: leaky_free(blocks) if blocks else None
+    )
     with caplog.at_level(logging.ERROR, logger="vtoken.vllm"):
         run(engine, seed=1)
     c1 = sched.vtoken_stats().counters

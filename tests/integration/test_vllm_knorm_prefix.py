@@ -15,8 +15,8 @@ import gc
 import numpy as np
 import pytest
 
-from vtoken.vllm.launch import start_engine
-from vtoken.vllm.trace import RequestTrace
+from vtoken.vllm.offline.launch import start_engine
+from vtoken.vllm.scheduling.trace import RequestTrace
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def _sp(max_tokens: int, **vt):
 def test_knorm_victims_are_the_same_with_and_without_a_prefix_hit(arch, tmp_path):
     from vtoken.models.hf_reference import load_reference_model
     from vtoken.models.tiny import tiny_model
-    from vtoken.vllm.verify import reference_scores
+    from vtoken.vllm.offline.verify import reference_scores
 
     path = tiny_model(arch)
     llm = start_engine(str(path), 32, str(tmp_path), enable_prefix_caching=True, max_model_len=512, recent=8)

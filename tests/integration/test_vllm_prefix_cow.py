@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from support.engine import check_against_reference, shutdown, sp
 
-from vtoken.vllm.launch import scheduler_of, start_engine
-from vtoken.vllm.trace import RequestTrace
+from vtoken.vllm.offline.launch import scheduler_of, start_engine
+from vtoken.vllm.scheduling.trace import RequestTrace
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""``trigger: pressure`` in the real engine (vtoken/vllm/pressure.py), tiny Llama, one shared engine:
+"""``trigger: pressure`` in the real engine (vtoken/vllm/scheduling/pressure.py), tiny Llama, one shared engine:
 11 usable KV blocks of 32 tokens, chunked prefill (64 tokens a step), prefix caching on.
 
 With memory to spare nothing is evicted and the output is stock vLLM's token for token; under a forced
@@ -16,8 +16,8 @@ import pytest
 from support.engine import check_against_reference, shutdown, small_pool_engine, sp
 
 from vtoken.errors import ConfigError
-from vtoken.vllm.launch import scheduler_of
-from vtoken.vllm.trace import RequestTrace
+from vtoken.vllm.offline.launch import scheduler_of
+from vtoken.vllm.scheduling.trace import RequestTrace
 
 FLOOR = 0.3
 
@@ -112,7 +112,7 @@ def recorded_victims(trace: RequestTrace) -> dict[int, np.ndarray]:
 def replaying(sched, plan: dict[int, np.ndarray]):
     """A pressure round for ``sched`` that evicts from its running request exactly ``plan[table.seen]``
     (when the table has that size) through the scheduler's own victim path, and nothing else."""
-    from vtoken.vllm import blocks
+    from vtoken.vllm.scheduling import blocks
 
     def round_(work) -> None:
         start = len(work.release)
@@ -155,7 +155,7 @@ def test_naive_evict_replaying_the_pressure_victims_is_token_paired(engine, shor
 
 
 def test_pressure_refusal_names_the_option():
-    from vtoken.vllm.pressure import pressure_refusal
+    from vtoken.vllm.scheduling.pressure import pressure_refusal
 
     def cfg(tp=1, asy=False):
         return SimpleNamespace(
@@ -218,7 +218,7 @@ def test_a_hybrid_engine_with_pressure_is_refused_at_construction():
     from vtoken.core.config import VTokenConfig
     from vtoken.models.tiny import tiny_model
     from vtoken.vllm import engine_kwargs
-    from vtoken.vllm.launch import scoped_env
+    from vtoken.vllm.offline.launch import scoped_env
 
     kw = engine_kwargs(VTokenConfig(policy="h2o", budget=0.3, trigger="pressure", block_size=32))
     env = {

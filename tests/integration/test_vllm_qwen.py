@@ -13,8 +13,8 @@ import json
 import pytest
 from support.engine import TOL, shutdown, sp
 
-from vtoken.vllm.launch import start_engine
-from vtoken.vllm.verify import VerifyCase, make_prompt, run_cases
+from vtoken.vllm.offline.launch import start_engine
+from vtoken.vllm.offline.verify import VerifyCase, make_prompt, run_cases
 
 pytestmark = pytest.mark.slow
 

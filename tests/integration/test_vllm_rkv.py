@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import vtoken.vllm.scheduler as scheduler_module
-from vtoken.vllm.launch import start_engine
+from vtoken.vllm.offline.launch import start_engine
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def test_the_worker_measures_redundancy_over_the_live_keys(tmp_path, monkeypatch
 
     monkeypatch.setattr(scheduler_module, "observe", recording)
     llm = start_engine(str(tiny_model("llama")), 32, str(tmp_path))
-    from vtoken.vllm.launch import scheduler_of
+    from vtoken.vllm.offline.launch import scheduler_of
 
     llm_sched = scheduler_of(llm)
     rng = np.random.default_rng(5)

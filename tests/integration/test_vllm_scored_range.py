@@ -11,8 +11,8 @@ import gc
 import numpy as np
 import pytest
 
-from vtoken.vllm.launch import start_engine
-from vtoken.vllm.trace import RequestTrace
+from vtoken.vllm.offline.launch import start_engine
+from vtoken.vllm.scheduling.trace import RequestTrace
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,8 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_plan_scores_from_the_first_evictable_slot_with_the_same_victims(case, engine, monkeypatch):
-    from vtoken.vllm import request_state, scheduler
+    from vtoken.vllm import scheduler
+    from vtoken.vllm.scheduling import request_state
 
     llm, d = engine
     vt, first = CASES[case]

@@ -1,5 +1,5 @@
 """SnapKV and block-granular eviction in vLLM's real engine (CPU, in-process, tiny Llama, fp32) against the
-HF masked reference (``vtoken.vllm.verify.run_cases``) and the paired run of another mode.
+HF masked reference (``vtoken.vllm.offline.verify.run_cases``) and the paired run of another mode.
 
 Two engines of a few seconds each: one without chunked prefill for the verify cases, one that prefills 64
 tokens per step (so the prompt's last chunk, the observation window, is shorter than 32 queries).
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from support.engine import MODES, TOL, check_against_reference, shutdown, sp
 
-from vtoken.vllm.launch import start_engine
-from vtoken.vllm.trace import RequestTrace
-from vtoken.vllm.verify import VerifyCase, run_cases
+from vtoken.vllm.offline.launch import start_engine
+from vtoken.vllm.offline.verify import VerifyCase, run_cases
+from vtoken.vllm.scheduling.trace import RequestTrace
 
 pytestmark = pytest.mark.slow
 SINKS = 4  # start_engine's default

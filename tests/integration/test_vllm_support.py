@@ -1,4 +1,4 @@
-"""Start-up refusals (vtoken/vllm/support.py): every engine configuration vToken cannot keep exact fails
+"""Start-up refusals (vtoken/vllm/supported_configs.py): every engine configuration vToken cannot keep exact fails
 when the engine is constructed, with a message naming the feature, so no request ever reaches it.
 
 Unit tests check ``check_kv_spec`` / ``check_attention_layer`` with hand-built specs and layer
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from vtoken.errors import ConfigError
-from vtoken.vllm.support import check_attention_layer, check_engine_config, check_kv_spec
+from vtoken.vllm.supported_configs import check_attention_layer, check_engine_config, check_kv_spec
 
 # feature -> (extra engine kwargs, the words the refusal must contain)
 REFUSED = {
@@ -128,7 +128,7 @@ def _groups(*kinds):
 
 
 def test_the_managed_group_of_a_hybrid_model_is_its_one_full_attention_group():
-    from vtoken.vllm.support import full_attention_group
+    from vtoken.vllm.supported_configs import full_attention_group
 
     assert full_attention_group(_groups("FullAttentionSpec")) == 0
     assert full_attention_group(_groups("SlidingWindowSpec", "SlidingWindowSpec", "FullAttentionSpec")) == 2
@@ -147,7 +147,7 @@ def test_a_hybrid_model_is_refused_on_cuda_until_proven_there():
 
     import torch
 
-    from vtoken.vllm.runner import VTokenRunnerMixin
+    from vtoken.vllm.runner.mixin import VTokenRunnerMixin
 
     groups = _groups("SlidingWindowSpec", "FullAttentionSpec")
     runner = VTokenRunnerMixin()
@@ -280,7 +280,7 @@ def test_a_refused_feature_never_reaches_a_first_request(
     its log)."""
     from vllm import LLM
 
-    from vtoken.vllm.launch import scoped_env, tp_cpu_env
+    from vtoken.vllm.offline.launch import scoped_env, tp_cpu_env
 
     llm = None
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **tp_cpu_env(2)}
@@ -342,7 +342,7 @@ def test_a_refusal_inside_the_engine_reaches_the_replica_with_its_message(monkey
     ``ConfigError`` — and Serve's status message into what ``vtoken serve`` prints."""
     from vtoken.serve.launch.local import failure_reason
     from vtoken.serve.replica.engine import refusal_reported
-    from vtoken.vllm.support import REFUSAL_FILE_ENV
+    from vtoken.vllm.supported_configs import REFUSAL_FILE_ENV
 
     def engine_that_refuses():  # what happens in the engine core process: it inherits the environment
         with pytest.raises(ConfigError):

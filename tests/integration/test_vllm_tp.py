@@ -2,7 +2,7 @@
 with TP = 2 every policy generates exactly the TP = 1 tokens and matches the masked Hugging Face reference,
 on a GQA model (tiny Llama, 2 KV heads: one per rank) and an MQA model (tiny Qwen2, 1 KV head replicated on
 both ranks: its key norms must not be counted twice). Scores are all-reduced over the TP group
-(vtoken/vllm/tp.py); one TP = 2 engine per model.
+(vtoken/vllm/runner/tp.py); one TP = 2 engine per model.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from vtoken.vllm.launch import start_engine
-from vtoken.vllm.verify import VerifyCase, run_cases
+from vtoken.vllm.offline.launch import start_engine
+from vtoken.vllm.offline.verify import VerifyCase, run_cases
 
 pytestmark = pytest.mark.slow
 

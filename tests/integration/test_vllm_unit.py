@@ -7,24 +7,24 @@ from dataclasses import replace
 import pytest
 
 from vtoken.core.config import Trigger, VTokenConfig
-from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
+from vtoken.core.reporting.engine_kv import KVSnapshot, ReclaimCounters
 from vtoken.errors import ConfigError
 from vtoken.vllm import SCHEDULER_CLS, WORKER_CLS, engine_kwargs
 from vtoken.vllm.config import EngineSettings, request_settings
-from vtoken.vllm.internals import (
-    PINNED_VLLM_VERSION,
-    VLLMVersionError,
-    check_vllm_version,
-    installed_vllm_version,
-    is_vtoken_worker,
-)
-from vtoken.vllm.stats import (
+from vtoken.vllm.gauges import (
     admission_limit_from,
     decode,
     encode,
     encode_admission,
     encode_stats,
     vtoken_stats_from,
+)
+from vtoken.vllm.internals import (
+    PINNED_VLLM_VERSION,
+    VLLMVersionError,
+    check_vllm_version,
+    installed_vllm_version,
+    is_vtoken_worker,
 )
 
 
@@ -47,7 +47,7 @@ def test_vllm_console_script_written_by_make_install_starts(tmp_path):
     import subprocess
     import sys
 
-    from vtoken.vllm.console import write_console_script
+    from vtoken.vllm.offline.console import write_console_script
 
     script = write_console_script(tmp_path)
     assert script == tmp_path / "vllm" and script.read_text().startswith(f"#!{sys.executable}\n")
@@ -179,7 +179,7 @@ def test_stats_survive_vllm_msgspec_transport():
 
 def test_every_mode_is_paired_with_a_run_of_another_mode():
     """paired_naive_match compares naive with repack (and repack/reuse with naive), never a run with itself."""
-    from vtoken.vllm.verify import VerifyCase, VerifyResult, pair_results
+    from vtoken.vllm.offline.verify import VerifyCase, VerifyResult, pair_results
 
     def result(mode: str, tokens: list[int]) -> VerifyResult:
         return VerifyResult(VerifyCase("h2o", mode, 0.3), True, 0.0, len(tokens), 1, 0, 1.0, 1.0, 1.0, 0, 1, tokens)
@@ -196,7 +196,7 @@ def test_a_request_that_can_never_evict_collects_no_statistics():
     so its steps cost what vLLM's own do; any smaller budget, or keep_mass, or scores='always' collects."""
     from vtoken.core.config import VTokenConfig
     from vtoken.vllm.config import RequestSettings
-    from vtoken.vllm.request_state import new_request_state
+    from vtoken.vllm.scheduling.request_state import new_request_state
 
     def wants(cfg, scores="auto"):
         st = new_request_state(RequestSettings(cfg), 0, None, scores)

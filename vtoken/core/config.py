@@ -110,7 +110,7 @@ class Trigger(_Choice):
     ``step``   every step in which the request is over budget (one small plan per step).
     ``block``  only when the request is at least one block over budget; it then evicts down to the
                budget, so every plan frees whole blocks and moves are batched.
-    ``pressure`` only when vLLM's KV pool is short (``vtoken.core.pressure``): nothing is evicted while the
+    ``pressure`` only when vLLM's KV pool is short (``vtoken.core.batch.pressure``): nothing is evicted while the
                free blocks cover the running batch's next step; when they do not (vLLM would preempt, or the
                head of the queue cannot get its first chunk), the batch's evictable tokens go in one policy
                order across the requests, none below its ``budget`` (a floor), until the step fits plus a

@@ -99,7 +99,7 @@ def decide_step(
     repack. Mutates ``table``; ``n_new`` is the number of tokens this step will compute (the caller places
     them afterwards unless ``placed`` is set). Without victims the row is already dense: nothing is placed
     and the plan is empty. ``victims``: evict exactly these (ascending, evictable logical positions) instead
-    of the budget's choice: the batch-wide decision of ``trigger: pressure`` (``vtoken.core.pressure``);
+    of the budget's choice: the batch-wide decision of ``trigger: pressure`` (``vtoken.core.batch.pressure``);
     the rest of the step order is the same."""
     if victims is None:
         victims = choose_victims(table, policy, cfg, salt)

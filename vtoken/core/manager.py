@@ -20,9 +20,9 @@ import numpy as np
 
 from vtoken.core.config import VTokenConfig
 from vtoken.core.eviction import choose_victims, decide_step
-from vtoken.core.kvstats import ReclaimCounters
 from vtoken.core.pool import BlockPool, PoolExhausted
-from vtoken.core.stats import StepScores, observe
+from vtoken.core.reporting.engine_kv import ReclaimCounters
+from vtoken.core.step_stats import StepScores, observe
 from vtoken.core.token_table import SlotPlan, TokenTable
 
 

@@ -1,6 +1,6 @@
 """Which row slots a step must score: ``[first_scored, seq_len)``, never the tokens that stay forever.
 
-The attention statistics (``vtoken.core.stats``) are read by a policy only for evictable tokens, and per
+The attention statistics (``vtoken.core.step_stats``) are read by a policy only for evictable tokens, and per
 token, except where a policy mixes neighbours or the whole live set. A token that is *never* evictable for
 the request's whole life needs none of them, so the worker need not accumulate, copy back or fold them:
 
@@ -23,7 +23,7 @@ distance, so the range starts ``score_pool`` earlier. Policies whose score of on
 live set keep the full range (``first = 0``): R-KV (``redundancy``, softmax over all live tokens and
 renormalised pooled importance) and SnapKV (``window``: its ranks add the maximum pooled score over every
 live token). ``trigger: pressure`` keeps it full as well: its batch-wide order divides a request's scores by
-their total over every live token (``vtoken.core.pressure``). The engine setting ``scores: always``
+their total over every live token (``vtoken.core.batch.pressure``). The engine setting ``scores: always``
 (statistics for their own sake) keeps it full too.
 """
 

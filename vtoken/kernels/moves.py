@@ -5,7 +5,7 @@ The sources and destinations of one step are disjoint (sources are live tokens a
 destinations are holes below it), so a gather of every source followed by a scatter to every destination
 is exact whatever the order of the pairs. That is what ``TorchSlotMover`` does, per layer tensor.
 
-``SlotMover`` is the interface the vLLM worker uses; on CUDA ``TritonSlotMover`` (``triton_moves.py``)
+``SlotMover`` is the interface the vLLM worker uses; on CUDA ``TritonSlotMover`` (``triton/moves.py``)
 implements the same ``move`` on the GPU layout.
 """
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vtoken.core.stats import SlotScores, unimportance_bits
+from vtoken.core.step_stats import SlotScores, unimportance_bits
 from vtoken.kernels.layout import TokenLayout
 from vtoken.kernels.moves import read_k
 from vtoken.policies.context import OBSERVATION_WINDOW
@@ -55,7 +55,7 @@ def key_redundancy(k: torch.Tensor) -> torch.Tensor:
     """``[n]`` float32: per KV head, each key's mean cosine similarity to the other ``n − 1`` keys of ``k``
     (``[n, H_kv, D]``), mean over the heads; zeros when ``n < 2``. O(n·D) per head from the unit keys' sum:
     mean_{j≠i} cos = (k̂_i·Σ_j k̂_j − k̂_i·k̂_i)/(n − 1), k̂_i·k̂_i = 1 (0 for a zero key). Pure; numpy
-    reference: ``vtoken.core.stats.mean_cosine``."""
+    reference: ``vtoken.core.step_stats.mean_cosine``."""
     n = k.shape[0]
     if n < 2:
         return torch.zeros(n, dtype=torch.float32, device=k.device)
@@ -188,7 +188,7 @@ class ScoreAccumulator:
     def linear_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``(attention, key norms)``: the step's accumulators that are linear in the per-head values
         (summed over layers, head means), in an order fixed by the step's requests; tensor parallelism sums
-        them over the ranks in place before ``finish`` (vtoken/vllm/tp.py). Pure."""
+        them over the ranks in place before ``finish`` (vtoken/vllm/runner/tp.py). Pure."""
         attention = [rs.probs for rs in self.requests.values() if rs.probs is not None]
         if self._dec and self._dec_probs is not None:
             attention.append(self._dec_probs)
@@ -250,7 +250,7 @@ def redundancy_stat(rs: RequestScores) -> dict[str, np.ndarray]:
 
 def kv_head_means(requests) -> list[torch.Tensor]:
     """The step's accumulators that are means over KV heads (key norms, redundancy), in request order:
-    tensor parallelism weights them by KV heads (vtoken/vllm/tp.py)."""
+    tensor parallelism weights them by KV heads (vtoken/vllm/runner/tp.py)."""
     out = []
     for rs in requests:
         out.extend(t for t in (rs.key_norm, rs.redundancy) if t is not None)
@@ -264,7 +264,7 @@ class LayerGroups:
     step's plan fixes (identical on every tensor-parallel rank). A layer outside a group's set never reaches
     that group's accumulator (no gather, no softmax), so each request's statistics are the mean over its own
     scored layers. Quacks like a ``ScoreAccumulator`` for the runner, ``finish_step_result`` and the TP
-    reduction (vtoken/vllm/tp.py)."""
+    reduction (vtoken/vllm/runner/tp.py)."""
 
     groups: list[tuple[frozenset[int] | None, ScoreAccumulator]]
 

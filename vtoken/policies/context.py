@@ -1,7 +1,7 @@
 """What a policy scores from: the per-token statistics, named once.
 
 Every place that holds or moves a statistic uses these names as its field names: the token table's
-arrays (``vtoken.core.token_table``), one step's measurements (``vtoken.core.stats.StepScores`` and the
+arrays (``vtoken.core.token_table``), one step's measurements (``vtoken.core.step_stats.StepScores`` and the
 worker's ``SlotScores``), the policy's view (``EvictionContext``) and ``ScorerPolicy.needs``.
 
   ``accumulated``  Σ over every query so far of the key's attention                       (H2O)

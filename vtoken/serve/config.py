@@ -28,7 +28,7 @@ from vtoken.errors import ConfigError
 from vtoken.serve.control.autoscaling import ScalingParams
 from vtoken.serve.control.ranking import RouterParams
 from vtoken.vllm.config import check_platform_block_size
-from vtoken.vllm.pool_need import FULL, PoolShape
+from vtoken.vllm.scheduling.pool_need import FULL, PoolShape
 
 CONFIG_ENV = "VTOKEN_SERVE_CONFIG"  # path to a YAML/JSON file, or inline JSON, read by serve_app.py
 

@@ -15,7 +15,7 @@ import numpy as np
 from vtoken.core.config import Mode, VTokenConfig
 from vtoken.core.integrity import check_integrity
 from vtoken.core.manager import CacheManager
-from vtoken.core.stats import StepScores
+from vtoken.core.step_stats import StepScores
 from vtoken.policies.context import Stat
 from vtoken.sim.result import MODES, SimTally
 from vtoken.sim.source import check_simulable

@@ -53,7 +53,8 @@ def engine_kwargs(
     ``admission_tpot_ms`` set also the scheduler and its ``additional_config`` (SLO-aware admission on vanilla
     vLLM's KV accounting; the worker stays vLLM's). Raises ``ConfigError``
     for invalid settings, including a block size the installed vLLM cannot run (before any engine starts).
-    ``invariants``: what a KV invariant violation does (``log`` | ``fatal`` | ``off``; vtoken/vllm/invariants.py).
+    ``invariants``: what a KV invariant violation does (``log`` | ``fatal`` | ``off``;
+    vtoken/vllm/scheduling/invariants.py).
     """
     cfg = cfg if cfg is not None else VTokenConfig()
     check_platform_block_size(cfg.block_size)

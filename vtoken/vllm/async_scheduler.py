@@ -10,7 +10,7 @@ after N+1 was scheduled. The vToken hooks are the same as ``VTokenScheduler``'s 
 * the decision counts the placeholder as the step's new token (reuse+repack places it into a hole);
 * tokens placed by a step in flight are not evicted until its statistics arrived (like the recent window);
 * scores are matched to their step by number and mapped through that step's slot→token map
-  (``vtoken/vllm/request_state.py``), so a decision taken while the step ran never misattributes them;
+  (``vtoken/vllm/scheduling/request_state.py``), so a decision taken while the step ran never misattributes them;
 * preemption and abort between the two steps drop the request's records: the late scores are dropped.
 
 Moves and truncations of step N+1 run on the worker before N+1's forward and after N's (one stream, in

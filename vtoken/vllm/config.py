@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from vtoken.core.admission import AdmissionConfig
+from vtoken.core.batch.admission import AdmissionConfig
 from vtoken.core.config import VTokenConfig, reject_unknown
 from vtoken.errors import ConfigError
 
 KEY = "vtoken"
 SCORE_MODES = ("auto", "always", "never")
-INVARIANT_MODES = ("off", "log", "fatal")  # what a KV invariant violation does (vtoken/vllm/invariants.py)
+INVARIANT_MODES = ("off", "log", "fatal")  # what a KV invariant violation does (vtoken/vllm/scheduling/invariants.py)
 
 
 def cpu_platform() -> bool:
@@ -77,10 +77,10 @@ class EngineSettings:
     """Run the token-table integrity checks every step (slow; tests)."""
     admission_tpot_ms: float | None = None
     """SLO-aware admission (`null`: off): a TPOT target in ms; the running batch is held to what meets it given
-    the measured step times (`vtoken/core/admission.py`; any mode, also `none`)."""
+    the measured step times (`vtoken/core/batch/admission.py`; any mode, also `none`)."""
     invariants: str = "log"
     """What a KV invariant check does when the engine goes idle and every `invariant_period` steps
-    (`vtoken/vllm/invariants.py`): `off`, `log` (log and count a violation) or `fatal` (raise)."""
+    (`vtoken/vllm/scheduling/invariants.py`): `off`, `log` (log and count a violation) or `fatal` (raise)."""
     invariant_period: int = 1024
     """Steps between invariant checks under load (`0`: only when idle)."""
 

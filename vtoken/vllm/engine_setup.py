@@ -21,7 +21,7 @@ correctly. What a FULL graph does not replay is Python. Three cases:
   keep vLLM's mode;
 * attention statistics from a subset of the layers (``score_layers`` below the model's depth; 1 by default)
   keep vLLM's mode too: those layers' queries are copied into persistent buffers inside the (captured)
-  forward, a graph-safe ``copy_``, and scored after it (``vtoken/vllm/score_capture.py``);
+  forward, a graph-safe ``copy_``, and scored after it (``vtoken/vllm/runner/score_capture.py``);
 * attention statistics from every layer (``score_layers: null`` or ≥ depth) get ``PIECEWISE`` when attention
   is split out of the captured pieces (vLLM's ``is_attention_compiled_piecewise``), so the per-layer
   ``impl.forward`` wrapper runs eagerly, and ``NONE`` otherwise (``splitting_ops=[]``, attention fusion, a
@@ -134,7 +134,7 @@ def scores_every_layer(settings, depth: int) -> bool:
 
 
 def captures_queries(vllm_config, settings) -> bool:
-    """Whether this engine scores through persistent query buffers (``vtoken/vllm/score_capture.py``): it
+    """Whether this engine scores through persistent query buffers (``vtoken/vllm/runner/score_capture.py``): it
     collects attention statistics from a subset of the layers and may capture attention in a CUDA graph
     (a graph replays the buffer copies, never the Python score hook). Not under NONE, nor under PIECEWISE
     with attention split out of the pieces: there the per-layer hook runs eagerly and serves any request's

@@ -7,7 +7,7 @@ them, the internals below. Each is used for the stated reason and nothing else; 
 public APIs and silently drifting semantics would corrupt KV caches, not crash.
 
 Scheduler side (engine-core process) — ``vtoken/vllm/scheduler.py``, ``async_scheduler.py``,
-``request_state.py``
+``scheduling/request_state.py``
   * ``vllm.v1.core.sched.scheduler.Scheduler`` — subclassed (``scheduler_cls``); ``__new__`` reads
     ``vllm_config.scheduler_config.async_scheduling`` and then builds ``VTokenAsyncScheduler``, which also
     subclasses ``vllm.v1.core.sched.async_scheduler.AsyncScheduler`` (one step in flight while the next is
@@ -28,7 +28,7 @@ Scheduler side (engine-core process) — ``vtoken/vllm/scheduler.py``, ``async_s
     ``SchedulerOutput.num_scheduled_tokens`` (its in-flight records are matched by the plan's step number).
   * ``Scheduler.max_num_active_reqs`` (admission into RUNNING, separate from the runner's
     ``max_num_running_reqs``) — read once as the configured limit and lowered before each ``schedule()`` by
-    SLO-aware admission (``vtoken/vllm/admission.py``, ``admission_tpot_ms``); ``SchedulerOutput
+    SLO-aware admission (``vtoken/vllm/scheduling/admission.py``, ``admission_tpot_ms``); ``SchedulerOutput
     .total_num_scheduled_tokens`` read to time non-empty steps.
   * ``SingleTypeKVCacheManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` — wrapped *on the
     scheduler's own full-attention manager instance* (the coordinator calls each group's manager) so rows
@@ -51,10 +51,11 @@ Scheduler side (engine-core process) — ``vtoken/vllm/scheduler.py``, ``async_s
   * ``SchedulerOutput`` — a dataclass subclass with one declared field carries the step's plan
     (``vtoken/vllm/transport.py``); ``num_scheduled_tokens`` is read.
   * ``SchedulerStats.running_lora_adapters`` (``dict[str, int]``) — carries the vToken gauges to the front
-    end, because msgspec drops subclass fields (``vtoken/vllm/stats.py``).
+    end, because msgspec drops subclass fields (``vtoken/vllm/gauges.py``).
   * ``vllm.v1.kv_cache_interface.FullAttentionSpec`` / ``SlidingWindowSpec`` / ``KVCacheGroupSpec`` — to find
     the full-attention group of a hybrid model (the others must be sliding-window groups) and refuse the rest.
-  * Mirrored, not called (``vtoken/vllm/pool_need.py``): ``kv_cache_utils._get_kv_cache_groups_uniform_page_size``'s
+  * Mirrored, not called (``vtoken/vllm/scheduling/pool_need.py``):
+    ``kv_cache_utils._get_kv_cache_groups_uniform_page_size``'s
     grouping rule (layers bucketed by kind, groups of the fewest layers a kind has, or the most when no kind
     has 1.5 × the fewest), ``FullAttentionSpec`` / ``SlidingWindowSpec.max_memory_usage_bytes`` (blocks per
     ``max_model_len`` request; ``VllmConfig.max_in_flight_tokens`` read) and the null block reserved by
@@ -78,7 +79,7 @@ Engine construction (worker and scheduler) — ``vtoken/vllm/engine_setup.py``
     (``score_layers`` below ``ModelConfig.get_num_layers_by_block_type(parallel_config, "attention")``, read)
     keeps vLLM's mode: the scored layers' queries are copied inside the graphs (worker side, below).
 
-Start-up refusals — ``vtoken/vllm/support.py`` (``check_engine_config``; reads only)
+Start-up refusals — ``vtoken/vllm/supported_configs.py`` (``check_engine_config``; reads only)
   * ``ParallelConfig.enable_dbo`` / ``ubatch_size`` — refused when ``enable_dbo`` or ``ubatch_size > 1``,
     the two fields vLLM 0.32's ``ParallelConfig.use_ubatching`` property ORs (``num_ubatches``: 2 under
     DBO, else ``ubatch_size``). With it on, ``GPUModelRunner`` splits a step into micro-batches
@@ -94,8 +95,8 @@ Start-up refusals — ``vtoken/vllm/support.py`` (``check_engine_config``; reads
     spans over multimodal prefixes as logical token ranges (``gpu_model_runner``, ``flash_attn``), which
     compacted rows no longer match: refused.
 
-Worker side (worker process) — ``vtoken/vllm/runner.py``, ``score_capture.py``, ``results.py``, ``worker.py``,
-``cpu_worker.py``, ``gpu_worker.py``
+Worker side (worker process) — ``vtoken/vllm/worker.py`` and ``vtoken/vllm/runner/``: ``mixin.py``,
+``score_capture.py``, ``step_result.py``, ``cpu.py``, ``gpu.py``
   * ``vllm.v1.worker.gpu_worker.Worker`` — subclassed by ``VTokenWorker`` (``worker_cls``), whose ``__new__``
     picks the platform's subclass from ``vllm.platforms.current_platform`` (``is_cpu`` / ``is_cuda`` /
     ``device_name``). CUDA: ``VTokenGPUWorker`` overrides ``Worker._make_model_runner`` (vLLM's hook for
@@ -106,7 +107,7 @@ Worker side (worker process) — ``vtoken/vllm/runner.py``, ``score_capture.py``
     that module imports ``vllm.v1.worker.cpu.shm``, which replaces ``torch.cuda.Event``/``Stream``/
     ``current_stream``/``stream``, ``torch.Event``, ``Tensor.pin_memory``, ``torch.accelerator``'s
     ``synchronize``/``get_memory_info`` and ``vllm.utils.torch_utils.async_tensor_h2d`` process-wide, so
-    ``vtoken/vllm/cpu_worker.py`` is imported only on the CPU platform (``platform_worker_class``) and no
+    ``vtoken/vllm/runner/cpu.py`` is imported only on the CPU platform (``platform_worker_class``) and no
     module vLLM imports by name (``engine_kwargs``' scheduler, worker; the plugin) imports it.
   * ``vllm.model_executor.models.utils.extract_layer_index`` — each attention layer's index from its name
     (``model.layers.12.self_attn.attn`` → 12): the forward order ``score_layers`` is spread over
@@ -132,7 +133,7 @@ Worker side (worker process) — ``vtoken/vllm/runner.py``, ``score_capture.py``
     Read: ``self.device`` (CUDA: pinned host→device copies, ``torch.cuda.Event`` timing of the moves).
   * ``compilation_config.static_forward_context[layer].impl.forward`` — wrapped per instance to compute
     q·K scores after vLLM's attention kernel wrote this step's keys; or, when the engine keeps CUDA graphs
-    and scores a subset of the layers (``vtoken/vllm/score_capture.py``), wrapped on the scored layers only
+    and scores a subset of the layers (``vtoken/vllm/runner/score_capture.py``), wrapped on the scored layers only
     to copy ``query`` (``[num_tokens, num_heads, head_size]``, vLLM's padded batch) into a persistent
     ``[GPUModelRunner.max_num_tokens, impl.num_heads, impl.head_size]`` buffer allocated at KV set-up: an
     in-place device copy that vLLM's graph capture records (relies on the wrapper being called at capture,
@@ -148,7 +149,7 @@ Worker side (worker process) — ``vtoken/vllm/runner.py``, ``score_capture.py``
     own writer) instead of hard-coded (``vtoken/kernels/layout.py``).
   * ``kv_cache_config.kv_cache_groups[g].layer_names`` — the attention layers to move and score.
 
-Eviction under pressure (``trigger: pressure``) — ``vtoken/vllm/pressure.py``
+Eviction under pressure (``trigger: pressure``) — ``vtoken/vllm/scheduling/pressure.py``
   * Read, to predict the blocks vLLM's own ``schedule()`` is about to allocate, before it runs, so that
     vToken evicts instead of letting it preempt (the prediction repeats its running loop's arithmetic):
     ``Scheduler.max_num_scheduled_tokens`` (the token budget), ``scheduler_config
@@ -165,11 +166,11 @@ Eviction under pressure (``trigger: pressure``) — ``vtoken/vllm/pressure.py``
     ``kv_cache_config.kv_cache_groups`` (a hybrid model's other groups draw on the same pool).
 
 Engine/front end
-  * ``vllm.envs.disable_envs_cache`` — ``vtoken.vllm.launch.scoped_env`` builds in-process engines for
+  * ``vllm.envs.disable_envs_cache`` — ``vtoken.vllm.offline.launch.scoped_env`` builds in-process engines for
     ``vtoken verify`` / ``vtoken bench overhead`` / tests with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` without
     leaking it: vLLM memoises its environment once an engine starts, so the memo is cleared around the build.
   * ``LLM.llm_engine.engine_core.engine_core.scheduler`` (``InprocClient`` → ``EngineCore``) — the scheduler of
-    an in-process engine, read by ``vtoken.vllm.launch.scheduler_of`` only (the benches' counters and groups,
+    an in-process engine, read by ``vtoken.vllm.offline.launch.scheduler_of`` only (the benches' counters and groups,
     tests).
   * ``vllm.plugins`` ``vllm.general_plugins`` entry point ``vtoken`` → ``vtoken.vllm.plugin:register``. vLLM
     0.32 calls it in the engine core (``EngineCore.__init__``) and in every worker (``WorkerWrapperBase``),
@@ -182,7 +183,7 @@ Engine/front end
     vLLM's OpenAI layer naming engine requests ``<response id>`` (chat), ``<id>-<i>`` (completions) or
     ``<id>_<i>`` (chat with several prompts), and on its streaming usage chunk (``choices: []``, ``usage``)
     and non-streaming bodies' ``kv_transfer_params``, which the replica rewrites to a top-level ``vtoken``.
-  * ``vllm.v1.sample.logits_processor.AdapterLogitsProcessor`` — subclassed by ``vtoken.vllm.teacher
+  * ``vllm.v1.sample.logits_processor.AdapterLogitsProcessor`` — subclassed by ``vtoken.vllm.offline.teacher
     .TeacherForcing`` (``LLM(logits_processors=[...])``), which forces given tokens one decode step at a time for
     ``vtoken bench longgen``; relies on vLLM computing returned log-probabilities from the raw logits
     (``logprobs_mode`` ``raw_logprobs``) before logits processors run (``vllm.v1.sample.sampler.Sampler``).
@@ -196,8 +197,8 @@ PINNED_VLLM_VERSION = "0.32.0"
 PINNED_SERIES = "0.32."
 _WORKERS = (
     "vtoken.vllm.worker.VTokenWorker",
-    "vtoken.vllm.cpu_worker.VTokenCPUWorker",
-    "vtoken.vllm.gpu_worker.VTokenGPUWorker",
+    "vtoken.vllm.runner.cpu.VTokenCPUWorker",
+    "vtoken.vllm.runner.gpu.VTokenGPUWorker",
 )  # by name: checking them must not import a platform
 
 

@@ -6,7 +6,7 @@
       for each RUNNING request over its budget           (before vLLM schedules anything)
         decide_step(table, policy, cfg)                    vtoken.core.eviction: evict, [reuse] place 1,
                                                            plan, apply — the order every engine follows
-        copy-on-write, moves, cut the row's tail           vtoken.vllm.blocks → vLLM's BlockPool
+        copy-on-write, moves, cut the row's tail           vtoken.vllm.scheduling.blocks → vLLM's BlockPool
       release the step's freed blocks (cached keep hashes)
       super().schedule()                                   vLLM admits/allocates with the freed blocks;
                                                            allocation counts come from the token table
@@ -14,10 +14,10 @@
       attach StepPlan (moves, replacements, truncations,   → worker, same SchedulerOutput
                        offsets)
     update_from_output():
-      fold the worker's SlotScores into the tables          vtoken.core.stats.observe
+      fold the worker's SlotScores into the tables          vtoken.core.step_stats.observe
 
 ``num_computed_tokens`` stays *logical* (RoPE positions, stop checks, max_model_len are logical); only the
-block arithmetic is physical (``vtoken.vllm.blocks.install_block_sizing``).
+block arithmetic is physical (``vtoken.vllm.scheduling.blocks.install_block_sizing``).
 
 Prefix caching stays on. A leading block another request shares (``ref_cnt > 1``) is declared shared in the
 token table (``mark_shared``): its tokens are never evicted, so it is never a move source or destination.
@@ -29,7 +29,7 @@ when they have one: their content is untouched (they were only read).
 
 Preemption: vLLM frees every block and later recomputes the request from its logical tokens; the table and
 scores go with the blocks, and the policy evicts down to the budget again from fresh scores (traces record a
-new epoch). Async scheduling (a step in flight while the next is scheduled): vtoken/vllm/request_state.py.
+new epoch). Async scheduling (a step in flight while the next is scheduled): vtoken/vllm/scheduling/request_state.py.
 """
 
 from __future__ import annotations
@@ -43,22 +43,22 @@ import numpy as np
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from vtoken.core.cost import CostStats, RequestCost
 from vtoken.core.eviction import decide_step, eviction_count
-from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
 from vtoken.core.manager import request_salt
-from vtoken.core.stats import observe, window_queries
+from vtoken.core.reporting.engine_kv import KVSnapshot, ReclaimCounters
+from vtoken.core.reporting.request_cost import CostStats, RequestCost
+from vtoken.core.step_stats import observe, window_queries
 from vtoken.core.token_table import TokenTable
 from vtoken.errors import ConfigError, IntegrityError
-from vtoken.vllm import blocks, invariants
-from vtoken.vllm.admission import AdmissionMixin
 from vtoken.vllm.config import EngineSettings, request_settings
 from vtoken.vllm.engine_setup import prepare_engine, refuse_under_full_graphs
-from vtoken.vllm.pressure import PressureMixin
-from vtoken.vllm.request_state import RequestState, new_request_state, step_scores
-from vtoken.vllm.stats import cost_params, encode_admission, encode_stats
-from vtoken.vllm.support import check_supported
-from vtoken.vllm.trace import RequestObserver, RequestTrace, TraceRecorder
+from vtoken.vllm.gauges import cost_params, encode_admission, encode_stats
+from vtoken.vllm.scheduling import blocks, invariants
+from vtoken.vllm.scheduling.admission import AdmissionMixin
+from vtoken.vllm.scheduling.pressure import PressureMixin
+from vtoken.vllm.scheduling.request_state import RequestState, new_request_state, step_scores
+from vtoken.vllm.scheduling.trace import RequestObserver, RequestTrace, TraceRecorder
+from vtoken.vllm.supported_configs import check_supported
 from vtoken.vllm.transport import RequestStep, StepPlan, attach_plan, plan_of, result_of
 
 logger = logging.getLogger("vtoken.vllm")
@@ -95,7 +95,7 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
         self.vt = settings
         self._vt_reqs: dict[str, RequestState] = {}
         self._vt_counters = ReclaimCounters()
-        self._vt_costs = CostStats()  # finished requests' costs (vtoken/core/cost.py)
+        self._vt_costs = CostStats()  # finished requests' costs (vtoken/core/reporting/request_cost.py)
         self._vt_step = 0  # StepPlan.step of the next step
         self._vt_unchecked = 0  # steps since the last KV invariant check
         self._vt_init_admission(settings)
@@ -175,7 +175,7 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
         return (kv_params if cost is None else cost_params(kv_params, cost)), ec_params
 
     def _vt_check_invariants(self, scheduled, idle: bool = False) -> None:
-        """The KV invariants (vtoken/vllm/invariants.py) over the pool, and over the token tables of the
+        """The KV invariants (vtoken/vllm/scheduling/invariants.py) over the pool, and over the token tables of the
         ``scheduled`` requests; idle: no vToken request state may be left either. Counts the check, its
         time and its violations; a violation is logged with the requests it names (``invariants: fatal``
         raises ``IntegrityError``). Reads only."""
@@ -238,7 +238,7 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
             if request.status == RequestStatus.RUNNING:
                 self._vt_decide(request, st, work)
         blocks.release(self.kv_cache_manager.block_pool, work.release)
-        self._vt_pressure(work)  # trigger: pressure (vtoken/vllm/pressure.py); releases its own blocks
+        self._vt_pressure(work)  # trigger: pressure (vtoken/vllm/scheduling/pressure.py); releases its own blocks
         out = super().schedule(throttle_prefills)
         return attach_plan(out, self._vt_place(out, work))
 
@@ -263,7 +263,7 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
         """Decide (core), then the block work (``blocks.rewrite_row``: copy-on-write of blocks it must not
         write, moves, the cut tail) before vLLM allocates this step (mutates the table, the row and the pool).
         ``victims`` (with the ``cfg`` ``_vt_protect`` gave): the tokens a pressure round took from this
-        request (vtoken/vllm/pressure.py), instead of its budget's choice."""
+        request (vtoken/vllm/scheduling/pressure.py), instead of its budget's choice."""
         t, rid = st.live_table(), request.request_id
         if victims is None:
             if eviction_count(t.live, t.seen, t.prompt_len, st.settings.cfg) == 0 and st.settings.cfg.keep_mass is None:

@@ -30,7 +30,7 @@ import numpy as np
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 
-from vtoken.core.stats import SlotScores
+from vtoken.core.step_stats import SlotScores
 
 
 @dataclass

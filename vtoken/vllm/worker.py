@@ -6,17 +6,17 @@ implementation for vLLM's current platform (``platform_worker_class``)::
 
     CPU    VTokenCPUWorker = VTokenWorker + vLLM's CPUWorker; init_device switches the fresh V1
            CPUModelRunner instance to VTokenCPUModelRunner (probed CPU layout, torch mover and scores;
-           vtoken/vllm/cpu_worker.py, imported only there)
+           vtoken/vllm/runner/cpu.py, imported only there)
     CUDA   VTokenGPUWorker = VTokenWorker + vLLM's GPU Worker; _make_model_runner builds
            VTokenGPUModelRunner (layout from the cache view's strides, Triton mover and scores;
-           vtoken/vllm/gpu_worker.py, imported only there)
+           vtoken/vllm/runner/gpu.py, imported only there)
 
 Before vLLM's own constructor runs, ``VTokenWorker.__init__`` validates the vToken settings and refuses
 engine configurations vToken cannot keep exact (``check_engine_config``: a bad value or an unsupported
 feature fails start-up in seconds, before the model loads) and applies the engine choices of
 ``vtoken.vllm.engine_setup`` to this engine's config: vLLM's V1 model runner, and PIECEWISE CUDA graphs
 for attention statistics from every layer (a ``score_layers`` subset keeps vLLM's graphs: its queries are
-copied inside them, ``vtoken/vllm/score_capture.py``). Nothing is patched at import time or globally.
+copied inside them, ``vtoken/vllm/runner/score_capture.py``). Nothing is patched at import time or globally.
 
 Importing this module imports no platform's worker: vLLM imports it in *every* worker process to resolve
 ``--worker-cls``, and vLLM's CPU worker module (``vllm.v1.worker.cpu_worker``) replaces ``torch.cuda.Event``,
@@ -49,8 +49,8 @@ class VTokenWorker(Worker):
         settings = EngineSettings.from_additional_config(
             vllm_config.additional_config, vllm_config.cache_config.block_size
         )
-        if settings.enabled:  # what the config alone refuses, before the model loads (vtoken/vllm/support.py)
-            from vtoken.vllm.support import check_engine_config
+        if settings.enabled:  # what the config alone refuses, before the model loads (vtoken/vllm/supported_configs.py)
+            from vtoken.vllm.supported_configs import check_engine_config
 
             check_engine_config(vllm_config)
         prepare_engine(vllm_config, settings)  # V1 runner, CUDA-graph mode: before vLLM reads them
@@ -63,11 +63,11 @@ def platform_worker_class(platform=None) -> type[VTokenWorker]:
     if platform is None:
         from vllm.platforms import current_platform as platform
     if platform.is_cpu():
-        from vtoken.vllm.cpu_worker import VTokenCPUWorker
+        from vtoken.vllm.runner.cpu import VTokenCPUWorker
 
         return VTokenCPUWorker
     if platform.is_cuda():
-        from vtoken.vllm.gpu_worker import VTokenGPUWorker
+        from vtoken.vllm.runner.gpu import VTokenGPUWorker
 
         return VTokenGPUWorker
     raise ConfigError(f"vToken runs on vLLM's CPU and CUDA platforms, not on {platform.device_name!r}")

@@ -12,12 +12,13 @@ import pytest
 from support.paths import ROOT
 from typer.testing import CliRunner
 
-from vtoken.bench import fleet_model, fleet_sim
-from vtoken.bench.fleet_model import KVAware, make_router
-from vtoken.bench.fleet_sim import View
-from vtoken.core.kvstats import KVSnapshot
+from vtoken.bench.fleet import model as fleet_model
+from vtoken.bench.fleet import sim as fleet_sim
+from vtoken.bench.fleet.model import KVAware, make_router
+from vtoken.bench.fleet.sim import View
+from vtoken.core.reporting.engine_kv import KVSnapshot
 from vtoken.serve.control import autoscaling, ranking
-from vtoken.serve.telemetry.stats import routing_stats
+from vtoken.serve.telemetry.stat_logger import routing_stats
 
 STEPS = ROOT / "docs" / "results" / "fleet-steps.json"
 
@@ -118,9 +119,9 @@ def test_kv_router_decides_as_the_projects_ranking():
 
 def test_autoscaling_in_the_simulation_is_the_projects_decide():
     assert fleet_sim.decide is autoscaling.decide
-    from vtoken.bench.fleet_model import WORKLOAD, kv_profiles
-    from vtoken.bench.fleet_sim import FleetSpec, simulate
-    from vtoken.bench.fleet_steps import load_steps
+    from vtoken.bench.fleet.model import WORKLOAD, kv_profiles
+    from vtoken.bench.fleet.sim import FleetSpec, simulate
+    from vtoken.bench.fleet.steps import load_steps
     from vtoken.serve.telemetry.sla import SloTargets
 
     step, _ = load_steps(STEPS)
@@ -164,9 +165,9 @@ BIG_PROMPT = fleet_model.RequestClass(prompt=1300, gen=11, weight=1.0)  # its pr
 def kat_spec(schedule, classes, replicas=1, max_seqs=4, slo=(1.0, 1.0), duration_s=1.0, warmup_s=0.0, drain_s=5.0):
     """A fleet serving ``schedule`` ((arrival s, class index), ...) with flat KV use: 8 blocks of a
     64-block pool per request, so no preemption and no admission short of blocks."""
-    from vtoken.bench.fleet_model import KVProfile
-    from vtoken.bench.fleet_sim import FleetSpec
-    from vtoken.bench.fleet_steps import StepModel
+    from vtoken.bench.fleet.model import KVProfile
+    from vtoken.bench.fleet.sim import FleetSpec
+    from vtoken.bench.fleet.steps import StepModel
     from vtoken.serve.telemetry.sla import SloTargets
 
     step = StepModel(base_s=0.010, per_seq_s=0.015, per_token_s=0.0001)
@@ -319,7 +320,7 @@ def test_replicas_needed_is_the_smallest_fleet_that_serves_a_burst_without_queue
     The autoscaler run (300 s from max(1, 3 // 4) = 1 replica, min 1): the 5 requests run one by one
     (admitted 0.5, 0.8, …, 1.7); at 1 s, 3 wait (5 s mean 3 ≥ 2 per replica: up), at 2 s none (mean
     1.5: hold), so the up decision lapses before its 5 s delay; no arrivals after: 1 replica at the end."""
-    from vtoken.bench.fleet import replicas_needed
+    from vtoken.bench.fleet.bench import replicas_needed
 
     spec = kat_spec([(0.5, 0)] * 5, [SHORT], replicas=3, max_seqs=1, slo=(0.1, 0.05), drain_s=3.0)
     assert [kat_run(replace(spec, replicas=n), "kv")["slo_attainment"] for n in (2, 3, 4, 5, 6)] == [

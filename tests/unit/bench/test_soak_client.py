@@ -1,4 +1,4 @@
-"""``vtoken bench soak``'s client (vtoken/bench/soak_client.py): its request mix and outcome accounting, on
+"""``vtoken bench soak``'s client (vtoken/bench/served/soak_client.py): its request mix and outcome accounting, on
 httpx's mock transport. The short soak on the real served stack is tests/e2e/test_bench_soak.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from vtoken.bench.soak_client import ABORTED, COMPLETED, ERROR, UNACCOUNTED, SoakRequest, draw, send
+from vtoken.bench.served.soak_client import ABORTED, COMPLETED, ERROR, UNACCOUNTED, SoakRequest, draw, send
 
 POLICIES, MODES = ("h2o", "tova"), ("repack", "none")
 

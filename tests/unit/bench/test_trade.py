@@ -1,4 +1,4 @@
-"""The trade per model (``vtoken.bench.longgen.trade``): yardstick points and served runs matched by setting,
+"""The trade per model (``vtoken.bench.quality.longgen.trade``): yardstick points and served runs matched by setting,
 capacity gain from blocks, the gain at parity, and the figure from the committed files."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 from support.paths import RESULTS
 
-from vtoken.bench.longgen import trade
+from vtoken.bench.quality.longgen import trade
 
 SERVED = [
     RESULTS / f
@@ -71,7 +71,7 @@ def test_the_gain_at_parity_counts_only_points_at_parity():
 
 
 def test_the_trade_figure_renders_from_the_committed_reports(tmp_path):
-    from vtoken.bench.longgen.plot import plot_trade
+    from vtoken.bench.quality.longgen.plot import plot_trade
 
     out = tmp_path / "trade.png"
     plot_trade(

@@ -1,4 +1,4 @@
-"""SLO-aware admission's pure model (vtoken/core/admission.py): the online fit, the cap and its invariants,
+"""SLO-aware admission's pure model (vtoken/core/batch/admission.py): the online fit, the cap and its invariants,
 and the ``admission_tpot_ms`` setting's validation (engine and serving config)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from vtoken.core.admission import HEADROOM, AdmissionConfig, StepTimeModel, cap_for, cap_with_overhead
+from vtoken.core.batch.admission import HEADROOM, AdmissionConfig, StepTimeModel, cap_for, cap_with_overhead
 from vtoken.errors import ConfigError
 
 

@@ -183,7 +183,7 @@ def test_config_errors_name_the_value(kwargs, needle):
 
 
 def test_derived_gauges():
-    from vtoken.core.kvstats import fragmentation_ratio, kv_utilization
+    from vtoken.core.reporting.engine_kv import fragmentation_ratio, kv_utilization
 
     # docs/architecture.md §1, the naive layout
     assert fragmentation_ratio(live_tokens=6, held_blocks=3, block_size=4) == 0.5

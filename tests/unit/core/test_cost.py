@@ -1,4 +1,4 @@
-"""What eviction cost a request (vtoken/core/cost.py): the record, the engine's histograms, their trip
+"""What eviction cost a request (vtoken/core/reporting/request_cost.py): the record, the engine's histograms, their trip
 through vLLM's SchedulerStats, the response field and the autoscaler's trimmed share. No engine: the
 engine's side is tests/integration/test_vllm_engine.py::test_each_output_says_what_eviction_cost_it, the served
 side tests/e2e/test_serve_e2e.py::test_a_completion_says_what_eviction_cost_it."""
@@ -14,13 +14,13 @@ import pytest
 
 from vtoken import metric_names as names
 from vtoken.core.config import Mode
-from vtoken.core.cost import CostStats, Histogram, RequestCost
-from vtoken.core.kvstats import KVSnapshot
+from vtoken.core.reporting.engine_kv import KVSnapshot
+from vtoken.core.reporting.request_cost import CostStats, Histogram, RequestCost
 from vtoken.core.token_table import TokenTable
 from vtoken.serve.control.autoscaling import ScalingParams, decide
 from vtoken.serve.replica.cost_field import CostBook, lift, lift_cost, lift_events, recording
-from vtoken.serve.telemetry.stats import trimmed_since
-from vtoken.vllm import stats as vstats
+from vtoken.serve.telemetry.stat_logger import trimmed_since
+from vtoken.vllm import gauges as vstats
 
 
 def table_with(seen: int, dead: list[int], acc: np.ndarray | None = None) -> TokenTable:
@@ -177,7 +177,7 @@ def test_trimmed_share_since_the_previous_report_and_the_autoscaler_scales_on_it
 
 def test_autoscaling_policy_reads_the_replicas_trimmed_share():
     from vtoken.serve.control.autoscaling import KVAutoscalingPolicy
-    from vtoken.serve.telemetry.stats import KV_UTILIZATION, TRIMMED_SHARE
+    from vtoken.serve.telemetry.stat_logger import KV_UTILIZATION, TRIMMED_SHARE
 
     ctx = SimpleNamespace(
         aggregated_metrics={KV_UTILIZATION: {"a": 0.5}, TRIMMED_SHARE: {"a": 0.6, "gone": 0.0}},

@@ -171,7 +171,7 @@ def test_copy_on_write_is_exact(block_size, n, data, mode, extra, prior):
     check(simulate(t, victims, frozen, reuse=mode == Mode.REUSE_REPACK, extra_blocks=extra))
 
 
-# --------------------------------------------------------------------- vtoken/vllm/blocks.py on vLLM's pool
+# --------------------------------------------------------------------- vtoken/vllm/scheduling/blocks.py on vLLM's pool
 def _pool(num_blocks: int, B: int = 4):
     from vllm.v1.core.block_pool import BlockPool
 
@@ -196,7 +196,7 @@ def _decision(n: int, victims, B: int = 4) -> StepDecision:
 def test_rewrite_row_releases_cached_originals_and_they_stay_hits():
     from vllm.v1.core.kv_cache_utils import BlockHash
 
-    from vtoken.vllm import blocks
+    from vtoken.vllm.scheduling import blocks
 
     pool = _pool(10)
     row = pool.get_new_blocks(3)  # [H0 H1 T2]
@@ -216,7 +216,7 @@ def test_rewrite_row_releases_cached_originals_and_they_stay_hits():
 
 def test_rewrite_row_falls_back_without_a_free_block_and_serves_shared_blocks_first():
     from vtoken.errors import IntegrityError
-    from vtoken.vllm import blocks
+    from vtoken.vllm.scheduling import blocks
 
     pool = _pool(5)  # vLLM's null block + 4, all taken below
     row = pool.get_new_blocks(3)

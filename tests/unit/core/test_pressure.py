@@ -1,4 +1,4 @@
-"""``trigger: pressure``'s pure selection and hysteresis (vtoken/core/pressure.py), with hypothesis."""
+"""``trigger: pressure``'s pure selection and hysteresis (vtoken/core/batch/pressure.py), with hypothesis."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vtoken.core.batch.pressure import Candidate, batch_keys, blocks_for, candidate, plan_pressure
 from vtoken.core.config import Trigger, VTokenConfig
 from vtoken.core.eviction import choose_victims, eviction_count
-from vtoken.core.pressure import Candidate, batch_keys, blocks_for, candidate, plan_pressure
 from vtoken.core.token_table import TokenTable
 from vtoken.errors import ConfigError
 
@@ -147,7 +147,7 @@ def test_pressure_refuses_keep_mass_and_block_granularity():
 def test_naive_rows_count_by_the_naive_rule():
     """A naive row returns an original block only once all its tokens are dead: ``after`` follows the
     table's own count after each prefix of the victims (``required_blocks_after_place`` after evicting)."""
-    from vtoken.core.pressure import naive_after
+    from vtoken.core.batch.pressure import naive_after
 
     cfg = VTokenConfig(
         policy="random", budget=0.25, mode="naive", block_size=B, sinks=1, recent=2, trigger="pressure", scope="all"

@@ -17,7 +17,7 @@ import torch
 
 from vtoken.core.config import DEFAULT_SCORE_LAYERS, VTokenConfig, score_layer_indices
 from vtoken.errors import ConfigError
-from vtoken.kernels.check import fill_random
+from vtoken.kernels.backend_check import fill_random
 from vtoken.kernels.gpu_layout import PagedScoreAccumulator, allocate_kv_caches, layout_for, read_k
 from vtoken.kernels.scores import LayerGroups, RequestScores, attention_probs
 
@@ -113,7 +113,7 @@ def test_clis_refuse_a_bad_score_layers_before_any_engine():
 
 
 def test_quality_points_carry_score_layers():
-    from vtoken.bench.quality import Point, QualitySetup, points
+    from vtoken.bench.quality.bench import Point, QualitySetup, points
 
     setup = QualitySetup(
         model="m",
@@ -174,7 +174,7 @@ def test_layer_groups_score_only_their_layers_and_average_over_them():
 def test_runner_groups_a_steps_requests_by_their_layer_subset():
     """``_vt_collect``: one accumulator per distinct subset (None, counts ≥ depth → every layer), every-layer
     group first, then by the subsets' layers — the same order on every TP rank."""
-    from vtoken.vllm.runner import VTokenRunnerMixin
+    from vtoken.vllm.runner.mixin import VTokenRunnerMixin
     from vtoken.vllm.transport import RequestStep, StepPlan
 
     class Runner(VTokenRunnerMixin):
@@ -199,7 +199,7 @@ def test_runner_groups_a_steps_requests_by_their_layer_subset():
 
 
 def test_forward_order_reads_the_layer_index_from_the_name():
-    from vtoken.vllm.runner import _forward_order
+    from vtoken.vllm.runner.mixin import _forward_order
 
     names = ["model.layers.10.self_attn.attn", "model.layers.2.self_attn.attn", "model.layers.0.self_attn.attn"]
     assert _forward_order(names) == [2, 1, 0]

@@ -13,8 +13,8 @@ import torch
 
 from vtoken.core.config import VTokenConfig
 from vtoken.core.scored_range import first_scored, protected_prefix
-from vtoken.core.stats import SlotScores
-from vtoken.kernels.check import Shape, make_accumulator, scheduler_plan, setup
+from vtoken.core.step_stats import SlotScores
+from vtoken.kernels.backend_check import Shape, make_accumulator, scheduler_plan, setup
 from vtoken.kernels.scores import RequestScores
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from vtoken.kernels.check import Shape, fill_random, scheduler_plan
+from vtoken.kernels.backend_check import Shape, fill_random, scheduler_plan
 from vtoken.kernels.gpu_layout import (
     BACKEND_LAYOUTS,
     KV_CACHE_LAYOUTS,

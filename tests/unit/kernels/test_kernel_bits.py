@@ -1,4 +1,4 @@
-"""``compare_unimportance_bits`` (vtoken/kernels/check.py): the one comparison of the unimportance bits that
+"""``compare_unimportance_bits`` (vtoken/kernels/backend_check.py): the one comparison of the unimportance bits that
 ``vtoken bench kernels``, ``scripts/gpu_check.py`` and tests/gpu use. A kernel summing bf16 products in fp32
 in another order than torch may put a probability that lies within ~1e-7 of the threshold 1/visible on the
 other side: such a flip is counted as a near-tie and accepted; any flip away from the threshold fails.
@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vtoken.core.stats import unimportance_bits
-from vtoken.kernels.check import NEAR_TIE_RTOL, BitsComparison, compare_unimportance_bits
+from vtoken.core.step_stats import unimportance_bits
+from vtoken.kernels.backend_check import NEAR_TIE_RTOL, BitsComparison, compare_unimportance_bits
 
 TIE = 0.25  # 4 visible keys
 # row 0 (older query: bit 1), row 1 (newest: bit 0); key 0 is a near-tie in row 0, key 1 in row 1

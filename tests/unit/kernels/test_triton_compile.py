@@ -15,10 +15,10 @@ import re
 import pytest
 from support.sm90 import compile_sm90, stride_products  # imports triton: a broken one fails, never skips
 
-from vtoken.kernels.triton_attention import _DECODE
-from vtoken.kernels.triton_moves import _COPY, DIRECT, GATHER, SCATTER
-from vtoken.kernels.triton_scores import _PROBS
-from vtoken.kernels.triton_softmax import _MERGE, _STATS
+from vtoken.kernels.triton.attention import _DECODE
+from vtoken.kernels.triton.moves import _COPY, DIRECT, GATHER, SCATTER
+from vtoken.kernels.triton.scores import _PROBS
+from vtoken.kernels.triton.softmax import _MERGE, _STATS
 
 LLAMA = dict(
     GROUP=4,

@@ -1,6 +1,6 @@
-"""The Triton kernels (vtoken/kernels/triton_*.py) against their torch references, on the CPU.
+"""The Triton kernels (vtoken/kernels/triton/*.py) against their torch references, on the CPU.
 
-CPU tensors run through Triton's interpreter; ``TRITON_INTERPRET`` is not needed (``triton_runtime`` wraps
+CPU tensors run through Triton's interpreter; ``TRITON_INTERPRET`` is not needed (``kernels.triton.runtime`` wraps
 each kernel for the interpreter itself, scoped to the launch), so nothing else in this pytest process changes.
 Moves must equal the reference in every K and V element of every layer, scores within 1e-4. Shapes are tiny:
 the interpreter runs every program in Python.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from vtoken.kernels.check import Shape, check_moves, copy_caches, fill_random, scheduler_plan
+from vtoken.kernels.backend_check import Shape, check_moves, copy_caches, fill_random, scheduler_plan
 from vtoken.kernels.gpu_layout import (
     KV_CACHE_LAYOUTS,
     PagedScoreAccumulator,
@@ -23,9 +23,9 @@ from vtoken.kernels.gpu_layout import (
     layout_for,
 )
 from vtoken.kernels.scores import RequestScores
-from vtoken.kernels.triton_attention import paged_decode, paged_decode_reference
-from vtoken.kernels.triton_moves import TritonSlotMover
-from vtoken.kernels.triton_scores import TritonScoreAccumulator
+from vtoken.kernels.triton.attention import paged_decode, paged_decode_reference
+from vtoken.kernels.triton.moves import TritonSlotMover
+from vtoken.kernels.triton.scores import TritonScoreAccumulator
 
 BS = 16
 

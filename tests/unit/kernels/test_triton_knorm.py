@@ -1,4 +1,4 @@
-"""``TritonKeyNorms`` (vtoken/kernels/triton_knorm.py): every layer's key norms in one launch, in Triton's
+"""``TritonKeyNorms`` (vtoken/kernels/triton/knorm.py): every layer's key norms in one launch, in Triton's
 interpreter against the runner's torch path (per layer ``read_k`` → ``float`` → ``norm`` → ``mean``, summed
 over layers), and compiled for sm_90 without a GPU (issue 41, item 4)."""
 
@@ -9,15 +9,15 @@ import re
 import pytest
 import torch
 
-from vtoken.kernels.check import fill_random
+from vtoken.kernels.backend_check import fill_random
 from vtoken.kernels.gpu_layout import allocate_kv_caches, key_offsets, layout_for, read_k
-from vtoken.kernels.triton_knorm import _KNORM, TritonKeyNorms
+from vtoken.kernels.triton.knorm import _KNORM, TritonKeyNorms
 
 BS = 16
 
 
 def _reference(caches, layout, slots):
-    """The runner's ``_vt_key_norms`` loop (vtoken/vllm/runner.py) on the same caches."""
+    """The runner's ``_vt_key_norms`` loop (vtoken/vllm/runner/mixin.py) on the same caches."""
     offsets = key_offsets(layout, slots)
     total = None
     for kv in caches:

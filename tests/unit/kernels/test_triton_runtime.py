@@ -1,4 +1,4 @@
-"""``TritonKernel`` (vtoken/kernels/triton_runtime.py): what ``triton.jit`` sees of the wrapped kernels.
+"""``TritonKernel`` (vtoken/kernels/triton/runtime.py): what ``triton.jit`` sees of the wrapped kernels.
 
 The compiled variant is built from a copy of the kernel function with other globals; ``triton.jit`` reads
 the ``tl.constexpr`` annotations from that copy to decide which arguments are compile-time constants. A
@@ -14,12 +14,12 @@ import inspect
 import pytest
 import triton.language as tl
 
-from vtoken.kernels.triton_attention import _DECODE
-from vtoken.kernels.triton_knorm import _KNORM
-from vtoken.kernels.triton_moves import _COPY
-from vtoken.kernels.triton_runtime import TritonKernel
-from vtoken.kernels.triton_scores import _PROBS
-from vtoken.kernels.triton_softmax import _MERGE, _STATS
+from vtoken.kernels.triton.attention import _DECODE
+from vtoken.kernels.triton.knorm import _KNORM
+from vtoken.kernels.triton.moves import _COPY
+from vtoken.kernels.triton.runtime import TritonKernel
+from vtoken.kernels.triton.scores import _PROBS
+from vtoken.kernels.triton.softmax import _MERGE, _STATS
 
 
 @pytest.mark.parametrize("kernel", [_COPY, _STATS, _MERGE, _PROBS, _DECODE, _KNORM], ids=lambda k: k.fn.__name__)

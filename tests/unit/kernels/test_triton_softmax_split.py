@@ -1,5 +1,5 @@
-"""The softmax statistics split over key ranges (``triton_softmax``) and the per-step launch metadata
-(``triton_plan``), in Triton's interpreter against the torch references (issue 41, item 4).
+"""The softmax statistics split over key ranges (``kernels.triton.softmax``) and the per-step launch metadata
+(``kernels.triton.plan``), in Triton's interpreter against the torch references (issue 41, item 4).
 
 Small ``split_keys`` make tiny rows span several splits: a request longer than all of them, one shorter than
 one split (its later splits see no key and must add nothing to the merge), a prefill chunk whose queries see
@@ -15,9 +15,9 @@ import torch
 
 from vtoken.kernels.gpu_layout import PagedScoreAccumulator, allocate_kv_caches, layout_for, read_k
 from vtoken.kernels.scores import RequestScores, row_slots
-from vtoken.kernels.triton_plan import NO_ROW, QUERY_FIELDS, kept_queries, query_tables
-from vtoken.kernels.triton_scores import _PROBS, TritonScoreAccumulator
-from vtoken.kernels.triton_softmax import plan_splits
+from vtoken.kernels.triton.plan import NO_ROW, QUERY_FIELDS, kept_queries, query_tables
+from vtoken.kernels.triton.scores import _PROBS, TritonScoreAccumulator
+from vtoken.kernels.triton.softmax import plan_splits
 
 BS, HKV, HQ, HD = 16, 2, 4, 64
 # (name, q_start, q_end, seq_len, block row): 100 keys = 4 splits of 32 at split_keys 32; 7 < one split;

@@ -16,12 +16,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from vtoken.kernels.check import Shape, copy_caches, fill_random
+from vtoken.kernels.backend_check import Shape, copy_caches, fill_random
 from vtoken.kernels.gpu_layout import PagedTorchMover, allocate_kv_caches, layout_for
 from vtoken.kernels.scores import RequestScores
-from vtoken.kernels.triton_moves import _COPY, TritonSlotMover
-from vtoken.kernels.triton_scores import _PROBS, TritonScoreAccumulator
-from vtoken.kernels.triton_softmax import _MERGE, _STATS
+from vtoken.kernels.triton.moves import _COPY, TritonSlotMover
+from vtoken.kernels.triton.scores import _PROBS, TritonScoreAccumulator
+from vtoken.kernels.triton.softmax import _MERGE, _STATS
 
 BS, HKV, HQ, HD = 16, 2, 4, 64
 
@@ -127,7 +127,7 @@ def test_what_the_warmups_launch_compiles_for_sm90(recorded):
     """Each variant the warm-ups launch, bound by ``triton.jit``'s own binder from the real arguments and
     compiled the way its ``_do_compile`` does (``ASTSource`` of the bound signature, constexprs and
     attributes), for sm_90 without a GPU; UPCAST off as on CUDA. Before the constexpr annotations were
-    kept (``triton_runtime._with_globals``) the binder failed: every constexpr was a runtime argument."""
+    kept (``kernels.triton.runtime._with_globals``) the binder failed: every constexpr was a runtime argument."""
     import triton
     from triton.compiler import ASTSource
 

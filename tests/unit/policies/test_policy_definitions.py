@@ -1,7 +1,7 @@
 """Each policy ranks tokens as its paper defines, checked on hand-built attention with a known answer.
 
 The path is the real one: tokens in a ``TokenTable``, one step's statistics folded in by
-``vtoken.core.stats.observe`` (the unimportance bits by the worker's own ``unimportance_bits``), victims
+``vtoken.core.step_stats.observe`` (the unimportance bits by the worker's own ``unimportance_bits``), victims
 from ``vtoken.core.eviction.choose_victims``. Expected victims are written out by hand from the
 definitions (the comments show the arithmetic), never recomputed with the code under test.
 """
@@ -14,7 +14,7 @@ import pytest
 from vtoken.core.config import Mode, VTokenConfig
 from vtoken.core.eviction import choose_victims
 from vtoken.core.manager import request_salt
-from vtoken.core.stats import StepScores, observe, unimportance_bits
+from vtoken.core.step_stats import StepScores, observe, unimportance_bits
 from vtoken.core.token_table import TokenTable
 from vtoken.policies import make_policy
 from vtoken.policies.scissorhands import ScissorhandsPolicy

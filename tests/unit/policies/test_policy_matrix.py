@@ -9,7 +9,7 @@ import pytest
 from vtoken.core.config import Mode, VTokenConfig
 from vtoken.core.integrity import check_integrity
 from vtoken.core.manager import CacheManager
-from vtoken.core.stats import StepScores, mean_cosine
+from vtoken.core.step_stats import StepScores, mean_cosine
 from vtoken.policies import get_policy_class, make_policy, policy_names
 from vtoken.policies.context import Stat
 from vtoken.sim.source import SyntheticConfig, SyntheticSource

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vtoken.core.config import Mode
-from vtoken.core.stats import SlotScores, mean_cosine, observe
+from vtoken.core.step_stats import SlotScores, mean_cosine, observe
 from vtoken.core.token_table import TokenTable
 from vtoken.kernels.layout import TokenLayout
 from vtoken.kernels.scores import RequestScores, ScoreAccumulator, key_redundancy

@@ -15,7 +15,7 @@ from vtoken.cli import app
 from vtoken.core.config import Granularity, Mode, VTokenConfig
 from vtoken.core.eviction import choose_victims, context_for
 from vtoken.core.manager import CacheManager
-from vtoken.core.stats import SlotScores, StepScores, observe, window_queries
+from vtoken.core.step_stats import SlotScores, StepScores, observe, window_queries
 from vtoken.core.token_table import TokenTable
 from vtoken.errors import ConfigError
 from vtoken.kernels.scores import RequestScores, ScoreAccumulator

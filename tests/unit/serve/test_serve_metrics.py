@@ -12,12 +12,12 @@ from support.ops import exposition, exposition_families, vllm_metric_names
 from support.paths import ROOT
 
 from vtoken import metric_names as names
-from vtoken.core.kvstats import KVSnapshot, ReclaimCounters
+from vtoken.core.reporting.engine_kv import KVSnapshot, ReclaimCounters
 from vtoken.serve.launch.local import free_port
 from vtoken.serve.telemetry.metrics import ReplicaMetrics, start_metrics_server
 from vtoken.serve.telemetry.sla import RequestLatency, SloTargets, latency_of, meets_slo
-from vtoken.serve.telemetry.stats import StatsSink, snapshot_from
-from vtoken.vllm.stats import encode
+from vtoken.serve.telemetry.stat_logger import StatsSink, snapshot_from
+from vtoken.vllm.gauges import encode
 
 
 def sched(usage=0.0, running=0, waiting=0, extra=None):
@@ -30,7 +30,7 @@ def sched(usage=0.0, running=0, waiting=0, extra=None):
 
 
 def test_snapshot_from_vanilla_and_from_vtoken_stats():
-    from vtoken.vllm.stats import vtoken_stats_from
+    from vtoken.vllm.gauges import vtoken_stats_from
 
     vanilla = snapshot_from(
         sched(usage=10 / 63, running=2), pool_blocks=63, block_size=32, vtoken_reader=vtoken_stats_from
@@ -66,7 +66,7 @@ def test_snapshot_from_vanilla_and_from_vtoken_stats():
     assert snap.fragmentation_ratio == pytest.approx(1 - 100 / 128)  # of the managed group: window not in it
     assert (snap.window_blocks, snap.free_blocks) == (5, 63 - 4 - 5)
     assert snap.admission_limit is None  # admission off
-    from vtoken.vllm.stats import ADMISSION_LIMIT, admission_limit_from
+    from vtoken.vllm.gauges import ADMISSION_LIMIT, admission_limit_from
 
     for extra in (encode(vt), {}):  # admission's limit reaches the snapshot with vToken's numbers and without
         got = snapshot_from(
@@ -225,7 +225,7 @@ def test_declared_vllm_metrics_are_defined_by_the_installed_vllm():
 
 
 def test_router_and_autoscaler_keys_are_declared_and_exported_names():
-    from vtoken.serve.telemetry.stats import AUTOSCALING_KEYS, StatsSink, routing_stats
+    from vtoken.serve.telemetry.stat_logger import AUTOSCALING_KEYS, StatsSink, routing_stats
 
     keys = {k for k in (*routing_stats(StatsSink().latest, 0.0), *AUTOSCALING_KEYS) if ":" in k}
     assert keys and sorted(keys - names.series_names()) == []

@@ -13,11 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from vtoken.core.kvstats import KVSnapshot
+from vtoken.core.reporting.engine_kv import KVSnapshot
 from vtoken.serve.control.autoscaling import KVAutoscalingPolicy, ScalingParams, decide
 from vtoken.serve.control.ranking import RouterParams, effective_free_tokens, rank_by_kv, stats_as_of
 from vtoken.serve.control.router import UNSCORED_LOG_EVERY_S, KVAwareRouter
-from vtoken.serve.telemetry.stats import POLLED_AT, routing_stats
+from vtoken.serve.telemetry.stat_logger import POLLED_AT, routing_stats
 
 NOW = 1_000_000.0
 P = RouterParams(stale_after_s=5.0, fragmentation_weight=0.5, tokens_per_queued_request=256, tie_tokens=64)
@@ -280,7 +280,7 @@ def test_policy_callable_reads_serve_context_and_ignores_departed_replicas():
 
 
 def test_autoscaling_keys_are_numeric_routing_stats():
-    from vtoken.serve.telemetry.stats import AUTOSCALING_KEYS, KV_UTILIZATION, NUM_WAITING
+    from vtoken.serve.telemetry.stat_logger import AUTOSCALING_KEYS, KV_UTILIZATION, NUM_WAITING
 
     snap = stats(held=10, waiting=3)
     assert {KV_UTILIZATION, NUM_WAITING} <= set(AUTOSCALING_KEYS) <= set(snap)

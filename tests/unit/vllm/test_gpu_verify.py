@@ -1,4 +1,4 @@
-"""``vtoken verify --gpu`` (vtoken/vllm/gpu_verify.py): what can be checked without CUDA — the refusal off CUDA,
+"""``vtoken verify --gpu`` (vtoken/vllm/offline/gpu_verify.py): what can be checked without CUDA — the refusal off CUDA,
 the production path's engine options, the sync-check environment, and the verdicts on paired runs."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 
 from vtoken.core.config import VTokenConfig
 from vtoken.errors import ConfigError
-from vtoken.vllm import gpu_verify as gv
-from vtoken.vllm.trace import NEVER, RequestTrace
+from vtoken.vllm.offline import gpu_verify as gv
+from vtoken.vllm.scheduling.trace import NEVER, RequestTrace
 
 
 def test_off_cuda_the_command_refuses_before_building_an_engine():
@@ -37,7 +37,7 @@ def test_the_production_path_is_bf16_with_graphs_and_stock_has_no_vtoken_class()
 def test_engines_are_built_with_vllms_sync_check_set_to_error():
     import vllm.envs as envs
 
-    from vtoken.vllm.launch import scoped_env
+    from vtoken.vllm.offline.launch import scoped_env
 
     env = gv.gpu_env()
     with scoped_env(**env):

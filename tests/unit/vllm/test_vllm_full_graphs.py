@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vtoken.errors import ConfigError
 from vtoken.kernels.gpu_layout import allocate_kv_caches
-from vtoken.kernels.triton_scores import TritonScoreAccumulator
+from vtoken.kernels.triton.scores import TritonScoreAccumulator
 from vtoken.vllm.transport import RequestStep, StepPlan, StepResult, result_of
 
 L, NB, B, KVH, QH, D, MAX_TOKENS = 4, 12, 32, 2, 4, 32, 16
@@ -106,7 +106,7 @@ def _runner(mode: str, kind: str, **vtoken):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from vtoken.vllm.engine_setup import choose_cudagraph_mode
-    from vtoken.vllm.gpu_worker import VTokenGPUModelRunner
+    from vtoken.vllm.runner.gpu import VTokenGPUModelRunner
 
     views = allocate_kv_caches("flash_attn", L, NB, B, KVH, D, torch.float32)
     gen = torch.Generator().manual_seed(0)
@@ -187,7 +187,7 @@ def _forward(r, ctx, queries):
 
 
 def _places():
-    from vtoken.vllm.runner import _forward_order
+    from vtoken.vllm.runner.mixin import _forward_order
 
     return _forward_order(NAMES)
 

@@ -15,9 +15,9 @@ import torch
 from vtoken.errors import ConfigError
 from vtoken.kernels.gpu_layout import PagedScoreAccumulator, PagedTorchMover, allocate_kv_caches, read_k
 from vtoken.kernels.scores import RequestScores
-from vtoken.kernels.triton_knorm import TritonKeyNorms
-from vtoken.kernels.triton_moves import TritonSlotMover
-from vtoken.kernels.triton_scores import TritonScoreAccumulator
+from vtoken.kernels.triton.knorm import TritonKeyNorms
+from vtoken.kernels.triton.moves import TritonSlotMover
+from vtoken.kernels.triton.scores import TritonScoreAccumulator
 from vtoken.vllm.transport import StepPlan, StepResult, result_of
 
 
@@ -29,10 +29,10 @@ def test_one_worker_name_builds_the_platforms_worker():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vtoken.vllm import WORKER_CLS, engine_kwargs
-    from vtoken.vllm.cpu_worker import VTokenCPUWorker
-    from vtoken.vllm.gpu_worker import VTokenGPUModelRunner, VTokenGPUWorker
     from vtoken.vllm.internals import is_vtoken_worker
-    from vtoken.vllm.runner import VTokenRunnerMixin
+    from vtoken.vllm.runner.cpu import VTokenCPUWorker
+    from vtoken.vllm.runner.gpu import VTokenGPUModelRunner, VTokenGPUWorker
+    from vtoken.vllm.runner.mixin import VTokenRunnerMixin
     from vtoken.vllm.worker import VTokenWorker, platform_worker_class
 
     assert WORKER_CLS == "vtoken.vllm.worker.VTokenWorker" and engine_kwargs()["worker_cls"] == WORKER_CLS
@@ -44,7 +44,7 @@ def test_one_worker_name_builds_the_platforms_worker():
     assert issubclass(VTokenGPUWorker, VTokenWorker) and issubclass(VTokenCPUWorker, VTokenWorker)
     assert issubclass(VTokenGPUModelRunner, VTokenRunnerMixin)
     assert issubclass(VTokenGPUModelRunner, GPUModelRunner)
-    for name in (WORKER_CLS, "vtoken.vllm.cpu_worker.VTokenCPUWorker", "vtoken.vllm.gpu_worker.VTokenGPUWorker"):
+    for name in (WORKER_CLS, "vtoken.vllm.runner.cpu.VTokenCPUWorker", "vtoken.vllm.runner.gpu.VTokenGPUWorker"):
         assert is_vtoken_worker(name)
 
 
@@ -55,7 +55,7 @@ def _gpu_runner(block_size=B, layout="flash_attn", dtype=torch.float32):
     """A ``VTokenGPUModelRunner`` without vLLM's constructor: just what the vToken hooks read."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vtoken.vllm.gpu_worker import VTokenGPUModelRunner
+    from vtoken.vllm.runner.gpu import VTokenGPUModelRunner
 
     views = allocate_kv_caches(layout, L, NB, B, H, D, dtype)
     gen = torch.Generator().manual_seed(0)
@@ -130,7 +130,7 @@ def test_gpu_runner_refuses_caches_it_cannot_address():
         r._vt_setup()
     r, _, ctx, _ = _gpu_runner()
     ctx["l0"].impl.kv_cache_dtype = "fp8_e4m3"
-    with pytest.raises(ConfigError, match="quantized KV cache .*fp8"):  # start-up: vtoken/vllm/support.py
+    with pytest.raises(ConfigError, match="quantized KV cache .*fp8"):  # start-up: vtoken/vllm/supported_configs.py
         r._vt_setup()
 
 
@@ -139,7 +139,7 @@ def test_results_are_finished_when_an_async_output_is_read():
     key norms) are reduced and attached when the output is read, after vLLM's own copy."""
     from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
-    from vtoken.vllm.results import DeferredResultOutput
+    from vtoken.vllm.runner.step_result import DeferredResultOutput
 
     order = []
 
@@ -269,7 +269,7 @@ def test_async_readback_waits_for_its_own_copy_only(kind):
     of a device buffer there (``.cpu()``) would wait for N+1's forward (issue 24, defect 2)."""
     from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
-    from vtoken.vllm.results import HostReadback
+    from vtoken.vllm.runner.step_result import HostReadback
 
     class Inner(AsyncModelRunnerOutput):
         def get_output(self):
@@ -306,7 +306,7 @@ def test_async_readback_waits_for_its_own_copy_only(kind):
 
     from copy import deepcopy
 
-    from vtoken.vllm.results import attach_step_result
+    from vtoken.vllm.runner.step_result import attach_step_result
 
     def attach_step_result_copy(acc, norm_sum):  # the synchronous result of the same statistics
         parts = (StepResult(step=0), deepcopy(acc), {"a": (0, 1, 20)}, norm_sum.clone(), L, None)

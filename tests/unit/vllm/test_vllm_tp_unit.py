@@ -1,4 +1,4 @@
-"""Tensor-parallel score reduction (vtoken/vllm/tp.py) without processes: each rank's accumulators are built
+"""Tensor-parallel score reduction (vtoken/vllm/runner/tp.py) without processes: each rank's accumulators are built
 from its head shard as vLLM shards them, the all-reduce is a fake that sums what every rank passed, and the
 reduced statistics must equal the TP = 1 statistics of the whole model (no KV head counted twice)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vtoken.kernels.scores import attention_probs
-from vtoken.vllm.tp import HeadShards, reduce_buffers
+from vtoken.vllm.runner.tp import HeadShards, reduce_buffers
 
 
 @pytest.mark.parametrize(
@@ -100,8 +100,8 @@ class _NoFinish:
 def test_only_the_output_rank_finishes_the_step_statistics(output):
     """After the all-reduce every rank joins, a non-output TP rank (vLLM replies from TP rank 0) drops the
     step's statistics: no read-back, no ``finish``; the output rank finishes them."""
-    from vtoken.vllm.runner import VTokenRunnerMixin
-    from vtoken.vllm.tp import HeadShards, TPReducer
+    from vtoken.vllm.runner.mixin import VTokenRunnerMixin
+    from vtoken.vllm.runner.tp import HeadShards, TPReducer
     from vtoken.vllm.transport import StepResult
 
     class Group:

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from vtoken.serve.telemetry.stats import KV_UTILIZATION, NUM_WAITING, TRIMMED_SHARE
+from vtoken.serve.telemetry.stat_logger import KV_UTILIZATION, NUM_WAITING, TRIMMED_SHARE
 
 
 @dataclass(frozen=True)

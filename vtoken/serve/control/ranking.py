@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from vtoken.serve.telemetry.stats import (
+from vtoken.serve.telemetry.stat_logger import (
     BLOCK_SIZE,
     FRAGMENTATION,
     FREE_KV_TOKENS,

@@ -1,6 +1,6 @@
 """KV-aware request router: send a request where the KV cache has the most usable room.
 
-Each replica publishes ``record_routing_stats()`` (``vtoken.serve.telemetry.stats.routing_stats``);
+Each replica publishes ``record_routing_stats()`` (``vtoken.serve.telemetry.stat_logger.routing_stats``);
 Serve polls it every ``router.stats_period_s`` and hands it to every router as ``replica.routing_stats``.
 Ranking::
 
@@ -39,7 +39,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from vtoken.serve.control.ranking import RouterParams, effective_free_tokens, rank_by_kv, stats_as_of
-from vtoken.serve.telemetry.stats import POLLED_AT
+from vtoken.serve.telemetry.stat_logger import POLLED_AT
 
 logger = logging.getLogger("ray.serve")
 UNSCORED_LOG_EVERY_S = 30.0  # at most one "ranked last" line per replica per this many seconds

@@ -1,8 +1,8 @@
 """Each completion says what eviction cost it: a top-level ``vtoken`` object, the way vLLM extends OpenAI's
 response bodies with its own top-level fields (``kv_transfer_params``, ``prompt_logprobs``, …).
 
-The engine puts a finished request's cost (vtoken/core/cost.py) into vLLM's per-request pass-through,
-``kv_transfer_params["vtoken"]`` (vtoken/vllm/stats.py ``cost_params``), which reaches the request's last
+The engine puts a finished request's cost (vtoken/core/reporting/request_cost.py) into vLLM's per-request pass-through,
+``kv_transfer_params["vtoken"]`` (vtoken/vllm/gauges.py ``cost_params``), which reaches the request's last
 ``RequestOutput``. Two pieces of the replica carry it to the client::
 
     AsyncLLM.generate ──(recording)──▶ CostBook[engine request id] = cost      (engine side, in-process)
@@ -32,8 +32,8 @@ import json
 from collections import OrderedDict
 from typing import Any
 
-from vtoken.vllm.stats import RESPONSE_KEY as FIELD  # the same key in kv_transfer_params and the response
-from vtoken.vllm.stats import cost_from
+from vtoken.vllm.gauges import RESPONSE_KEY as FIELD  # the same key in kv_transfer_params and the response
+from vtoken.vllm.gauges import cost_from
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 KEEP = 4096  # costs the book holds for responses not sent yet; a burst larger than this loses the oldest

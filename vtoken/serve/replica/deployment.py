@@ -37,7 +37,7 @@ from vtoken.serve.config import ServeAppConfig
 from vtoken.serve.replica.cost_field import CostBook, recording
 from vtoken.serve.telemetry.discovery import HEARTBEAT_S, ensure_registry, target_address
 from vtoken.serve.telemetry.sla import SloTargets
-from vtoken.serve.telemetry.stats import (
+from vtoken.serve.telemetry.stat_logger import (
     AUTOSCALING_KEYS,
     POLLED_AT,
     TRIMMED_SHARE,

@@ -114,15 +114,15 @@ def preflight(cfg: ServeAppConfig, model_path: str) -> None:
         return
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from vtoken.vllm.support import check_engine_config
+    from vtoken.vllm.supported_configs import check_engine_config
 
     vllm_config = AsyncEngineArgs(**engine_args(cfg, model_path)).create_engine_config()
     check_pool(cfg, vllm_config)
     if cfg.vtoken.mode.evicts:
         check_engine_config(vllm_config)
     if cfg.vtoken.trigger is Trigger.PRESSURE:
-        from vtoken.vllm.pool_need import pool_shape
-        from vtoken.vllm.pressure import pressure_refusal, refuse_pressure
+        from vtoken.vllm.scheduling.pool_need import pool_shape
+        from vtoken.vllm.scheduling.pressure import pressure_refusal, refuse_pressure
 
         why = pressure_refusal(vllm_config, len(pool_shape(vllm_config).windows))
         if why is not None:
@@ -133,7 +133,7 @@ def check_pool(cfg: ServeAppConfig, vllm_config) -> None:
     """Raise ``ConfigError`` when ``engine.kv_cache_blocks`` is under what vLLM needs to start: room for
     one ``max_model_len`` request in each of the model's KV cache groups (a hybrid model has several)."""
     from vtoken.errors import ConfigError
-    from vtoken.vllm.pool_need import pool_shape
+    from vtoken.vllm.scheduling.pool_need import pool_shape
 
     blocks, length = cfg.engine.kv_cache_blocks, cfg.engine.max_model_len
     shape = pool_shape(vllm_config)
@@ -168,9 +168,9 @@ def refusal_reported():
     """Around an engine start: a vToken start-up refusal raised inside the engine's processes re-raises
     here as ``ConfigError`` with its own message (vLLM reports only "Engine core initialization failed").
     Side effects: sets ``$VTOKEN_REFUSAL_FILE`` in this process (the engine's processes inherit it; the
-    refusal is written there, ``vtoken.vllm.support``) to a temp file, removed on exit."""
+    refusal is written there, ``vtoken.vllm.supported_configs``) to a temp file, removed on exit."""
     from vtoken.errors import ConfigError
-    from vtoken.vllm.support import REFUSAL_FILE_ENV
+    from vtoken.vllm.supported_configs import REFUSAL_FILE_ENV
 
     fd, path = tempfile.mkstemp(prefix="vtoken-refusal-")
     os.close(fd)

@@ -26,16 +26,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import REGISTRY, Collector
 
 from vtoken import metric_names as names
-from vtoken.core.kvstats import KVSnapshot
+from vtoken.core.reporting.engine_kv import KVSnapshot
 from vtoken.serve.telemetry.sla import RequestLatency, SloTargets, meets_slo
-from vtoken.serve.telemetry.stats import StatsSink
+from vtoken.serve.telemetry.stat_logger import StatsSink
 
 logger = logging.getLogger(__name__)
 
 
 class KVCollector(Collector):
     """The ``vtoken:*`` gauges, cumulative counters and the engine's per-request cost histograms
-    (vtoken/core/cost.py), from ``sink.latest`` at scrape time."""
+    (vtoken/core/reporting/request_cost.py), from ``sink.latest`` at scrape time."""
 
     def __init__(self, sink: StatsSink, policy: str, mode: str) -> None:
         self._sink = sink
