@@ -245,11 +245,7 @@ def kv_dashboard() -> dict:
             span=24,
         ),
     ]
-    share = names.REQUEST_EVICTED_SHARE
-    trimmed = (
-        f'1 - sum(increase({share.bucket}{{{SEL}, le="0.0"}}[{names.TRIMMED_WINDOW}]))'
-        f" / sum(increase({share.count}{{{SEL}}}[{names.TRIMMED_WINDOW}]))"
-    )
+    trimmed = names.trimmed_share(selector=SEL)
     paid = [
         _panel(
             timeseries,
@@ -268,7 +264,7 @@ def kv_dashboard() -> dict:
             "Context lost per request",
             "Share of its context a finished request no longer attended to (p50/p95/p99).",
             "percentunit",
-            _quantiles(share),
+            _quantiles(names.REQUEST_EVICTED_SHARE),
             span=8,
         ),
         _panel(

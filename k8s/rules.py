@@ -115,21 +115,11 @@ def kv_rules() -> list[dict]:
     ]
 
 
-def trimmed_ratio(window: str) -> str:
-    """Share of finished requests that lost context to eviction over ``window`` (the ``le="0.0"`` bucket
-    of ``vtoken:request_evicted_share`` holds those that lost none; NaN without traffic: no alert)."""
-    share = names.REQUEST_EVICTED_SHARE
-    return (
-        f'1 - sum by ({SLO_BY}) (increase({share.bucket}{{le="0.0"}}[{window}]))\n'
-        f"  / sum by ({SLO_BY}) (increase({share.count}[{window}]))"
-    )
-
-
 def cost_rules() -> list[dict]:
     return [
         _alert(
             "VTokenRequestsTrimmed",
-            f"(\n  {trimmed_ratio(TRIMMED_WINDOW)}\n) > {TRIMMED_SHARE_MAX}\n",
+            f"(\n  {names.trimmed_share(by=SLO_BY)}\n) > {TRIMMED_SHARE_MAX}\n",
             "warning",
             "5m",
             "vToken requests losing context on {{ $labels.deployment }}",

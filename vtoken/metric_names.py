@@ -316,3 +316,18 @@ FRAGMENTATION_MAX = 0.5  # fragmentation_ratio above which VTokenKVFragmentation
 TRIMMED_SHARE_MAX = 0.2  # share of finished requests that lost context above which VTokenRequestsTrimmed fires
 TRIMMED_WINDOW = "10m"  # the window VTokenRequestsTrimmed and the dashboard's trimmed share look at
 INVARIANT_WINDOW = "10m"  # VTokenKVInvariantViolated fires on any violation within it (and the panel shows it)
+
+
+def trimmed_share(selector: str = "", by: str = "", window: str = TRIMMED_WINDOW) -> str:
+    """PromQL: the share of finished requests that lost context to eviction over ``window`` (the ``le="0.0"``
+    bucket of ``vtoken:request_evicted_share`` counts those that lost none; NaN without traffic). ``selector``:
+    label matchers on both series (the dashboard's variables); ``by``: labels kept (the alert's grouping). The
+    one definition the dashboard's panel and ``VTokenRequestsTrimmed`` both read (pure)."""
+    share = REQUEST_EVICTED_SHARE
+    total = f"sum by ({by}) " if by else "sum"
+    none_lost = ", ".join(m for m in (selector, 'le="0.0"') if m)
+    finished = f"{{{selector}}}" if selector else ""
+    return (
+        f"1 - {total}(increase({share.bucket}{{{none_lost}}}[{window}]))\n"
+        f"  / {total}(increase({share.count}{finished}[{window}]))"
+    )
