@@ -11,10 +11,8 @@ finishes. With admission off the same workload runs ``max_num_seqs`` at once.
 
 from __future__ import annotations
 
-from collections import deque
-
 import pytest
-from support.scheduler import make_request, make_scheduler
+from support.scheduler import drive_scheduler, make_request, make_scheduler
 
 from vtoken.core.batch.admission import HEADROOM, cap_for
 from vtoken.vllm.gauges import admission_limit_from
@@ -29,48 +27,14 @@ DECODE_CAP, CAP, MAX_SEQS, N_REQ = 4, 3, 8, 32
 GENS = [24 + (i * 7) % 33 for i in range(N_REQ)]  # 24 … 56 output tokens
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+def step_time(so) -> float:
+    """The fake GPU: ``A + B·n`` seconds for a step running ``n`` requests, ``P`` more per prefill token."""
+    n = len(so.num_scheduled_tokens)
+    return A + B * n + P * (so.total_num_scheduled_tokens - n)
 
 
-def execute(so, sched):
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    ids = list(so.num_scheduled_tokens)
-    sampled = [[] if sched.requests[rid].is_prefill_chunk else [7] for rid in ids]
-    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled)
-
-
-def drive(sched, requests, in_flight, max_iters=2000):
-    """vLLM's engine loop: ``in_flight`` 1 (``step``) or 2 (``step_with_batch_queue``, async scheduling).
-    Returns per step (running, waiting, cap, admitted) and each request's output token times (fake clock)."""
-    clock, queue, log = Clock(), deque(), []
-    sched._vt_clock = clock
-    for r in requests:
-        sched.add_request(r)
-    generated: dict[str, list[float]] = {r.request_id: [] for r in requests}
-    for _ in range(max_iters):
-        if not sched.has_requests() and not queue:
-            break
-        if sched.has_requests():
-            so = sched.schedule()
-            cap = sched.admission_cap()
-            log.append((len(sched.running), len(sched.waiting), cap, len(so.scheduled_new_reqs)))
-            queue.append((so, execute(so, sched)))
-            if len(queue) < in_flight and so.total_num_scheduled_tokens > 0 and sched.has_requests():
-                continue
-        so, out = queue.popleft()
-        n = len(so.num_scheduled_tokens)  # the oldest step in flight completes now
-        clock.t += A + B * n + P * (so.total_num_scheduled_tokens - n)
-        for eco in sched.update_from_output(so, out).values():
-            for o in eco.outputs:
-                generated[o.request_id] += [clock.t] * len(o.new_token_ids)
-    assert not queue and not sched.has_requests(), "did not finish"
-    return log, generated
+def drive(sched, requests, in_flight):
+    return drive_scheduler(sched, requests, in_flight, step_time)
 
 
 def workload():

@@ -1,8 +1,11 @@
 """The vToken scheduler built by hand, without model weights, the way vLLM's own scheduler tests build theirs
-(a ``VllmConfig`` and a ``KVCacheConfig``), and requests for it (tests/unit/vllm/test_vllm_async_scheduler.py,
+(a ``VllmConfig`` and a ``KVCacheConfig``), requests for it, and vLLM's engine loop over it with a fake model
+and a fake clock (``drive_scheduler``; tests/unit/vllm/test_vllm_async_scheduler.py,
 tests/integration/test_vllm_admission.py, tests/integration/test_vllm_pressure.py)."""
 
 from __future__ import annotations
+
+from collections import deque
 
 import numpy as np
 import torch
@@ -97,3 +100,50 @@ def make_request(rid, prompt_len, max_tokens, prefix=(), block_size=8, **overrid
         pooling_params=None,
         block_hasher=get_request_block_hasher(block_size, sha256),
     )
+
+
+class Clock:
+    """A settable clock (vToken's scheduler reads ``_vt_clock``)."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def execute(so, sched):
+    """A model runner's output for ``so``: token 7 for every request that is not mid-prefill."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(so.num_scheduled_tokens)
+    sampled = [[] if sched.requests[rid].is_prefill_chunk else [7] for rid in ids]
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled)
+
+
+def drive_scheduler(sched, requests, in_flight, step_time, max_iters=2000):
+    """vLLM's engine loop: ``in_flight`` 1 (``step``) or 2 (``step_with_batch_queue``, async scheduling).
+    ``step_time(scheduler_output)``: the seconds the fake GPU takes for a step (the clock vToken's scheduler
+    reads). Returns per step (running, waiting, cap, admitted) and each request's output token times."""
+    clock, queue, log = Clock(), deque(), []
+    sched._vt_clock = clock
+    for r in requests:
+        sched.add_request(r)
+    generated: dict[str, list[float]] = {r.request_id: [] for r in requests}
+    for _ in range(max_iters):
+        if not sched.has_requests() and not queue:
+            break
+        if sched.has_requests():
+            so = sched.schedule()
+            cap = sched.admission_cap()
+            log.append((len(sched.running), len(sched.waiting), cap, len(so.scheduled_new_reqs)))
+            queue.append((so, execute(so, sched)))
+            if len(queue) < in_flight and so.total_num_scheduled_tokens > 0 and sched.has_requests():
+                continue
+        so, out = queue.popleft()
+        clock.t += step_time(so)  # the oldest step in flight completes now
+        for eco in sched.update_from_output(so, out).values():
+            for o in eco.outputs:
+                generated[o.request_id] += [clock.t] * len(o.new_token_ids)
+    assert not queue and not sched.has_requests(), "did not finish"
+    return log, generated
