@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from support.ops import exported_names, load_module, promtool_check_exprs, selectors
+from support.ops import exported_names, load_module, promtool_check_exprs, replica_snapshot, selectors
 from support.paths import ROOT
 
 from vtoken import metric_names as mn
@@ -147,21 +147,15 @@ class Replica:
         self.costs = None
 
     def tick(self) -> None:
-        from vtoken.core.reporting.engine_kv import KVSnapshot, ReclaimCounters
+        from vtoken.core.reporting.engine_kv import ReclaimCounters
         from vtoken.core.reporting.request_cost import CostStats, RequestCost
         from vtoken.serve.telemetry.sla import RequestLatency
 
         i = self.step = self.step + 1
         self.costs = (self.costs or CostStats()).add(RequestCost(0, 50)).add(RequestCost(30, 100, 0.05 + i % 3 / 100))
         self.sink.put(
-            KVSnapshot(
+            replica_snapshot(
                 live_tokens=90 + i % 7,
-                held_blocks=4,
-                packing_bound_blocks=3,
-                naive_blocks=6,
-                pool_blocks=63,
-                block_size=32,
-                num_running=1,
                 admission_limit=8,
                 counters=ReclaimCounters(
                     evicted_tokens=10 * i,

@@ -128,6 +128,30 @@ def schema_errors(file_name: str, obj: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------ exported names
+def replica_snapshot(**fields):
+    """A ``KVSnapshot`` of one small replica: 96 live tokens held in 4 of 63 blocks of 32 (3 by the packing
+    bound, 6 by the naive rule), one request running; ``fields`` replace any of those or set others."""
+    from vtoken.core.reporting.engine_kv import KVSnapshot
+
+    small = dict(
+        live_tokens=96,
+        held_blocks=4,
+        packing_bound_blocks=3,
+        naive_blocks=6,
+        pool_blocks=63,
+        block_size=32,
+        num_running=1,
+    )
+    return KVSnapshot(**{**small, **fields})
+
+
+def repacked_counters():
+    """``ReclaimCounters`` after two repack plans: 12 tokens evicted, 3 blocks reclaimed, 9 moves in 4 ms."""
+    from vtoken.core.reporting.engine_kv import ReclaimCounters
+
+    return ReclaimCounters(evicted_tokens=12, reclaimed_blocks=3, repack_moves=9, repack_seconds=0.004, repack_plans=2)
+
+
 @lru_cache(maxsize=1)
 def exposition_families() -> tuple:
     """The metric families the replica's real exposition code (vtoken/serve/telemetry/metrics.py
@@ -137,7 +161,6 @@ def exposition_families() -> tuple:
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from vtoken.core.reporting.engine_kv import KVSnapshot, ReclaimCounters
     from vtoken.serve.telemetry.metrics import ReplicaMetrics
     from vtoken.serve.telemetry.sla import RequestLatency, SloTargets
     from vtoken.serve.telemetry.stat_logger import StatsSink
@@ -146,21 +169,7 @@ def exposition_families() -> tuple:
     metrics = ReplicaMetrics(
         sink, SloTargets.from_ms(1000, 100), "h2o", "repack", REPLICA_LABELS, include_process_registry=False
     )
-    sink.put(
-        KVSnapshot(
-            live_tokens=96,
-            held_blocks=4,
-            packing_bound_blocks=3,
-            naive_blocks=6,
-            pool_blocks=63,
-            block_size=32,
-            num_running=1,
-            admission_limit=5,
-            counters=ReclaimCounters(
-                evicted_tokens=12, reclaimed_blocks=3, repack_moves=9, repack_seconds=0.004, repack_plans=2
-            ),
-        )
-    )
+    sink.put(replica_snapshot(admission_limit=5, counters=repacked_counters()))
     sink.finished(RequestLatency(0.2, 0.05, 1.0, 10, "length"))
     return tuple(text_string_to_metric_families(generate_latest(metrics.view).decode()))
 

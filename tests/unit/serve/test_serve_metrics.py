@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.ops import exposition, exposition_families, vllm_metric_names
+from support.ops import exposition, exposition_families, repacked_counters, replica_snapshot, vllm_metric_names
 from support.paths import ROOT
 
 from vtoken import metric_names as names
@@ -129,33 +129,8 @@ def test_exposition_has_architecture_names_and_replica_labels():
     metrics = ReplicaMetrics(sink, SloTargets.from_ms(1000, 100), "h2o", "repack", labels)
     server, port = start_metrics_server(metrics.view, "127.0.0.1", free_port(n=5), 0, span=4)
     try:
-        sink.put(
-            KVSnapshot(
-                live_tokens=96,
-                held_blocks=4,
-                packing_bound_blocks=3,
-                naive_blocks=6,
-                pool_blocks=63,
-                block_size=32,
-                num_running=1,
-                counters=ReclaimCounters(evicted_tokens=10, reclaimed_blocks=2, repack_moves=7),
-            )
-        )
-        sink.put(
-            KVSnapshot(
-                live_tokens=96,
-                held_blocks=4,
-                packing_bound_blocks=3,
-                naive_blocks=6,
-                pool_blocks=63,
-                block_size=32,
-                num_running=1,
-                window_blocks=10,
-                counters=ReclaimCounters(
-                    evicted_tokens=12, reclaimed_blocks=3, repack_moves=9, repack_seconds=0.004, repack_plans=2
-                ),
-            )
-        )
+        sink.put(replica_snapshot(counters=ReclaimCounters(evicted_tokens=10, reclaimed_blocks=2, repack_moves=7)))
+        sink.put(replica_snapshot(window_blocks=10, counters=repacked_counters()))
         sink.finished(RequestLatency(0.2, 0.05, 1.0, 10, "length"))
         sink.finished(RequestLatency(2.0, 0.05, 3.0, 10, "length"))
         m = scrape(port)
