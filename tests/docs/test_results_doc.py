@@ -9,7 +9,6 @@ file that exists and, with ``#anchor``, a heading of that file. Pure file readin
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -17,6 +16,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+from support.ops import load_module
 from support.paths import ROOT
 
 from vtoken.bench.served.measures import report_label
@@ -26,10 +26,8 @@ DOC = ROOT / "docs" / "results.md"
 
 
 def results_doc():
-    spec = importlib.util.spec_from_file_location("results_doc", ROOT / "scripts" / "results_doc.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """scripts/results_doc.py, imported by path (a fresh module each call)."""
+    return load_module(ROOT / "scripts" / "results_doc.py")
 
 
 def test_results_md_is_what_the_jsons_give():
@@ -68,21 +66,11 @@ def _row(text: str, json_name: str) -> str:
     return lines[0]
 
 
-# (report, the experiment its served row links)
-SERVED = [
-    ("serve-smollm2-decode-only-10.json", "2026-12-04-decode-only-10.md"),
-    ("serve-smollm2-decode-only-12-blocks.json", "2026-12-03-decode-only-30.md"),
-    ("serve-smollm2-decode-only-long-prompt.json", "2026-12-03-decode-only-long-prompt.md"),
-    ("serve-smollm2-32-blocks-stock-median.json", "2026-12-03-stock-baseline-32-blocks.md"),
-    ("serve-smollm2-64-blocks-stock-median.json", "2026-12-03-stock-baseline-64-blocks.md"),
-]
-
-
 def _fmt(x: float) -> str:
     return f"{x:.2f}".rstrip("0").rstrip(".")
 
 
-@pytest.mark.parametrize(("name", "experiment"), SERVED)
+@pytest.mark.parametrize(("name", "experiment"), results_doc().SERVED)  # (report, the experiment its row links)
 def test_each_served_row_quotes_its_reports_summary(name, experiment):
     """Recomputed from the report's own ``summary`` (``vtoken/bench/served/summary.py``), not from the script:
     the medians and spreads of repack ÷ stock and repack ÷ Naive-Evict, and each variant's median rate."""
