@@ -5,27 +5,19 @@ is deterministic (the engine is stepped in-process, so admission and preemption 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from support.cli import parse_vtoken
+from support.cli import parse_vtoken, run_vtoken
 from support.paths import RESULTS
-
-VTOKEN = str(Path(sys.executable).with_name("vtoken"))
-
-
-def vtoken(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([VTOKEN, *args], capture_output=True, text=True, timeout=timeout)
+from support.quality import small_quality_setup
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_capacity_repack_fits_more_concurrent_requests_than_naive_in_the_same_pool(tmp_path):
     out = tmp_path / "cap.json"
-    run = vtoken(
+    run = run_vtoken(
         "bench",
         "capacity",
         "--kv-blocks",
@@ -68,7 +60,7 @@ def test_capacity_on_a_hybrid_model_counts_the_whole_pool(tmp_path):
     report names the groups, and repack still fits more requests than naive though every request also holds
     its sliding-window blocks, which no mode evicts."""
     out = tmp_path / "cap.json"
-    run = vtoken(
+    run = run_vtoken(
         "bench",
         "capacity",
         "--model",
@@ -145,7 +137,7 @@ def test_sla_attainment_counts_requests_meeting_both_slos():
     ],
 )
 def test_capacity_bad_input_exits_2_naming_the_value(args, named):
-    run = vtoken("bench", "capacity", *args, timeout=120)
+    run = run_vtoken("bench", "capacity", *args, timeout=120)
     assert run.returncode == 2, run.stdout + run.stderr
     assert named in run.stderr and "Traceback" not in run.stderr
     assert run.stdout == ""
@@ -155,7 +147,7 @@ def test_capacity_bad_input_exits_2_naming_the_value(args, named):
     "command", [["bench", "overhead"], ["bench", "prefix"], ["verify", "--model", "tiny-llama", "--json"]]
 )
 def test_engine_commands_refuse_a_block_size_the_cpu_backend_cannot_run(command):
-    run = vtoken(*command, "--block-size", "16", timeout=120)
+    run = run_vtoken(*command, "--block-size", "16", timeout=120)
     assert run.returncode == 2 and "multiple of 32 on vLLM's CPU backend, got 16" in run.stderr, run.stderr[-2000:]
     assert "Traceback" not in run.stderr
 
@@ -164,7 +156,7 @@ def test_overhead_with_attention_policies_pairs_naive_and_repack_per_policy_in_o
     """``--policy scissorhands --policy h2o``: the hooks engine scores, each policy runs every evicting variant
     (``mode/policy``) in the same run, naive and repack take the same decisions, and no score-collection rows
     (they compare against the query-free policy, not run here)."""
-    run = vtoken(
+    run = run_vtoken(
         "bench",
         "overhead",
         "--model",
@@ -214,7 +206,7 @@ def test_overhead_compares_several_policies_only_among_attention_policies():
 
 
 def test_retained_grid_prints_json_with_the_command(tmp_path):
-    run = vtoken(
+    run = run_vtoken(
         "bench",
         "retained",
         "--policies",
@@ -305,19 +297,7 @@ def test_quality_report_has_exactly_its_report_keys(monkeypatch):
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(lambda *a, **k: None))
     monkeypatch.setattr(quality, "run_retrieval", task("accuracy"))
     monkeypatch.setattr(quality, "run_language_modelling", task("perplexity"))
-    setup = quality.QualitySetup(
-        model="m",
-        policies=("h2o",),
-        budgets=(0.2,),
-        granularities=("token",),
-        depths=(0.5,),
-        per_depth=1,
-        context_tokens=64,
-        windows=1,
-        window_tokens=64,
-        chunk=16,
-    )
-    report = quality.run_quality(setup)
+    report = quality.run_quality(small_quality_setup())
     assert set(report) == quality.REPORT_KEYS
     assert set(report["setup"]) == set(quality.QualitySetup.__dataclass_fields__) - {"model"}
 

@@ -4,17 +4,13 @@ and the command prints the documented report (on the real default model, a reduc
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from support.cli import run_vtoken
 from support.paths import ROOT
 
 from vtoken.core.config import DEFAULT_SCORE_LAYERS
-
-VTOKEN = str(Path(sys.executable).with_name("vtoken"))
 
 
 @pytest.mark.slow
@@ -111,28 +107,23 @@ def test_a_base_model_without_a_chat_template_gets_plain_prompts_with_its_bos(de
 @pytest.mark.timeout(900)
 def test_quality_command_reports_full_cache_and_points(default_model, tmp_path):
     out, png, ruler_png = tmp_path / "q.json", tmp_path / "q.png", tmp_path / "r.png"
-    run = subprocess.run(
-        [
-            VTOKEN,
-            "bench",
-            "quality",
-            "--quick",
-            "--policies",
-            "h2o",
-            "--budgets",
-            "0.2",
-            "--granularities",
-            "token,block",
-            "--json",
-            "--out",
-            str(out),
-            "--plot",
-            str(png),
-            "--plot-ruler",
-            str(ruler_png),
-        ],
-        capture_output=True,
-        text=True,
+    run = run_vtoken(
+        "bench",
+        "quality",
+        "--quick",
+        "--policies",
+        "h2o",
+        "--budgets",
+        "0.2",
+        "--granularities",
+        "token,block",
+        "--json",
+        "--out",
+        str(out),
+        "--plot",
+        str(png),
+        "--plot-ruler",
+        str(ruler_png),
         timeout=900,
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -215,9 +206,7 @@ def test_quality_bad_input_exits_2_naming_the_value():
         (["--score-pools", "3", "--keep-masses", "0.9"], "keep_mass"),
         (["--tasks", "none", "--fidelity-prompts", "0", "--plot-ruler", "x.png"], "--plot-ruler"),
     ):
-        run = subprocess.run(
-            [VTOKEN, "bench", "quality", "--quick", *args], capture_output=True, text=True, timeout=120
-        )
+        run = run_vtoken("bench", "quality", "--quick", *args, timeout=120)
         assert run.returncode == 2 and named in run.stderr and "Traceback" not in run.stderr, run.stderr[-800:]
 
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 from pydantic import ValidationError
+from support.cli import run_vtoken
 from support.paths import ROOT
 
 from vtoken.serve.config import ServeAppConfig
@@ -192,12 +193,7 @@ def test_tensor_parallel_replica_reserves_a_bundle_per_rank():
 def test_vtoken_serve_exits_with_the_refusal_before_starting_anything():
     """`vtoken serve` with an engine feature vToken refuses (fp8 KV cache) exits 2 with the message naming
     it, before Ray or a replica starts (preflight: vLLM's engine config, no weights)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    cmd = [
-        str(Path(sys.executable).with_name("vtoken")),
+    proc = run_vtoken(
         "serve",
         "--model",
         "tiny-llama",
@@ -207,8 +203,8 @@ def test_vtoken_serve_exits_with_the_refusal_before_starting_anything():
         "engine.kv_cache_dtype=fp8",
         "--port",
         "18999",
-    ]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240)
+        timeout=240,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "quantized KV cache (kv_cache_dtype='fp8')" in proc.stderr and "docs/support.md" in proc.stderr
     assert "Ray" not in proc.stdout  # nothing started
@@ -220,12 +216,7 @@ def test_vtoken_serve_refuses_a_pool_under_the_hybrid_models_need_by_name(mode):
     (``pool_need``), not the 33 a one-group model needs. 100 blocks pass the one-group check, so before the
     preflight counted groups the replica died inside the engine and `vtoken serve` said only that it could
     not start; now it exits 2 naming engine.kv_cache_blocks and what fits, in every mode, before Ray starts."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    cmd = [
-        str(Path(sys.executable).with_name("vtoken")),
+    proc = run_vtoken(
         "serve",
         "--model",
         "tiny-gemma3",
@@ -239,8 +230,8 @@ def test_vtoken_serve_refuses_a_pool_under_the_hybrid_models_need_by_name(mode):
         "limits.max_tokens=64",
         "--port",
         "18998",
-    ]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240)
+        timeout=240,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "engine.kv_cache_blocks 100 is too small for engine.max_model_len 1024" in proc.stderr
     assert "4 KV cache group(s)" in proc.stderr and "= 132 blocks" in proc.stderr

@@ -6,15 +6,14 @@ from __future__ import annotations
 import copy
 import json
 import shlex
-import subprocess
 from pathlib import Path
 
 import pytest
+from support.cli import run_vtoken
 from support.paths import ROOT
 
 from vtoken.bench.quality.yardstick_plot import merge_reports, parity_table, yardstick_table
 
-VTOKEN = str(Path(__import__("sys").executable).with_name("vtoken"))
 TASK = "niah_single_1@512"
 
 
@@ -138,7 +137,7 @@ def test_the_command_refuses_bad_input_naming_it(tmp_path):
         ([str(broken)], "y.json"),
         ([str(good), "--fidelity-from", "z.json"], "z.json"),
     ):
-        run = subprocess.run([VTOKEN, "bench", "yardstick", *args], capture_output=True, text=True, timeout=120)
+        run = run_vtoken("bench", "yardstick", *args, timeout=120)
         assert run.returncode == 2 and named in run.stderr and "Traceback" not in run.stderr, run.stderr[-800:]
 
 
@@ -150,7 +149,7 @@ def test_the_committed_yardstick_figure_and_its_table_in_the_docs_are_its_report
     args = shlex.split(committed["command"])[1:]
     for flag, to in (("--plot", tmp_path / "y.png"), ("--out", tmp_path / "y.json")):
         args[args.index(flag) + 1] = str(to)  # not over the committed files
-    run = subprocess.run([VTOKEN, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    run = run_vtoken(*args, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     again = json.loads(run.stdout)
     assert again["points"] == committed["points"] and again["full_cache"] == committed["full_cache"]

@@ -1,6 +1,31 @@
-"""Parsing ``vtoken`` commands as the CLI does, without running them (committed results, doc commands)."""
+"""The ``vtoken`` command: parsing its commands as the CLI does, without running them (committed results, doc
+commands), and running it as a subprocess (the console script installed beside the test's Python)."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+
+def vtoken_exe() -> str:
+    """Path of the ``vtoken`` console script of the Python running the tests."""
+    import sys
+
+    return str(Path(sys.executable).with_name("vtoken"))
+
+
+def run_vtoken(
+    *args: str, timeout: float = 600, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``vtoken *args`` (text output captured, no check of the exit status; ``env`` replaces the
+    environment when given) and return the finished process. Side effect: whatever the command does."""
+    return subprocess.run([vtoken_exe(), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+
+
+def last_json_line(proc: subprocess.CompletedProcess):
+    """The JSON object a command printed as the last line of its standard output."""
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def parse_vtoken(command: str) -> list[list[str]]:

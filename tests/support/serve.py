@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from .cli import vtoken_exe
+
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
@@ -318,9 +320,8 @@ class LocalServe:
 
     def __init__(self, port: int, *args: str, start_s: float = 300.0) -> None:
         import os
-        import sys
 
-        self.cmd = [str(Path(sys.executable).with_name("vtoken")), "serve", "--port", str(port), *args]
+        self.cmd = [vtoken_exe(), "serve", "--port", str(port), *args]
         self.env = {k: v for k, v in os.environ.items() if k != "VTOKEN_API_KEY"}
         self.url, self.start_s = f"http://127.0.0.1:{port}", start_s
         self.lines: list[str] = []

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from support.quality import small_quality_setup
 
 from vtoken.core.config import DEFAULT_SCORE_LAYERS, VTokenConfig, score_layer_indices
 from vtoken.errors import ConfigError
@@ -115,19 +116,7 @@ def test_clis_refuse_a_bad_score_layers_before_any_engine():
 def test_quality_points_carry_score_layers():
     from vtoken.bench.quality.bench import Point, QualitySetup, points
 
-    setup = QualitySetup(
-        model="m",
-        policies=("h2o",),
-        budgets=(0.2,),
-        granularities=("token",),
-        depths=(0.5,),
-        per_depth=1,
-        context_tokens=64,
-        windows=1,
-        window_tokens=64,
-        chunk=16,
-        score_layers=(None, 4),
-    )
+    setup = small_quality_setup(score_layers=(None, 4))
     pts = points(setup)
     assert [p.key for p in pts[1:]] == ["h2o_token_0.2", "h2o_token_0.2@4"]
     assert pts[2].extra("t", 1)["vtoken"]["score_layers"] == 4
