@@ -231,3 +231,32 @@ def test_a_hybrid_engine_with_pressure_is_refused_at_construction():
     while err is not None and not isinstance(err, ConfigError):
         err = err.__cause__ or err.__context__
     assert err is not None and "hybrid model" in str(err) and "trigger 'pressure'" in str(err)
+
+
+def test_a_wider_pressure_margin_takes_fewer_larger_rounds():
+    """The engine setting ``pressure_margin`` (blocks per running request a round leaves free) reaches the
+    decision: on the same shortage (hand-built scheduler, fake model; 4 requests of 24 + 120 tokens need 72
+    blocks of 8, the pool has 40; floors at a quarter, never reached) margin 0 evicts just enough on nearly
+    every step, 1 and 3 in ever fewer rounds that each take more, and nothing is preempted; a negative margin
+    is refused by name when the engine is built."""
+    from support.scheduler import drive_scheduler, make_request, make_scheduler
+
+    def run_with(margin):
+        sched = make_scheduler(
+            async_scheduling=False,
+            num_blocks=40,
+            max_batched=256,
+            vtoken={"policy": "random", "trigger": "pressure", "budget": 0.25, "pressure_margin": margin},
+        )
+        _, generated = drive_scheduler(sched, [make_request(f"m{i}", 24, 120) for i in range(4)], 1, lambda so: 0.01)
+        assert [len(generated[f"m{i}"]) for i in range(4)] == [120] * 4
+        return sched.vtoken_stats().counters
+
+    runs = [run_with(m) for m in (0, 1, 3)]
+    assert all(c.preemptions == 0 and c.pressure_at_floor == 0 for c in runs)
+    rounds = [c.pressure_rounds for c in runs]
+    assert rounds[0] > rounds[1] > rounds[2] > 0, rounds
+    per_round = [c.pressure_evicted_tokens / c.pressure_rounds for c in runs]
+    assert per_round[0] < per_round[1] < per_round[2], per_round
+    with pytest.raises(ConfigError, match=r"pressure_margin must be a non-negative block count.*-1"):
+        make_scheduler(async_scheduling=False, vtoken={"trigger": "pressure", "pressure_margin": -1})

@@ -65,8 +65,8 @@ def _own_fields(cls) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class EngineSettings:
     """Everything vToken reads from one engine's ``additional_config["vtoken"]``: the ``VTokenConfig`` fields
-    plus ``scores``, ``trace_dir``, ``check``, ``admission_tpot_ms``, ``invariants`` and ``invariant_period``
-    (validated on construction; keys = ``keys()``)."""
+    plus the engine-level fields declared below, each with its doc (validated on construction; keys =
+    ``keys()``)."""
 
     cfg: VTokenConfig
     scores: str = "auto"
@@ -83,6 +83,10 @@ class EngineSettings:
     (`vtoken/vllm/scheduling/invariants.py`): `off`, `log` (log and count a violation) or `fatal` (raise)."""
     invariant_period: int = 1024
     """Steps between invariant checks under load (`0`: only when idle)."""
+    pressure_margin: int = 1
+    """Blocks per running request that a `trigger: pressure` round leaves free beyond the step's need (the
+    hysteresis): the next round comes once the batch has grown by that much again. Larger: fewer rounds, each
+    evicting earlier and more; `0`: evict only what makes the step fit."""
 
     def __post_init__(self) -> None:
         if self.invariants not in INVARIANT_MODES:
@@ -92,6 +96,9 @@ class EngineSettings:
         p = self.invariant_period
         if isinstance(p, bool) or not isinstance(p, int) or p < 0:
             raise ConfigError(f"invariant_period must be a non-negative step count (0: only when idle), got {p!r}")
+        m = self.pressure_margin
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ConfigError(f"pressure_margin must be a non-negative block count per running request, got {m!r}")
         if self.admission_tpot_ms is not None:
             AdmissionConfig.from_ms(self.admission_tpot_ms)  # raises ConfigError naming a bad value
         if self.scores not in SCORE_MODES:

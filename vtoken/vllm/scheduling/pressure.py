@@ -5,9 +5,10 @@ and before vLLM schedules, ``_vt_pressure`` estimates the blocks vLLM's own loop
 for (``_vt_step_tokens``: the running requests it will reach, their tokens under the token budget and the
 long-prefill cap; the queue's head and its first chunk), and only when the free blocks do not cover them
 hands the batch to ``vtoken.core.batch.pressure.plan_pressure``: victims in one policy order across the batch,
-none below a request's floor (its ``budget``), until the step fits plus one block per running request. Each
-request's victims go through the scheduler's usual block work (``_vt_decide``: evict, repack, copy on
-write, cut the tail), and its freed blocks go back to the pool before vLLM allocates, so vLLM preempts only
+none below a request's floor (its ``budget``), until the step fits plus ``pressure_margin`` blocks (engine
+setting, 1 by default) per running request. Each request's victims go through the scheduler's usual block
+work (``_vt_decide``: evict, repack, copy on write, cut the tail), and its freed blocks go back to the pool
+before vLLM allocates, so vLLM preempts only
 when every request is at its floor. Requests with another trigger, or whose shared blocks cannot be
 replaced this step, count as fixed demand.
 
@@ -54,6 +55,7 @@ if TYPE_CHECKING:  # the type checker sees the scheduler this is mixed into; at 
     from vllm.v1.core.sched.scheduler import Scheduler as _SchedulerBase
 
     from vtoken.core.reporting.engine_kv import ReclaimCounters
+    from vtoken.vllm.config import EngineSettings
     from vtoken.vllm.scheduling.request_state import RequestState
 else:
     _SchedulerBase = object
@@ -63,6 +65,7 @@ class PressureMixin(_SchedulerBase):
     """The pressure round of ``VTokenScheduler`` (see the module docstring). Needs the scheduler's
     ``_vt_reqs``, ``_vt_manager``, ``_vt_protect`` and ``_vt_decide``."""
 
+    vt: EngineSettings
     _vt_reqs: dict[str, RequestState]
     _vt_manager: Any  # the SingleTypeKVCacheManager of the group vToken manages
     _vt_counters: ReclaimCounters
@@ -153,7 +156,8 @@ class PressureMixin(_SchedulerBase):
                 continue
             chosen[request.request_id] = (request, st, cfg)
             cands.append(pressure.candidate(request.request_id, st.live_table(), st.policy, cfg, st.salt, held, n))
-        decision = pressure.plan_pressure(cands, free, fixed, margin=len(self.running), admit=admit)
+        margin = self.vt.pressure_margin * len(self.running)
+        decision = pressure.plan_pressure(cands, free, fixed, margin=margin, admit=admit)
         if not decision.fired:
             return  # short only for a head that no eviction could admit: it waits, as in vLLM
         self._vt_counters = self._vt_counters.add(
