@@ -33,6 +33,8 @@ SERVED = [
 PRESSURE = [
     ("serve-smollm2-burst-12-blocks.json", "2026-12-06-burst-pressure.md"),
     ("serve-smollm2-burst-12-blocks-low.json", "2026-12-06-burst-pressure.md"),
+    ("serve-smollm2-burst-12-blocks-seed1.json", "2026-12-06-burst-pressure.md"),
+    ("serve-smollm2-burst-64-blocks.json", "2026-12-06-burst-pressure.md"),
 ]
 # the decode-only H2O points of the long-generation yardstick: what a final share of context lost costs
 YARDSTICK = "longgen-smollm2-224.json"
@@ -200,19 +202,29 @@ def pressure_rows(results: Path) -> tuple[str, str]:
     rows, sources, notes = [], [], []
     for name, experiment in PRESSURE:
         r = load(name, results)
-        rows.append(f"| **{', '.join(str(x) for x in r['setup']['rates'])} req/s offered** |" + " |" * 7 + "\n")
-        reps = r["repeats"]
+        setup, reps = r["setup"], r["repeats"]
+        seeds = ", ".join(str(rep[0]["seed"]) for rep in reps)
+        rows.append(
+            f"| **{', '.join(str(x) for x in setup['rates'])} req/s offered, {setup['pool_blocks']}-block pool, "
+            f"seed{'s' if len(reps) > 1 else ''} {seeds}** ([experiment](experiments/{experiment})) |" + " |" * 7 + "\n"
+        )
         by_label = [{report_label(v): v for v in rep} for rep in reps]
         for lab in [report_label(v) for v in reps[0]]:
             vs = [rep[lab] for rep in by_label]
             rate = median_cell([v["max_rate_at_target"] for v in vs], [at_grid_top(v) for v in vs])
             missed = sum(v["max_rate_at_target"] is None for v in vs)
-            rate += f"; no rate in {missed} of {len(vs)}" if missed else ""
+            if missed == len(vs):
+                rate = f"none in {missed} of {missed}"
+            elif missed:
+                rate += f"; no rate in {missed} of {len(vs)}"
             ratios = []
             for base in ("none", "none +admission"):
                 summary = r["summary"]["ratios"].get(f"{lab} / {base}")
                 if summary is None or lab == base:
                     ratios.append("–")
+                    continue
+                if all(at_grid_top(v) and at_grid_top(rep[base]) for v, rep in zip(vs, by_label, strict=True)):
+                    ratios.append("both at the grid's top")  # saturated: the grid bounds neither
                     continue
                 vals = summary["max_rate_at_target"]["values"]
                 ratios.append(median_cell(vals, [at_grid_top(v) for v in vs], "×"))
@@ -228,21 +240,18 @@ def pressure_rows(results: Path) -> tuple[str, str]:
             rows.append(
                 f"| {lab} | {rate} | {' | '.join(ratios)} | {pre} | {trimmed} of {finished} | {lost_cell} | {at} |\n"
             )
-        setup = r["setup"]
         notes.append(
             f"{setup['input_len']} + {setup['output_len']} tokens (lengths ±{num(setup['range_ratio'] * 100, 0)} %), "
             f"{setup['num_prompts']} requests per rate, burstiness {num(setup['burstiness'])}, "
-            f"{setup['pool_blocks']}-block pool, SLOs {num(r['slo']['ttft_ms'] / 1000)} s / "
-            f"{num(r['slo']['tpot_ms'])} ms, {len(reps)} repeat(s) with workload seeds "
-            f"{', '.join(str(rep[0]['seed']) for rep in reps)}; budget {num(float(setup['budget']) * 100, 0)} % "
-            f"decode-only (the fixed budget's, and pressure's floor); "
-            f"[experiment](experiments/{experiment})"
+            f"SLOs {num(r['slo']['ttft_ms'] / 1000)} s / {num(r['slo']['tpot_ms'])} ms, "
+            f"budget {num(float(setup['budget']) * 100, 0)} % decode-only (the fixed budget's, and pressure's floor)"
         )
         sources.append(source_line(name, r))
     shape = "; ".join(dict.fromkeys(notes))  # the reports share one workload and pool: said once
     intro = (
         "Eviction only when vLLM's pool cannot hold the next step (`trigger: pressure`) against the fixed budget "
-        "and stock vLLM, on arrivals in bursts (gamma gaps) above the pool: " + shape + ". Rates and "
+        "and stock vLLM, on arrivals in bursts (gamma gaps): " + shape + "; each group of rows names its offered "
+        "rates, the pool and the workload seed of each repeat. Rates and "
         'ratios as above ("≥": the variant met the grid\'s top); the cost columns add up every run of the '
         "variant (`cost` in the JSON: the replica's cost histograms).\n\n"
     )
