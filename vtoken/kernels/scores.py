@@ -138,6 +138,12 @@ class ScoreAccumulator:
                 p = attention_probs(query[rs.q_start : rs.q_end], k, scale)[:, rs.first :]
                 rs.probs = p if rs.probs is None else rs.probs + p
                 rs.layers += 1
+        self._add_key_norms(key)
+
+    def _add_key_norms(self, key: torch.Tensor | None) -> None:
+        """Fold one layer's key norms in: per query of each request that wants them, the mean over kv heads
+        of ``key``'s L2 norms (``key``: ``[T, H_kv, D]``, None when the layer gives none: nothing added).
+        Mutates the requests' ``key_norm`` and ``norm_layers``."""
         for rs in self.requests.values():
             if rs.want_key_norm and key is not None:
                 n = key[rs.q_start : rs.q_end].float().norm(dim=-1).mean(dim=-1)

@@ -8,15 +8,22 @@ heads as one tile, an online softmax over the row's keys read through the block 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton.language as tl
 
 from vtoken.kernels.gpu_layout import PagedLayout, read_kv
 from vtoken.kernels.scores import row_slots
-from vtoken.kernels.triton.runtime import TritonKernel, next_pow2
-from vtoken.kernels.triton.tiles import _MAX, _SUM, _kv_tile, _logits, _query_tile
+from vtoken.kernels.triton.runtime import TritonKernel
+from vtoken.kernels.triton.tiles import (
+    _MAX,
+    _SUM,
+    TILE_HELPERS,
+    _kv_load,
+    _kv_rows,
+    _logits,
+    _query_tile,
+    tile_constexprs,
+)
 
 
 def _paged_decode(
@@ -57,48 +64,11 @@ def _paged_decode(
     den = tl.full([G_P2], 0.0, tl.float32)
     acc = tl.full([G_P2, D_P2], 0.0, tl.float32)
     for start in range(0, seq, BLOCK_N):
-        k, pos, valid = _kv_tile(
-            cache_ptr,
-            bt_ptr,
-            index_ptr,
-            r,
-            g,
-            start,
-            seq,
-            block_stride,
-            head_stride,
-            token_stride,
-            bt_stride,
-            BLOCK_SIZE,
-            BLOCK_N,
-            D,
-            D_P2,
-            WIDTH,
-            STRIDED,
-            ALIGN,
-            0,
+        kv_row, off, pos, valid = _kv_rows(
+            bt_ptr, r, g, start, seq, block_stride, head_stride, bt_stride, BLOCK_SIZE, BLOCK_N
         )
-        v, pos, valid = _kv_tile(
-            cache_ptr,
-            bt_ptr,
-            index_ptr,
-            r,
-            g,
-            start,
-            seq,
-            block_stride,
-            head_stride,
-            token_stride,
-            bt_stride,
-            BLOCK_SIZE,
-            BLOCK_N,
-            D,
-            D_P2,
-            WIDTH,
-            STRIDED,
-            ALIGN,
-            D,
-        )
+        k = _kv_load(cache_ptr, index_ptr, kv_row, off, valid, token_stride, D, D_P2, WIDTH, STRIDED, ALIGN, 0)
+        v = _kv_load(cache_ptr, index_ptr, kv_row, off, valid, token_stride, D, D_P2, WIDTH, STRIDED, ALIGN, D)
         s = _logits(q, k, 1.0, UPCAST, PRECISION) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.reduce(s, 1, _MAX))
@@ -121,7 +91,7 @@ def _paged_decode(
     )
 
 
-_DECODE = TritonKernel(_paged_decode, helpers=(_kv_tile, _query_tile, _logits))
+_DECODE = TritonKernel(_paged_decode, helpers=TILE_HELPERS)
 
 
 def paged_decode(
@@ -137,8 +107,6 @@ def paged_decode(
     """``out[r] = attention of query[r]`` (``[R, Hq, D]``) over request r's ``seq_lens[r]`` keys (writes
     ``out``). ``block_table``: int32 ``[R, max_blocks]``; ``seq_lens``: int32 ``[R]``; all on the cache's
     device (no host copies: capturable in a CUDA graph)."""
-    heads, d = query.shape[1], query.shape[2]
-    group = heads // layout.num_kv_heads
     _DECODE.launch(
         kv_cache.device,
         (query.shape[0], layout.num_kv_heads),
@@ -157,18 +125,7 @@ def paged_decode(
         layout.head_stride,
         layout.token_stride or 0,
         float(scale),
-        GROUP=group,
-        G_P2=max(16, next_pow2(group)),
-        D=d,
-        D_P2=max(16, next_pow2(d)),
-        WIDTH=layout.width,
-        BLOCK_SIZE=layout.block_size,
-        BLOCK_N=block_n,
-        STRIDED=layout.token_stride is not None,
-        PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-        UPCAST=kv_cache.device.type == "cpu",
-        ALIGN=math.gcd(16, layout.block_stride, layout.head_stride, layout.token_stride or 1),
-        Q_ALIGN=math.gcd(16, query.stride(0), query.stride(1)),
+        **tile_constexprs(layout, query, kv_cache, block_n),
     )
 
 

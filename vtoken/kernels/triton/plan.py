@@ -15,15 +15,13 @@ specialises pointers on 16-byte divisibility, so a misaligned table would compil
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
 from vtoken.kernels.gpu_layout import PagedLayout
 from vtoken.kernels.scores import RequestScores
-from vtoken.kernels.triton.runtime import next_pow2
 from vtoken.kernels.triton.softmax import SplitPlan, plan_splits
+from vtoken.kernels.triton.tiles import tile_constexprs
 from vtoken.policies.context import HISTORY_BITS, OBSERVATION_WINDOW
 
 NO_ROW = -1  # a query whose probabilities no kept row records (q_row)
@@ -121,22 +119,7 @@ def launch_state(meta: dict, layout: PagedLayout, query: torch.Tensor, kv_cache:
         dev, nq, splits = kv_cache.device, int(meta["tok"].numel()), meta["split"].splits
         parts = tuple(torch.empty(nq, splits, heads, dtype=torch.float32, device=dev) for _ in range(2))
         out = (parts[0][:, 0], parts[1][:, 0]) if splits == 1 else tuple(torch.empty_like(p[:, 0]) for p in parts)
-        group = heads // layout.num_kv_heads
-        constexprs = dict(
-            HQ=heads,
-            GROUP=group,
-            G_P2=max(16, next_pow2(group)),
-            D=d,
-            D_P2=max(16, next_pow2(d)),
-            WIDTH=layout.width,
-            BLOCK_SIZE=layout.block_size,
-            BLOCK_N=block_n,
-            STRIDED=layout.token_stride is not None,
-            PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-            UPCAST=dev.type == "cpu",
-            ALIGN=math.gcd(16, layout.block_stride, layout.head_stride, layout.token_stride or 1),
-            Q_ALIGN=math.gcd(16, query.stride(0), query.stride(1)),
-        )
+        constexprs = dict(HQ=heads, **tile_constexprs(layout, query, kv_cache, block_n))
         index = layout.index.to(device=dev, dtype=torch.int32)
         states[key] = dict(constexprs=constexprs, index=index, parts=parts, out=out)
     return states[key]

@@ -65,7 +65,7 @@ from vtoken.kernels.triton.finish import request_stats, widened
 from vtoken.kernels.triton.plan import NO_ROW, device_meta, launch_state, plan_step
 from vtoken.kernels.triton.runtime import TritonKernel
 from vtoken.kernels.triton.softmax import _MERGE, _STATS, SplitPlan, launch_softmax_stats
-from vtoken.kernels.triton.tiles import _SUM, _kv_tile, _logits, _query_tile
+from vtoken.kernels.triton.tiles import _SUM, TILE_HELPERS, _kv_load, _kv_rows, _logits, _query_tile
 
 
 def _probs(
@@ -119,27 +119,10 @@ def _probs(
         acc = tl.full([BLOCK_N], 0.0, tl.float32)
         for g in range(HKV):
             q = _query_tile(q_ptr, q_st, q_sh, t, g, GROUP, G_P2, D, D_P2, cache_ptr.dtype.element_ty, Q_ALIGN)
-            k, pos, valid = _kv_tile(
-                cache_ptr,
-                bt_ptr,
-                index_ptr,
-                req,
-                g,
-                start,
-                vis,
-                block_stride,
-                head_stride,
-                token_stride,
-                bt_stride,
-                BLOCK_SIZE,
-                BLOCK_N,
-                D,
-                D_P2,
-                WIDTH,
-                STRIDED,
-                ALIGN,
-                0,
+            kv_row, off, pos, valid = _kv_rows(
+                bt_ptr, req, g, start, vis, block_stride, head_stride, bt_stride, BLOCK_SIZE, BLOCK_N
             )
+            k = _kv_load(cache_ptr, index_ptr, kv_row, off, valid, token_stride, D, D_P2, WIDTH, STRIDED, ALIGN, 0)
             s = _logits(q, k, scale, UPCAST, PRECISION)
             m = tl.load(m_ptr + i * HQ + g * GROUP + h, mask=h < GROUP, other=0.0)
             den = tl.load(l_ptr + i * HQ + g * GROUP + h, mask=h < GROUP, other=1.0)
@@ -157,7 +140,7 @@ def _probs(
             tl.store(rows_ptr + row * kmax + col, old + mean, mask=valid)
 
 
-_PROBS = TritonKernel(_probs, helpers=(_kv_tile, _query_tile, _logits), do_not_specialize=("q_st", "bt_stride", "kmax"))
+_PROBS = TritonKernel(_probs, helpers=TILE_HELPERS, do_not_specialize=("q_st", "bt_stride", "kmax"))
 # by name, for the device check's compiled-variant counts
 KERNELS = {"_softmax_stats": _STATS, "_softmax_merge": _MERGE, "_probs": _PROBS}
 
@@ -223,11 +206,7 @@ class TritonScoreAccumulator(ScoreAccumulator):
                         rs.live_slots = row_slots(row, rs.seq_len, self.layout.block_size)
                     add_redundancy(rs, read_k(kv_cache, self.layout, rs.live_slots))
                 rs.layers += 1
-        for rs in self.requests.values():
-            if rs.want_key_norm and key is not None:
-                n = key[rs.q_start : rs.q_end].float().norm(dim=-1).mean(dim=-1)
-                rs.key_norm = n if rs.key_norm is None else rs.key_norm + n
-                rs.norm_layers += 1
+        self._add_key_norms(key)
 
     def _launch(
         self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float, meta: dict, merge: bool = False

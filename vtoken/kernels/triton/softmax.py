@@ -27,7 +27,7 @@ import torch
 import triton.language as tl
 
 from vtoken.kernels.triton.runtime import TritonKernel
-from vtoken.kernels.triton.tiles import _MAX, _SUM, _kv_tile, _logits, _query_tile
+from vtoken.kernels.triton.tiles import _MAX, _SUM, TILE_HELPERS, _kv_load, _kv_rows, _logits, _query_tile
 
 
 def _softmax_stats(
@@ -75,27 +75,10 @@ def _softmax_stats(
     m = tl.full([G_P2], float("-inf"), tl.float32)
     den = tl.full([G_P2], 0.0, tl.float32)
     for start in range(lo, hi, BLOCK_N):  # interpreted: range() calls the bounds' __index__ (kernels.triton.runtime)
-        k, pos, valid = _kv_tile(
-            cache_ptr,
-            bt_ptr,
-            index_ptr,
-            req,
-            g,
-            start,
-            hi,
-            block_stride,
-            head_stride,
-            token_stride,
-            bt_stride,
-            BLOCK_SIZE,
-            BLOCK_N,
-            D,
-            D_P2,
-            WIDTH,
-            STRIDED,
-            ALIGN,
-            0,
+        kv_row, off, pos, valid = _kv_rows(
+            bt_ptr, req, g, start, hi, block_stride, head_stride, bt_stride, BLOCK_SIZE, BLOCK_N
         )
+        k = _kv_load(cache_ptr, index_ptr, kv_row, off, valid, token_stride, D, D_P2, WIDTH, STRIDED, ALIGN, 0)
         x = _logits(q, k, scale, UPCAST, PRECISION)
         x = tl.where(valid[None, :], x, float("-inf"))
         m_new = tl.maximum(m, tl.reduce(x, 1, _MAX))
@@ -128,9 +111,7 @@ def _softmax_merge(mp_ptr, lp_ptr, m_ptr, l_ptr, splits, HQ: tl.constexpr, HQ_P2
     tl.store(l_ptr + i * HQ + h, den, mask=ok)
 
 
-_STATS = TritonKernel(
-    _softmax_stats, helpers=(_kv_tile, _query_tile, _logits), do_not_specialize=("q_st", "bt_stride", "chunk")
-)
+_STATS = TritonKernel(_softmax_stats, helpers=TILE_HELPERS, do_not_specialize=("q_st", "bt_stride", "chunk"))
 _MERGE = TritonKernel(_softmax_merge, do_not_specialize=("splits",))
 
 
