@@ -35,27 +35,24 @@ LLAMA = dict(
 )
 
 
+MOVE_TYPES = {
+    "cache_ptr": "*bf16",
+    "layer_off_ptr": "*i64",
+    "src_ptr": "*i64",
+    "dst_ptr": "*i64",
+    "stage_ptr": "*bf16",
+    "index_ptr": "*i32",
+    "block_stride": "i64",
+    "head_stride": "i32",
+    "token_stride": "i32",
+}
+MOVE_CONSTEXPRS = dict(CAP=512, BLOCK_SIZE=16, HEADS=8, HEAD_TILE=8, WIDTH=256, WIDTH_P2=256, ALIGN=16)
+
+
 @pytest.mark.parametrize("mode", [GATHER, SCATTER, DIRECT])
 @pytest.mark.parametrize("strided", [True, False])
 def test_move_kernel_compiles_and_vectorises(mode, strided):
-    types = {
-        "cache_ptr": "*bf16",
-        "layer_off_ptr": "*i64",
-        "src_ptr": "*i64",
-        "dst_ptr": "*i64",
-        "stage_ptr": "*bf16",
-        "index_ptr": "*i32",
-        "block_stride": "i64",
-        "head_stride": "i32",
-        "token_stride": "i32",
-    }
-    ptx = compile_sm90(
-        _COPY,
-        types,
-        dict(
-            CAP=512, BLOCK_SIZE=16, HEADS=8, HEAD_TILE=8, WIDTH=256, WIDTH_P2=256, STRIDED=strided, ALIGN=16, MODE=mode
-        ),
-    )
+    ptx = compile_sm90(_COPY, MOVE_TYPES, {**MOVE_CONSTEXPRS, "STRIDED": strided, "MODE": mode})
     if strided:  # the CUDA layouts: whole 16-byte vectors in and out
         assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
 
@@ -111,66 +108,41 @@ def test_softmax_merge_compiles(hq):
     assert "scf.for" in ttir  # the loops over the splits are runtime loops, not unrolled per split count
 
 
+DECODE_TYPES = {
+    "q_ptr": "*bf16",
+    "q_st": "i32",
+    "q_sh": "i32",
+    "cache_ptr": "*bf16",
+    "bt_ptr": "*i32",
+    "bt_stride": "i32",
+    "index_ptr": "*i64",
+    "seq_ptr": "*i32",
+    "out_ptr": "*bf16",
+    "o_st": "i32",
+    "o_sh": "i32",
+    "block_stride": "i64",
+    "head_stride": "i32",
+    "token_stride": "i32",
+    "scale": "fp32",
+}
+
+
 def test_paged_decode_compiles():
-    types = {
-        "q_ptr": "*bf16",
-        "q_st": "i32",
-        "q_sh": "i32",
-        "cache_ptr": "*bf16",
-        "bt_ptr": "*i32",
-        "bt_stride": "i32",
-        "index_ptr": "*i64",
-        "seq_ptr": "*i32",
-        "out_ptr": "*bf16",
-        "o_st": "i32",
-        "o_sh": "i32",
-        "block_stride": "i64",
-        "head_stride": "i32",
-        "token_stride": "i32",
-        "scale": "fp32",
-    }
-    ptx = compile_sm90(_DECODE, types, {**LLAMA, "PRECISION": "tf32"})
+    ptx = compile_sm90(_DECODE, DECODE_TYPES, {**LLAMA, "PRECISION": "tf32"})
     assert re.search(r"cp\.async\.cg\.shared\.global .*, 0x10", ptx)  # keys and values: 16-byte copies
     assert not re.search(r"ld\.global(\.\w+)*\.b16", ptx)
 
 
 # ---------------------------------------------------------------- 64-bit element offsets (issue 24)
 def _ttir_cases():
-    moves = {
-        "cache_ptr": "*bf16",
-        "layer_off_ptr": "*i64",
-        "src_ptr": "*i64",
-        "dst_ptr": "*i64",
-        "stage_ptr": "*bf16",
-        "index_ptr": "*i32",
-        "block_stride": "i32",
-        "head_stride": "i32",
-        "token_stride": "i32",
-    }
-    move_c = dict(CAP=512, BLOCK_SIZE=16, HEADS=8, HEAD_TILE=8, WIDTH=256, WIDTH_P2=256, ALIGN=16)
+    moves = {**MOVE_TYPES, "block_stride": "i32"}
     scores = {**SCORE_TYPES, "q_ptr": "*bf16", "cache_ptr": "*bf16", "block_stride": "i32"}
     probs = {**scores, "q_row": "*i32", "q_first": "*i32", "sums_ptr": "*fp32", "rows_ptr": "*fp32", "kmax": "i32"}
-    decode = {
-        "q_ptr": "*bf16",
-        "q_st": "i32",
-        "q_sh": "i32",
-        "cache_ptr": "*bf16",
-        "bt_ptr": "*i32",
-        "bt_stride": "i32",
-        "index_ptr": "*i32",
-        "seq_ptr": "*i32",
-        "out_ptr": "*bf16",
-        "o_st": "i32",
-        "o_sh": "i32",
-        "block_stride": "i32",
-        "head_stride": "i32",
-        "token_stride": "i32",
-        "scale": "fp32",
-    }
+    decode = {**DECODE_TYPES, "index_ptr": "*i32", "block_stride": "i32"}
     for mode in (GATHER, SCATTER, DIRECT):
         for strided in (True, False):
             name = f"move{mode}{'s' if strided else 'i'}"
-            yield name, _COPY, moves, {**move_c, "STRIDED": strided, "MODE": mode}
+            yield name, _COPY, moves, {**MOVE_CONSTEXPRS, "STRIDED": strided, "MODE": mode}
     for strided in (True, False):
         common = {**LLAMA, "STRIDED": strided, "PRECISION": "tf32"}
         yield f"stats{strided:d}", _STATS, {**scores, "chunk": "i32"}, {**common, "HQ": 32}

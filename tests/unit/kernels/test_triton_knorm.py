@@ -58,25 +58,30 @@ def test_layer_tensors_listed_twice_count_once_and_warmup_changes_nothing():
     assert norms.sum(caches, torch.zeros(0, dtype=torch.int64)).numel() == 0
 
 
+# the key-norm kernel's argument types as triton.jit specialises them (a stride of 2^31 or more: i64) and a
+# Llama-3-8B-like LBNHC layout's constexprs (STRIDED per test)
+KNORM_TYPES = {
+    "cache_ptr": "*bf16",
+    "layer_off_ptr": "*i64",
+    "slot_ptr": "*i64",
+    "out_ptr": "*fp32",
+    "index_ptr": "*i32",
+    "n_layers": "i32",
+    "block_stride": "i64",
+    "head_stride": "i32",
+    "token_stride": "i32",
+}
+KNORM_CONSTEXPRS = dict(HEADS=8, H_P2=8, D=128, D_P2=128, WIDTH=256, BLOCK_SIZE=16, ALIGN=16)
+
+
 def test_key_norm_kernel_compiles_for_sm90():
     """The compiled variant for a Llama-3-8B-like LBNHC layout: key rows loaded as 16-byte vectors."""
     from support.sm90 import compile_sm90
 
-    types = {
-        "cache_ptr": "*bf16",
-        "layer_off_ptr": "*i64",
-        "slot_ptr": "*i64",
-        "out_ptr": "*fp32",
-        "index_ptr": "*i32",
-        "n_layers": "i32",
-        "block_stride": "i64",
-        "head_stride": "i32",
-        "token_stride": "i32",
-    }
-    constexprs = dict(HEADS=8, H_P2=8, D=128, D_P2=128, WIDTH=256, BLOCK_SIZE=16, STRIDED=True, ALIGN=16)
-    ptx = compile_sm90(_KNORM, types, constexprs)
+    constexprs = {**KNORM_CONSTEXPRS, "STRIDED": True}
+    ptx = compile_sm90(_KNORM, KNORM_TYPES, constexprs)
     assert re.search(r"ld\.global(\.\w+)*\.v4", ptx)
-    compile_sm90(_KNORM, types, {**constexprs, "STRIDED": False, "HEADS": 3, "H_P2": 4, "D": 80})
+    compile_sm90(_KNORM, KNORM_TYPES, {**constexprs, "STRIDED": False, "HEADS": 3, "H_P2": 4, "D": 80})
 
 
 def test_key_norm_offsets_are_64_bit():
@@ -84,19 +89,9 @@ def test_key_norm_offsets_are_64_bit():
     elements on an H200-sized cache."""
     from support.sm90 import compile_sm90, stride_products
 
-    types = {
-        "cache_ptr": "*bf16",
-        "layer_off_ptr": "*i64",
-        "slot_ptr": "*i64",
-        "out_ptr": "*fp32",
-        "index_ptr": "*i32",
-        "n_layers": "i32",
-        "block_stride": "i32",
-        "head_stride": "i32",
-        "token_stride": "i32",
-    }
+    types = {**KNORM_TYPES, "block_stride": "i32"}
     for strided in (True, False):
-        constexprs = dict(HEADS=8, H_P2=8, D=128, D_P2=128, WIDTH=256, BLOCK_SIZE=16, STRIDED=strided, ALIGN=16)
+        constexprs = {**KNORM_CONSTEXPRS, "STRIDED": strided}
         products = stride_products(compile_sm90(_KNORM, types, constexprs, asm="ttir"))
         assert "head_stride" in {name for name, _, _ in products}
         assert not [line for _, ty, line in products if not re.search(r"(^|x)i64>?$", ty)]
