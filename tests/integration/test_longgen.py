@@ -218,7 +218,8 @@ def test_the_experiments_show_each_committed_table_verbatim(path):
 
 
 def test_the_figure_refuses_reports_of_another_shape_and_draws_one_marker_per_setting(tmp_path):
-    from vtoken.bench.quality.longgen.plot import merged_points, plot_longgen
+    from vtoken.bench.quality.longgen.plot import plot_longgen
+    from vtoken.bench.quality.longgen.trade import merged_points
 
     path = committed_reports()[0]
     report = json.loads(path.read_text())

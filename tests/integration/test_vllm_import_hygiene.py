@@ -84,11 +84,12 @@ def test_the_cpu_platform_still_gets_the_cpu_worker():
     """The probe above is not vacuous: on the CPU platform the CPU classes load when the worker is built."""
     from vllm.platforms import current_platform
 
-    from vtoken.vllm.worker import VTokenWorker, platform_worker_class
+    from vtoken.vllm.runner.worker_base import VTokenWorkerBase
+    from vtoken.vllm.worker import platform_worker_class
 
     assert current_platform.is_cpu()
     cls = platform_worker_class()
-    assert cls.__module__ == "vtoken.vllm.runner.cpu" and issubclass(cls, VTokenWorker)
+    assert cls.__module__ == "vtoken.vllm.runner.cpu" and issubclass(cls, VTokenWorkerBase)
     import torch
     from vllm.v1.worker.cpu import shm  # noqa: F401  (what loading the CPU class loads)
 

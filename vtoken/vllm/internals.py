@@ -6,8 +6,8 @@ them, the internals below. Each is used for the stated reason and nothing else; 
 (called when the scheduler starts, and by a test) refuses any other vLLM version, because these are not
 public APIs and silently drifting semantics would corrupt KV caches, not crash.
 
-Scheduler side (engine-core process) — ``vtoken/vllm/scheduler.py``, ``async_scheduler.py``,
-``scheduling/request_state.py``
+Scheduler side (engine-core process) — ``vtoken/vllm/scheduler.py`` (``VTokenScheduler``,
+``VTokenAsyncScheduler``), ``scheduling/request_state.py``
   * ``vllm.v1.core.sched.scheduler.Scheduler`` — subclassed (``scheduler_cls``); ``__new__`` reads
     ``vllm_config.scheduler_config.async_scheduling`` and then builds ``VTokenAsyncScheduler``, which also
     subclasses ``vllm.v1.core.sched.async_scheduler.AsyncScheduler`` (one step in flight while the next is
@@ -95,10 +95,10 @@ Start-up refusals — ``vtoken/vllm/supported_configs.py`` (``check_engine_confi
     spans over multimodal prefixes as logical token ranges (``gpu_model_runner``, ``flash_attn``), which
     compacted rows no longer match: refused.
 
-Worker side (worker process) — ``vtoken/vllm/worker.py`` and ``vtoken/vllm/runner/``: ``mixin.py``,
-``score_capture.py``, ``step_result.py``, ``cpu.py``, ``gpu.py``
-  * ``vllm.v1.worker.gpu_worker.Worker`` — subclassed by ``VTokenWorker`` (``worker_cls``), whose ``__new__``
-    picks the platform's subclass from ``vllm.platforms.current_platform`` (``is_cpu`` / ``is_cuda`` /
+Worker side (worker process) — ``vtoken/vllm/worker.py`` and ``vtoken/vllm/runner/``: ``worker_base.py``,
+``mixin.py``, ``score_capture.py``, ``step_result.py``, ``cpu.py``, ``gpu.py``
+  * ``vllm.v1.worker.gpu_worker.Worker`` — subclassed by ``VTokenWorkerBase``; ``VTokenWorker`` (``worker_cls``)'s
+    ``__new__`` builds the platform's worker from ``vllm.platforms.current_platform`` (``is_cpu`` / ``is_cuda`` /
     ``device_name``). CUDA: ``VTokenGPUWorker`` overrides ``Worker._make_model_runner`` (vLLM's hook for
     subclasses) to build ``VTokenGPUModelRunner`` (``GPUModelRunner(vllm_config, device)``); reads
     ``use_v2_model_runner``, ``vllm_config.is_mm_encoder_only``.
@@ -242,4 +242,4 @@ def is_vtoken_worker(worker_cls: object) -> bool:
             worker_cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError, ValueError):
             return False
-    return any(c.__module__ == "vtoken.vllm.worker" for c in getattr(worker_cls, "__mro__", ()))
+    return any(c.__module__ == "vtoken.vllm.runner.worker_base" for c in getattr(worker_cls, "__mro__", ()))

@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
@@ -76,12 +77,10 @@ class _StepWork:
 class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
     """vLLM's V1 scheduler with per-token eviction and repacking (see the module docstring). The one name to
     configure: with async scheduling on, constructing it builds ``VTokenAsyncScheduler`` (vLLM's
-    ``AsyncScheduler`` with the same hooks; vtoken/vllm/async_scheduler.py)."""
+    ``AsyncScheduler`` with the same hooks, at the end of this file)."""
 
     def __new__(cls, vllm_config, *args, **kwargs):
         if cls is VTokenScheduler and vllm_config.scheduler_config.async_scheduling:
-            from vtoken.vllm.async_scheduler import VTokenAsyncScheduler
-
             return super().__new__(VTokenAsyncScheduler)
         return super().__new__(cls)
 
@@ -435,3 +434,19 @@ class VTokenScheduler(PressureMixin, AdmissionMixin, Scheduler):
         """Current gauges and counters (in-process callers; served engines read them from SchedulerStats).
         ``None`` when vToken is off for this engine (mode 'none')."""
         return self._vt_snapshot() if self.vt.enabled else None
+
+
+class VTokenAsyncScheduler(VTokenScheduler, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` (async scheduling, CUDA's default) with vToken's hooks; never named in a
+    configuration: ``VTokenScheduler(...)`` builds it when ``scheduler_config.async_scheduling`` is on.
+
+    ``AsyncScheduler`` schedules step N+1 while step N runs: a decode request gets a placeholder for the token
+    N is still sampling (``num_output_placeholders``), and N's output is processed after N+1 was scheduled.
+    The hooks are ``VTokenScheduler``'s (method resolution order ``VTokenScheduler`` → ``AsyncScheduler`` →
+    ``Scheduler``); what async scheduling changes is handled there: the decision counts the placeholder as
+    the step's new token (reuse+repack places it into a hole); tokens placed by a step in flight are not
+    evicted until its statistics arrived; scores are matched to their step by number and mapped through that
+    step's slot→token map (vtoken/vllm/scheduling/request_state.py); preemption or abort between the two
+    steps drops the request's records and the late scores with them. Moves and truncations of step N+1 run
+    on the worker before N+1's forward and after N's (one stream, in order), the ordering vLLM relies on
+    when it hands a block freed in N+1 to another request."""

@@ -4,19 +4,18 @@
 vToken ships a worker class. ``VTokenWorker`` is the one name to use: constructing it builds the
 implementation for vLLM's current platform (``platform_worker_class``)::
 
-    CPU    VTokenCPUWorker = VTokenWorker + vLLM's CPUWorker; init_device switches the fresh V1
+    CPU    VTokenCPUWorker = VTokenWorkerBase + vLLM's CPUWorker; init_device switches the fresh V1
            CPUModelRunner instance to VTokenCPUModelRunner (probed CPU layout, torch mover and scores;
            vtoken/vllm/runner/cpu.py, imported only there)
-    CUDA   VTokenGPUWorker = VTokenWorker + vLLM's GPU Worker; _make_model_runner builds
+    CUDA   VTokenGPUWorker = VTokenWorkerBase + vLLM's GPU Worker; _make_model_runner builds
            VTokenGPUModelRunner (layout from the cache view's strides, Triton mover and scores;
            vtoken/vllm/runner/gpu.py, imported only there)
 
-Before vLLM's own constructor runs, ``VTokenWorker.__init__`` validates the vToken settings and refuses
-engine configurations vToken cannot keep exact (``check_engine_config``: a bad value or an unsupported
-feature fails start-up in seconds, before the model loads) and applies the engine choices of
-``vtoken.vllm.engine_setup`` to this engine's config: vLLM's V1 model runner, and PIECEWISE CUDA graphs
-for attention statistics from every layer (a ``score_layers`` subset keeps vLLM's graphs: its queries are
-copied inside them, ``vtoken/vllm/runner/score_capture.py``). Nothing is patched at import time or globally.
+Both share ``VTokenWorkerBase`` (vtoken/vllm/runner/worker_base.py): before vLLM's own constructor runs it
+validates the vToken settings, refuses engine configurations vToken cannot keep exact and applies
+``vtoken.vllm.engine_setup``'s choices to the engine's config. ``VTokenWorker(...)`` returns the platform
+worker, built; the platform modules never import this one (imports run one way). Nothing is patched at
+import time or globally.
 
 Importing this module imports no platform's worker: vLLM imports it in *every* worker process to resolve
 ``--worker-cls``, and vLLM's CPU worker module (``vllm.v1.worker.cpu_worker``) replaces ``torch.cuda.Event``,
@@ -28,38 +27,24 @@ classes are imported by ``platform_worker_class`` only on that platform
 
 from __future__ import annotations
 
-from vllm.v1.worker.gpu_worker import Worker
-
 from vtoken.errors import ConfigError
+from vtoken.vllm.runner.worker_base import VTokenWorkerBase
 
 
-class VTokenWorker(Worker):
-    """The vToken worker for vLLM's current platform (constructing it returns the platform's subclass)."""
+class VTokenWorker(VTokenWorkerBase):
+    """The name vLLM is configured with: constructing it returns the current platform's worker, built (an
+    instance of that class, not of this one, so Python does not run ``__init__`` twice). A user subclass
+    is built as itself, with ``VTokenWorkerBase``'s start-up."""
 
     def __new__(cls, *args, **kwargs):
-        return super().__new__(platform_worker_class() if cls is VTokenWorker else cls)
-
-    def __init__(self, vllm_config, *args, **kwargs) -> None:
-        from vtoken.vllm.config import EngineSettings
-        from vtoken.vllm.engine_setup import prepare_engine
-        from vtoken.vllm.internals import check_vllm_version
-
-        check_vllm_version()
-        # The scheduler, which owns the settings, is built after the KV cache is sized: validate here too.
-        settings = EngineSettings.from_additional_config(
-            vllm_config.additional_config, vllm_config.cache_config.block_size
-        )
-        if settings.enabled:  # what the config alone refuses, before the model loads (vtoken/vllm/supported_configs.py)
-            from vtoken.vllm.supported_configs import check_engine_config
-
-            check_engine_config(vllm_config)
-        prepare_engine(vllm_config, settings)  # V1 runner, CUDA-graph mode: before vLLM reads them
-        super().__init__(vllm_config, *args, **kwargs)
+        if cls is VTokenWorker:
+            return platform_worker_class()(*args, **kwargs)
+        return super().__new__(cls)
 
 
-def platform_worker_class(platform=None) -> type[VTokenWorker]:
-    """The ``VTokenWorker`` subclass for ``platform`` (default: vLLM's current platform). Raises
-    ``ConfigError`` on a platform vToken does not run on."""
+def platform_worker_class(platform=None) -> type[VTokenWorkerBase]:
+    """The vToken worker class for ``platform`` (default: vLLM's current platform). Raises ``ConfigError`` on
+    a platform vToken does not run on."""
     if platform is None:
         from vllm.platforms import current_platform as platform
     if platform.is_cpu():

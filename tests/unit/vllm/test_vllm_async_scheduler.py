@@ -161,8 +161,7 @@ def run(sched, requests, *, max_iters=400, between=None, worker=None):
 def test_async_variant_is_selected_by_vllms_setting():
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    from vtoken.vllm.async_scheduler import VTokenAsyncScheduler
-    from vtoken.vllm.scheduler import VTokenScheduler
+    from vtoken.vllm.scheduler import VTokenAsyncScheduler, VTokenScheduler
 
     s = make_scheduler(async_scheduling=True)
     assert type(s) is VTokenAsyncScheduler

@@ -25,7 +25,7 @@ def _platform(kind):
     return SimpleNamespace(is_cpu=lambda: kind == "cpu", is_cuda=lambda: kind == "cuda", device_name=kind)
 
 
-def test_one_worker_name_builds_the_platforms_worker():
+def test_one_worker_name_builds_the_platforms_worker(monkeypatch):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vtoken.vllm import WORKER_CLS, engine_kwargs
@@ -33,6 +33,7 @@ def test_one_worker_name_builds_the_platforms_worker():
     from vtoken.vllm.runner.cpu import VTokenCPUWorker
     from vtoken.vllm.runner.gpu import VTokenGPUModelRunner, VTokenGPUWorker
     from vtoken.vllm.runner.mixin import VTokenRunnerMixin
+    from vtoken.vllm.runner.worker_base import VTokenWorkerBase
     from vtoken.vllm.worker import VTokenWorker, platform_worker_class
 
     assert WORKER_CLS == "vtoken.vllm.worker.VTokenWorker" and engine_kwargs()["worker_cls"] == WORKER_CLS
@@ -40,8 +41,19 @@ def test_one_worker_name_builds_the_platforms_worker():
     assert platform_worker_class(_platform("cuda")) is VTokenGPUWorker
     with pytest.raises(ConfigError, match="'rocm'"):
         platform_worker_class(_platform("rocm"))
-    assert type(VTokenWorker.__new__(VTokenWorker)) is VTokenCPUWorker  # this machine: vLLM's CPU platform
-    assert issubclass(VTokenGPUWorker, VTokenWorker) and issubclass(VTokenCPUWorker, VTokenWorker)
+    assert platform_worker_class() is VTokenCPUWorker  # this machine: vLLM's CPU platform
+
+    class Built:  # stands in for the platform worker: built once, with the arguments vLLM passed
+        inits = 0
+
+        def __init__(self, *args, **kwargs):
+            Built.inits += 1
+            self.args, self.kwargs = args, kwargs
+
+    monkeypatch.setattr("vtoken.vllm.worker.platform_worker_class", lambda: Built)
+    worker = VTokenWorker("vllm_config", rank=0)
+    assert type(worker) is Built and (worker.args, worker.kwargs, Built.inits) == (("vllm_config",), {"rank": 0}, 1)
+    assert issubclass(VTokenGPUWorker, VTokenWorkerBase) and issubclass(VTokenCPUWorker, VTokenWorkerBase)
     assert issubclass(VTokenGPUModelRunner, VTokenRunnerMixin)
     assert issubclass(VTokenGPUModelRunner, GPUModelRunner)
     for name in (WORKER_CLS, "vtoken.vllm.runner.cpu.VTokenCPUWorker", "vtoken.vllm.runner.gpu.VTokenGPUWorker"):

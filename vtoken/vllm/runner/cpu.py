@@ -18,7 +18,7 @@ from vtoken.kernels.gpu_layout import paged_layout
 from vtoken.kernels.moves import TorchSlotMover
 from vtoken.kernels.scores import ScoreAccumulator
 from vtoken.vllm.runner.mixin import VTokenRunnerMixin
-from vtoken.vllm.worker import VTokenWorker
+from vtoken.vllm.runner.worker_base import VTokenWorkerBase
 
 
 class VTokenCPUModelRunner(VTokenRunnerMixin, CPUModelRunner):
@@ -51,7 +51,7 @@ class VTokenCPUModelRunner(VTokenRunnerMixin, CPUModelRunner):
         return ScoreAccumulator(layout)
 
 
-class VTokenCPUWorker(VTokenWorker, CPUWorker):
+class VTokenCPUWorker(VTokenWorkerBase, CPUWorker):
     """vLLM's CPU worker running ``VTokenCPUModelRunner``."""
 
     def init_device(self) -> None:

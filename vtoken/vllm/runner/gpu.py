@@ -11,7 +11,7 @@
     scores   ``TritonScoreAccumulator`` on CUDA tensors (``PagedScoreAccumulator``, the torch reference,
              otherwise: the CPU tests drive this class on CPU tensors)
 
-Model Runner V2 is not hooked: ``VTokenWorker.__init__`` pins V1 on the engine's config first
+Model Runner V2 is not hooked: ``VTokenWorkerBase.__init__`` pins V1 on the engine's config first
 (``vtoken.vllm.engine_setup``). Importable without a GPU (vLLM's CPU build ships the same classes).
 """
 
@@ -25,7 +25,7 @@ from vtoken.kernels.triton.moves import TritonSlotMover
 from vtoken.kernels.triton.scores import TritonScoreAccumulator
 from vtoken.vllm.runner.mixin import VTokenRunnerMixin
 from vtoken.vllm.runner.step_result import HostReadback
-from vtoken.vllm.worker import VTokenWorker
+from vtoken.vllm.runner.worker_base import VTokenWorkerBase
 
 
 class VTokenGPUModelRunner(VTokenRunnerMixin, GPUModelRunner):
@@ -91,7 +91,7 @@ class VTokenGPUModelRunner(VTokenRunnerMixin, GPUModelRunner):
         return None
 
 
-class VTokenGPUWorker(VTokenWorker):
+class VTokenGPUWorker(VTokenWorkerBase):
     """vLLM's GPU worker running ``VTokenGPUModelRunner`` (V1; the engine's config pins it)."""
 
     def _make_model_runner(self):

@@ -11,21 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vtoken.bench.quality.longgen.rule import RATIO_BOUND
-
-SAME_RUN_KEYS = ("prompt_tokens", "continuation_tokens", "block_size")
-
-
-def merged_points(reports: list[dict]) -> list[dict]:
-    """Every point of ``reports`` with ``blocks_ratio`` (held ÷ full cache); ``ValueError`` naming the first
-    report whose model or shape differs from the first's. Pure."""
-    first = reports[0]
-    out = []
-    for r in reports:
-        if r["model"] != first["model"] or any(r["setup"][k] != first["setup"][k] for k in SAME_RUN_KEYS):
-            raise ValueError(f"report {r['command']!r} is not on the first report's model and shape")
-        full = r["full_cache"]["blocks_mean"]
-        out += [{**p, "blocks_ratio": p["retained_blocks_mean"] / full} for p in r["points"]]
-    return out
+from vtoken.bench.quality.longgen.trade import merged_points
 
 
 def plot_longgen(reports: list[dict], path: str | Path) -> None:

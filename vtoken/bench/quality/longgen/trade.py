@@ -12,7 +12,21 @@ Gain comes in two kinds, never mixed:
 
 from __future__ import annotations
 
-from vtoken.bench.quality.longgen.plot import merged_points
+SAME_RUN_KEYS = ("prompt_tokens", "continuation_tokens", "block_size")  # what merged reports must share
+
+
+def merged_points(reports: list[dict]) -> list[dict]:
+    """Every point of ``reports`` with ``blocks_ratio`` (held ÷ full cache); ``ValueError`` naming the first
+    report whose model or shape differs from the first's. Pure."""
+    first = reports[0]
+    out = []
+    for r in reports:
+        if r["model"] != first["model"] or any(r["setup"][k] != first["setup"][k] for k in SAME_RUN_KEYS):
+            raise ValueError(f"report {r['command']!r} is not on the first report's model and shape")
+        full = r["full_cache"]["blocks_mean"]
+        out += [{**p, "blocks_ratio": p["retained_blocks_mean"] / full} for p in r["points"]]
+    return out
+
 
 MATCH_KEYS = ("policy", "budget", "scope")  # what ties a served run to a yardstick point
 SERVED_RATIO = "repack/{policy} +admission / none"  # the served summary's repack ÷ stock ratio
