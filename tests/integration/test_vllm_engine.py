@@ -8,11 +8,23 @@ VLLM_ENABLE_V1_MULTIPROCESSING=0 only while building them), shared per module or
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
-from support.engine import MODES, POLICIES, TOL, check_against_reference, shutdown, small_pool_engine, sp
+from support.cli import last_json_line, run_vtoken
+from support.engine import (
+    MODES,
+    POLICIES,
+    TOL,
+    assert_exact_and_paired,
+    check_against_reference,
+    engine_session,
+    preempted_pair,
+    small_pool_engine,
+    sp,
+    sp_uncached,
+    verify_on_engine,
+)
 
 from vtoken.vllm.offline.launch import scheduler_of, start_engine
 from vtoken.vllm.offline.verify import VerifyCase, run_cases
@@ -24,18 +36,9 @@ pytestmark = pytest.mark.slow
 def run_one_by_one(llm, d, prompt, runs: list[tuple[str, dict]], max_tokens: int, **common):
     """Each ``(trace_id, per-request vtoken settings)`` of ``runs`` alone on ``prompt`` (greedy, logprobs, no
     prefix-cache reads, ``common`` settings under each run's own): the outputs and their traces."""
-    from vllm import SamplingParams
-
     outs, traces = [], []
     for trace_id, vt in runs:
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=0.0,
-            logprobs=0,
-            ignore_eos=True,
-            skip_reading_prefix_cache=True,
-            extra_args={"vtoken": {**common, **vt, "trace_id": trace_id}},
-        )
+        params = sp_uncached(max_tokens, **{**common, **vt, "trace_id": trace_id})
         outs.append(llm.generate([{"prompt_token_ids": prompt}], [params], use_tqdm=False)[0])
         traces.append(RequestTrace.read(d / f"{trace_id}.json"))
     return outs, traces
@@ -60,7 +63,6 @@ def test_verify_matrix(arch, block_size, prompt_len, tmp_path, request):
     (|Δ log-prob| ≤ 1e-4, fp32; on the hybrid model the sliding-window layers see every token of their
     window), the three modes produce identical tokens (paired decisions), and vLLM's pool holds exactly the
     packing bound (repack) or the naive rule (naive) at every step (the managed group's rows)."""
-    from vtoken.models.hf_reference import load_reference_model
     from vtoken.models.tiny import tiny_model
 
     path = tiny_model(arch)
@@ -68,25 +70,10 @@ def test_verify_matrix(arch, block_size, prompt_len, tmp_path, request):
     # every prompt prefilled in the first step: a prompt split across prefill chunks evicts between them
     # and its paired run (not split) decides differently, by design, not by a bug
     llm = start_engine(str(path), block_size, str(tmp_path), max_num_batched_tokens=len(cases) * prompt_len)
-    try:
-        results = run_cases(
-            path,
-            block_size,
-            cases,
-            llm=llm,
-            trace_dir=str(tmp_path),
-            prompt_len=prompt_len,
-            max_tokens=24,
-            reference_model=load_reference_model(path),
-        )
-    finally:
-        shutdown(llm)
+    results = verify_on_engine(llm, path, block_size, cases, tmp_path, prompt_len)
     for r in results:
+        assert_exact_and_paired(r)
         key = r.case.key()
-        assert r.match, key
-        assert r.max_abs_logprob_diff <= TOL, (key, r.max_abs_logprob_diff)
-        assert r.paired_naive_match, f"{key}: tokens differ from the paired naive run"
-        assert r.evicted_tokens > 0, key
         trace = RequestTrace.read(tmp_path / f"{key}.json")
         held, bound, naive = (np.asarray(a) for a in (trace.held_blocks, trace.packing_bound, trace.naive_blocks))
         if r.case.mode == "naive":
@@ -106,18 +93,18 @@ def prefix_engine(tmp_path_factory):
     """Prefix caching ON, chunked prefill (64 tokens per step), block size 32."""
     from vtoken.models.tiny import tiny_model
 
-    d = tmp_path_factory.mktemp("traces")
-    llm = start_engine(
-        str(tiny_model("llama")),
-        32,
-        str(d),
-        enable_prefix_caching=True,
-        max_num_batched_tokens=64,
-        max_model_len=512,
-        recent=8,
+    yield from engine_session(
+        tmp_path_factory,
+        lambda d: start_engine(
+            str(tiny_model("llama")),
+            32,
+            d,
+            enable_prefix_caching=True,
+            max_num_batched_tokens=64,
+            max_model_len=512,
+            recent=8,
+        ),
     )
-    yield llm, d
-    shutdown(llm)
 
 
 def test_prefix_sharing_one_request_repacking(prefix_engine, ref_llama):
@@ -157,28 +144,11 @@ def test_score_layers_subset_is_exact_and_changes_the_decisions(prefix_engine, r
     masked reference and its paired naive run (same salt, same subset); its evictions differ from the
     every-layer run of the same prompt and salt, so the subset really changes the scores. (The prefix
     cache is not read: paired requests must not share blocks.)"""
-    from vllm import SamplingParams
-
     llm, d = prefix_engine
     prompt = np.random.default_rng(3).integers(10, 500, 150).tolist()
 
-    def params(trace_id, mode, layers):
-        vt = {
-            "policy": "h2o",
-            "mode": mode,
-            "budget": 0.3,
-            "salt": 11,
-            "trace_id": trace_id,
-            "score_layers": layers,
-        }  # None: every layer (explicit: the default scores fewer)
-        return SamplingParams(
-            max_tokens=40,
-            temperature=0.0,
-            logprobs=0,
-            ignore_eos=True,
-            skip_reading_prefix_cache=True,
-            extra_args={"vtoken": vt},
-        )
+    def params(trace_id, mode, layers):  # layers None: every layer (explicit: the default scores fewer)
+        return sp_uncached(40, policy="h2o", mode=mode, budget=0.3, salt=11, trace_id=trace_id, score_layers=layers)
 
     runs = [("sl-repack-1", "repack", 1), ("sl-naive-1", "naive", 1), ("sl-repack-all", "repack", None)]
     # one at a time: the engine's 64-token chunks then split each prompt the same way (paired decisions)
@@ -427,10 +397,7 @@ def test_admission_cap_keeps_outputs_exact(prefix_engine, ref_llama):
 @pytest.fixture(scope="module")
 def small_engine(tmp_path_factory):
     """11 usable KV blocks of 32 tokens (max_model_len 352), chunked prefill (64 tokens/step), prefix caching."""
-    d = tmp_path_factory.mktemp("traces")
-    llm = small_pool_engine(str(d))
-    yield llm, d
-    shutdown(llm)
+    yield from engine_session(tmp_path_factory, small_pool_engine)
 
 
 def test_preemption_recomputes_from_logical_tokens(small_engine, ref_llama):
@@ -439,19 +406,9 @@ def test_preemption_recomputes_from_logical_tokens(small_engine, ref_llama):
     forgotten with the blocks — then the policy evicts again. The trace has two epochs; every generated
     token matches the HF reference of the epoch that produced it. Y's prefill (and recompute) is chunked."""
     llm, d = small_engine
-    rng = np.random.default_rng(3)
-    px, py = rng.integers(10, 500, 64).tolist(), rng.integers(10, 500, 96).tolist()
-    outs = llm.generate(
-        [{"prompt_token_ids": px}, {"prompt_token_ids": py}],
-        [sp(260, mode="none", trace_id="pre-x"), sp(250, mode="repack", budget=48, trace_id="pre-y")],
-        use_tqdm=False,
-    )
-    ty = RequestTrace.read(d / "pre-y.json")
-    assert len(ty.epochs) >= 2, "Y was expected to be preempted"
+    ty = preempted_pair(llm, d, ref_llama, "pre", 260, 250)
     assert ty.epochs[1].start > 96 and ty.evicted > 0
     assert max(ty.live_tokens) <= 48 + 64  # the budget held between chunks and steps
-    check_against_reference(ref_llama, px, outs[0], RequestTrace.read(d / "pre-x.json"))
-    check_against_reference(ref_llama, py, outs[1], ty)
 
 
 def test_repack_returns_blocks_and_vllm_admits_more(small_engine):
@@ -576,12 +533,7 @@ def test_verify_default_model_h2o_real_attention(tmp_path):
 
 def test_vtoken_verify_cli_json():
     """`vtoken verify ... --json` prints one JSON object with the documented fields (exit 0 when exact)."""
-    import json
-    import subprocess
-    import sys
-
-    cmd = [
-        str(Path(sys.executable).with_name("vtoken")),
+    proc = run_vtoken(
         "verify",
         "--model",
         "tiny-qwen2",
@@ -596,12 +548,11 @@ def test_vtoken_verify_cli_json():
         "--seed",
         "3",
         "--json",
-    ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        timeout=300,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = last_json_line(proc)
     for key in (
         "match",
         "max_abs_logprob_diff",

@@ -8,10 +8,9 @@ buffers after the forward: its decisions and tokens must equal a hook-path engin
 
 from __future__ import annotations
 
-import gc
-
 import numpy as np
 import pytest
+from support.engine import shutdown, sp_uncached
 
 from vtoken.vllm.scheduling.trace import RequestTrace
 
@@ -19,8 +18,6 @@ pytestmark = pytest.mark.slow
 
 
 def _run(tmp, monkeypatch, buffered: bool):
-    from vllm import SamplingParams
-
     from vtoken.models.tiny import tiny_model
     from vtoken.vllm import engine_setup
     from vtoken.vllm.offline.launch import start_engine
@@ -41,15 +38,7 @@ def _run(tmp, monkeypatch, buffered: bool):
         prompt = np.random.default_rng(3).integers(10, 500, 150).tolist()
         outs, evicted = {}, {}
         for policy in ("h2o", "tova", "snapkv"):
-            vt = {"policy": policy, "mode": "repack", "budget": 0.3, "salt": 11, "trace_id": policy}
-            params = SamplingParams(
-                max_tokens=40,
-                temperature=0.0,
-                logprobs=0,
-                ignore_eos=True,
-                skip_reading_prefix_cache=True,
-                extra_args={"vtoken": vt},
-            )
+            params = sp_uncached(40, policy=policy, mode="repack", budget=0.3, salt=11, trace_id=policy)
             out = llm.generate([{"prompt_token_ids": prompt}], [params], use_tqdm=False)[0]
             outs[policy] = list(out.outputs[0].token_ids)
             trace = RequestTrace.read(tmp / f"{policy}.json")
@@ -57,9 +46,7 @@ def _run(tmp, monkeypatch, buffered: bool):
             evicted[policy] = np.asarray(trace.epochs[0].evicted_round)
         return outs, evicted
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        shutdown(llm)
         monkeypatch.undo()
 
 

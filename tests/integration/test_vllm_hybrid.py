@@ -17,7 +17,7 @@ import shutil
 
 import numpy as np
 import pytest
-from support.engine import POLICIES, TOL, check_against_reference, shutdown, sp
+from support.engine import POLICIES, TOL, check_against_reference, engine_session, preempted_pair, shutdown, sp
 
 from vtoken.vllm.offline.launch import scheduler_of, start_engine
 from vtoken.vllm.offline.verify import VerifyCase, run_cases
@@ -42,20 +42,20 @@ def ref_gemma3(gemma3_tiny):
 def hybrid_engine(gemma3_tiny, tmp_path_factory):
     """Prefix caching on, chunked prefill (64 tokens per step), block size 32, 30 blocks shared by the 4
     groups."""
-    d = tmp_path_factory.mktemp("traces")
-    llm = start_engine(
-        str(gemma3_tiny),
-        32,
-        str(d),
-        enable_prefix_caching=True,
-        max_num_batched_tokens=64,
-        max_model_len=448,
-        num_gpu_blocks_override=30,
-        recent=8,
-        check=True,
+    yield from engine_session(
+        tmp_path_factory,
+        lambda d: start_engine(
+            str(gemma3_tiny),
+            32,
+            d,
+            enable_prefix_caching=True,
+            max_num_batched_tokens=64,
+            max_model_len=448,
+            num_gpu_blocks_override=30,
+            recent=8,
+            check=True,
+        ),
     )
-    yield llm, d
-    shutdown(llm)
 
 
 def test_the_engine_manages_the_full_attention_group_only(hybrid_engine):
@@ -143,18 +143,8 @@ def test_preemption_over_a_pool_the_groups_share_is_exact(hybrid_engine, ref_gem
     group) forces vLLM to preempt Y (repack, 48-token budget); Y recomputes from its logical tokens and
     every generated token matches the HF reference of the epoch that produced it."""
     llm, d = hybrid_engine
-    rng = np.random.default_rng(3)
-    px, py = rng.integers(10, 500, 64).tolist(), rng.integers(10, 500, 96).tolist()
-    outs = llm.generate(
-        [{"prompt_token_ids": px}, {"prompt_token_ids": py}],
-        [sp(360, mode="none", trace_id="hp-x"), sp(300, mode="repack", budget=48, trace_id="hp-y")],
-        use_tqdm=False,
-    )
-    ty = RequestTrace.read(d / "hp-y.json")
-    assert len(ty.epochs) >= 2, "Y was expected to be preempted"
+    ty = preempted_pair(llm, d, ref_gemma3, "hp", 360, 300)
     assert ty.evicted > 0 and max(ty.live_tokens) <= 48 + 64
-    check_against_reference(ref_gemma3, px, outs[0], RequestTrace.read(d / "hp-x.json"))
-    check_against_reference(ref_gemma3, py, outs[1], ty)
 
 
 @pytest.mark.parametrize("window,kinds", [(48, "sfsf"), (96, "ssff")], ids=["alternating-48", "half-96"])

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.engine import MODES, TOL, check_against_reference, shutdown, sp
+from support.engine import MODES, assert_exact_and_paired, check_against_reference, shutdown, sp, verify_on_engine
 
 from vtoken.vllm.offline.launch import start_engine
-from vtoken.vllm.offline.verify import VerifyCase, run_cases
+from vtoken.vllm.offline.verify import VerifyCase
 from vtoken.vllm.scheduling.trace import RequestTrace
 
 pytestmark = pytest.mark.slow
@@ -36,30 +36,14 @@ def test_snapkv_and_block_granularity_match_the_reference(tmp_path):
     another mode; block-granular runs evict whole original blocks only (twice: the prompt, then a block the
     recent window left) and their naive run holds exactly the packing bound in vLLM's pool; SnapKV's first
     victims are not simply the oldest tokens."""
-    from vtoken.models.hf_reference import load_reference_model
     from vtoken.models.tiny import tiny_model
 
     path, B = tiny_model("llama"), 32
-    llm = start_engine(str(path), B, str(tmp_path))
-    try:
-        cases = [VerifyCase("snapkv", m, 0.3) for m in MODES]
-        cases += [VerifyCase(p, m, 0.3, granularity="block") for p in ("h2o", "snapkv") for m in ("naive", "repack")]
-        results = run_cases(
-            path,
-            B,
-            cases,
-            llm=llm,
-            trace_dir=str(tmp_path),
-            prompt_len=7 * B,
-            max_tokens=24,
-            reference_model=load_reference_model(path),
-        )
-    finally:
-        shutdown(llm)
-    for r in results:
+    cases = [VerifyCase("snapkv", m, 0.3) for m in MODES]
+    cases += [VerifyCase(p, m, 0.3, granularity="block") for p in ("h2o", "snapkv") for m in ("naive", "repack")]
+    for r in verify_on_engine(start_engine(str(path), B, str(tmp_path)), path, B, cases, tmp_path, 7 * B):
+        assert_exact_and_paired(r)
         key = r.case.key()
-        assert r.match and r.max_abs_logprob_diff <= TOL, (key, r.max_abs_logprob_diff)
-        assert r.paired_naive_match and r.evicted_tokens > 0, key
         trace = RequestTrace.read(tmp_path / f"{key}.json")
         held, bound = np.asarray(trace.held_blocks), np.asarray(trace.packing_bound)
         evicted = np.asarray(trace.epochs[0].evicted_round)

@@ -7,13 +7,14 @@ both ranks: its key norms must not be counted twice). Scores are all-reduced ove
 
 from __future__ import annotations
 
-import gc
 import os
 
 import pytest
+from support.cli import last_json_line, run_vtoken
+from support.engine import verify_on_engine
 
 from vtoken.vllm.offline.launch import start_engine
-from vtoken.vllm.offline.verify import VerifyCase, run_cases
+from vtoken.vllm.offline.verify import VerifyCase
 
 pytestmark = pytest.mark.slow
 
@@ -25,14 +26,7 @@ TOL = 1e-4
 def _run(path, tp: int, trace_dir: str, ref):
     os.makedirs(trace_dir, exist_ok=True)
     llm = start_engine(str(path), 32, trace_dir, tensor_parallel_size=tp)
-    try:
-        return run_cases(
-            path, 32, CASES, llm=llm, trace_dir=trace_dir, prompt_len=182, max_tokens=24, reference_model=ref
-        )
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+    return verify_on_engine(llm, path, 32, CASES, trace_dir, 182, ref=ref)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -55,13 +49,7 @@ def test_tp2_equals_tp1_and_the_masked_reference(arch, tmp_path):
 
 def test_vtoken_verify_tensor_parallel_cli():
     """`vtoken verify --tensor-parallel-size 2 --json`: the same report, exact, on the MQA model."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    cmd = [
-        str(Path(sys.executable).with_name("vtoken")),
+    proc = run_vtoken(
         "verify",
         "--model",
         "tiny-qwen2",
@@ -74,12 +62,11 @@ def test_vtoken_verify_tensor_parallel_cli():
         "--tensor-parallel-size",
         "2",
         "--json",
-    ]
-    proc = subprocess.run(
-        cmd, check=False, capture_output=True, text=True, timeout=500, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        timeout=500,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = last_json_line(proc)
     assert report["tensor_parallel_size"] == 2 and report["match"] and report["paired_naive_match"]
     assert report["evicted_tokens"] > 0 and report["max_abs_logprob_diff"] <= TOL
 
@@ -89,12 +76,8 @@ def test_vtoken_bench_capacity_tensor_parallel():
     tensor_parallel_size), and
     the probes and the burst run on the TP = 2 engine (every request of the burst finishes)."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    cmd = [
-        str(Path(sys.executable).with_name("vtoken")),
+    proc = run_vtoken(
         "bench",
         "capacity",
         "--kv-blocks",
@@ -111,8 +94,8 @@ def test_vtoken_bench_capacity_tensor_parallel():
         "repack",
         "--tensor-parallel-size",
         "2",
-    ]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=500)
+        timeout=500,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert "--tensor-parallel-size 2" in report["command"]
