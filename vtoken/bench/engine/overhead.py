@@ -33,7 +33,6 @@ the command that produced it (progress bar on stderr).
 from __future__ import annotations
 
 import gc
-import os
 import statistics
 import time
 from dataclasses import replace
@@ -97,16 +96,11 @@ def _engine(model: str, cfg: VTokenConfig, scores: str, max_model_len: int, tp: 
     from vllm import LLM
 
     from vtoken.vllm import engine_kwargs
-    from vtoken.vllm.offline.launch import platform_numerics, scoped_env, tp_engine_kwargs
+    from vtoken.vllm.offline.launch import inprocess_env, platform_numerics, scoped_env, tp_engine_kwargs
 
     kw = engine_kwargs(cfg, scores=scores) if cfg.mode.evicts else {"block_size": cfg.block_size}
     tp_kw, tp_env = tp_engine_kwargs(tp)
-    env = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        **tp_env,
-    }
-    with scoped_env(**env):
+    with scoped_env(**{**inprocess_env(), **tp_env}):
         return LLM(
             model=model,
             **platform_numerics(),  # CUDA: bf16 with graphs, the production path; CPU: fp32 eager

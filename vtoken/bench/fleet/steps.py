@@ -104,13 +104,9 @@ def _engine(model: str, cfg: VTokenConfig):
     from vllm import LLM
 
     from vtoken.vllm import engine_kwargs
-    from vtoken.vllm.offline.launch import scoped_env
+    from vtoken.vllm.offline.launch import inprocess_env, scoped_env
 
-    env = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-    }
-    with scoped_env(**env):
+    with scoped_env(**inprocess_env()):
         return LLM(
             model=model,
             dtype="float32",

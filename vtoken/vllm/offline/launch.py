@@ -83,6 +83,16 @@ def platform_numerics() -> dict:
     return {"dtype": "float32", "enforce_eager": True}
 
 
+def inprocess_env() -> dict[str, str]:
+    """The environment of an engine whose core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+    ``scheduler_of`` reaches its scheduler), with the caller's ``VLLM_CPU_KVCACHE_SPACE`` or a 1 GiB KV pool.
+    Reads ``os.environ``; sets nothing (pass it to ``scoped_env``)."""
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    }
+
+
 def start_engine(
     model: str,
     block_size: int,
@@ -122,10 +132,7 @@ def start_engine(
     kw = engine_kwargs(cfg, trace_dir=trace_dir, check=check, invariants="fatal" if check else "log")
     kw.update(kwargs)
     kw.setdefault("enable_prefix_caching", False)  # paired requests share a prompt: keep their blocks private
-    env = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-    }
+    env = inprocess_env()
     tp = int(kw.get("tensor_parallel_size", 1))
     if tp > 1:  # one worker process per rank (vLLM's multiprocess executor), one core each
         kw.setdefault("distributed_executor_backend", "mp")
