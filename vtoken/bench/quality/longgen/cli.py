@@ -38,6 +38,30 @@ def parse_point(text: str):
         raise ConfigError(f"point {text!r}: {str(err).removeprefix('--set ').replace(SET_PREFIX, '')}") from None
 
 
+def parse_points(texts: list[str], reserved: str | None = None) -> tuple:
+    """Every ``--point`` through ``parse_point``; ``ConfigError`` when a label repeats or is ``reserved`` (the
+    run's own reference label). Pure."""
+    from vtoken.errors import ConfigError
+
+    points = tuple(parse_point(p) for p in texts)
+    labels = [label for label, _ in points]
+    if len(set(labels)) != len(labels) or reserved in labels:
+        named = f" or named {reserved!r} (the reference)" if reserved is not None else ""
+        raise ConfigError(f"--point given twice{named}: {texts}")
+    return points
+
+
+def _under_status(name: str, run):
+    """``run(on_phase)`` with a spinner named ``name`` on stderr that shows each phase; returns ``(its result,
+    seconds it took)``. Side effects: writes the spinner to stderr."""
+    from rich.console import Console
+
+    start = time.perf_counter()
+    with Console(stderr=True).status(name, spinner="dots") as status:
+        result = run(lambda text: status.update(text))
+    return result, time.perf_counter() - start
+
+
 def longgen_cmd(
     point: list[str] = typer.Option(
         ...,
@@ -60,8 +84,6 @@ def longgen_cmd(
     """Long-generation quality on human-written text: perplexity ratio with a paired bootstrap 95 % interval,
     full-vocabulary KL and top-1 agreement against the full cache, eviction after every token, and the
     parity rule's verdict per point."""
-    from rich.console import Console
-
     from vtoken.bench.quality.longgen.report import build_report
     from vtoken.bench.quality.longgen.run import LonggenSetup, run_longgen
     from vtoken.bench.quality.longgen.texts import digests, documents
@@ -69,9 +91,7 @@ def longgen_cmd(
     from vtoken.errors import ConfigError
 
     try:
-        points = tuple(parse_point(p) for p in point)
-        if len({label for label, _ in points}) != len(points):
-            raise ConfigError(f"--point given twice: {point}")
+        points = parse_points(point)
         from transformers import AutoTokenizer
 
         from vtoken.models.default import resolve_model
@@ -91,11 +111,8 @@ def longgen_cmd(
         max_num_seqs=max_num_seqs,
         kv_space_gib=kv_space_gib,
     )
-    start = time.perf_counter()
-    with Console(stderr=True).status("longgen", spinner="dots") as status:
-        measured = run_longgen(setup, wins, on_phase=lambda text: status.update(text))
-    report = build_report(setup, wins, measured, digests(docs), command_line(), time.perf_counter() - start)
-    emit(report, out)
+    measured, seconds = _under_status("longgen", lambda on_phase: run_longgen(setup, wins, on_phase=on_phase))
+    emit(build_report(setup, wins, measured, digests(docs), command_line(), seconds), out)
 
 
 def longgen_figure_cmd(
@@ -129,17 +146,12 @@ def codegen_cmd(
     """The parity rule's task half: HumanEval completions (greedy) per point, each problem's unit tests run on
     the point's and on the full cache's completion; paired accuracy difference with its one-sided 95 % lower
     bound and the verdict."""
-    from rich.console import Console
-
     from vtoken.bench.quality.longgen.code import problems as load
     from vtoken.bench.quality.longgen.codegen import FULL_LABEL, CodegenSetup, build_report, run_codegen
     from vtoken.errors import ConfigError
 
     try:
-        points = tuple(parse_point(p) for p in point)
-        labels = [label for label, _ in points]
-        if len(set(labels)) != len(labels) or FULL_LABEL in labels:
-            raise ConfigError(f"--point given twice or named {FULL_LABEL!r} (the reference): {point}")
+        points = parse_points(point, reserved=FULL_LABEL)
         from vtoken.models.default import resolve_model
 
         path = str(resolve_model(model))
@@ -155,10 +167,8 @@ def codegen_cmd(
         max_num_seqs=max_num_seqs,
         kv_space_gib=kv_space_gib,
     )
-    start = time.perf_counter()
-    with Console(stderr=True).status("codegen", spinner="dots") as status:
-        judged = run_codegen(setup, on_phase=lambda text: status.update(text))
-    emit(build_report(setup, judged, command_line(), time.perf_counter() - start), out)
+    judged, seconds = _under_status("codegen", lambda on_phase: run_codegen(setup, on_phase=on_phase))
+    emit(build_report(setup, judged, command_line(), seconds), out)
 
 
 def trade_figure_cmd(
