@@ -55,9 +55,7 @@ def run_engine(setup: CodegenSetup, probs: list[code.Problem], trace_dir: str) -
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from vtoken.bench.quality.longgen.run import request_settings
-    from vtoken.vllm.offline.launch import scoped_env, start_engine
-    from vtoken.vllm.scheduling.trace import RequestTrace
+    from vtoken.bench.quality.longgen.run import generate, request_settings, unpreempted_trace
 
     tok = AutoTokenizer.from_pretrained(setup.model)
     encoded = [tok(p.prompt, add_special_tokens=False)["input_ids"] for p in probs]
@@ -77,25 +75,10 @@ def run_engine(setup: CodegenSetup, probs: list[code.Problem], trace_dir: str) -
             )
             keys.append((label, tid))
     longest = max(len(ids) for ids in encoded) + setup.max_tokens
-    with scoped_env(VLLM_CPU_KVCACHE_SPACE=str(setup.kv_space_gib)):
-        llm = start_engine(
-            setup.model,
-            setup.block_size,
-            trace_dir,
-            seed=setup.seed,
-            check=False,
-            max_model_len=longest + setup.block_size,
-            max_num_seqs=setup.max_num_seqs,
-        )
-    try:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        del llm
+    outs = generate(setup, prompts, params, trace_dir, longest + setup.block_size)
     result: dict[str, list] = {label: [] for label, _ in runs}
     for (label, tid), out in zip(keys, outs):
-        trace = RequestTrace.read_id(trace_dir, tid)
-        if len(trace.epochs) != 1:
-            raise RuntimeError(f"{tid} was preempted ({len(trace.epochs)} epochs): raise --kv-space-gib")
+        trace = unpreempted_trace(trace_dir, tid)
         held = statistics.fmean(trace.held_blocks) if trace.held_blocks else 0.0
         o = out.outputs[0]
         result[label].append((o.text, len(o.token_ids), trace.evicted, held))

@@ -49,14 +49,47 @@ def request_settings(cfg: VTokenConfig, trace_id: str, salt: int) -> dict:
     return {**vt, "trace_id": trace_id, "salt": salt}
 
 
+def generate(setup, prompts: list[dict], params: list, trace_dir: str, max_model_len: int, **engine) -> list:
+    """``prompts`` with their ``params`` on one fresh in-process engine built from ``setup``'s ``model``,
+    ``block_size``, ``seed``, ``max_num_seqs`` and ``kv_space_gib`` (a ``LonggenSetup`` or a ``CodegenSetup``;
+    ``engine``: more ``start_engine`` keywords); returns vLLM's outputs in order. Side effects: builds and drops
+    the engine, which writes each request's trace under ``trace_dir``."""
+    from vtoken.vllm.offline.launch import scoped_env, start_engine
+
+    with scoped_env(VLLM_CPU_KVCACHE_SPACE=str(setup.kv_space_gib)):
+        llm = start_engine(
+            setup.model,
+            setup.block_size,
+            trace_dir,
+            seed=setup.seed,
+            check=False,
+            max_model_len=max_model_len,
+            max_num_seqs=setup.max_num_seqs,
+            **engine,
+        )
+    try:
+        return llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del llm
+
+
+def unpreempted_trace(trace_dir: str, trace_id: str):
+    """The ``RequestTrace`` ``trace_id`` under ``trace_dir``; ``RuntimeError`` if the request was preempted (a
+    second epoch: recomputed from its prompt, a different eviction history). Reads the trace file."""
+    from vtoken.vllm.scheduling.trace import RequestTrace
+
+    trace = RequestTrace.read_id(trace_dir, trace_id)
+    if len(trace.epochs) != 1:
+        raise RuntimeError(f"{trace_id} was preempted ({len(trace.epochs)} epochs): raise --kv-space-gib")
+    return trace
+
+
 def run_engine(setup: LonggenSetup, wins: list[Window], trace_dir: str) -> dict:
     """Every (point, window) as one request on one engine: ``{(label, window name): (engine log-probs of the
     forced tokens, RequestTrace)}``. Raises ``RuntimeError`` if a request was not forced or was preempted."""
     from vllm import SamplingParams
 
-    from vtoken.vllm.offline.launch import scoped_env, start_engine
     from vtoken.vllm.offline.teacher import TEACHER_KEY, TeacherForcing
-    from vtoken.vllm.scheduling.trace import RequestTrace
 
     p, n = setup.prompt_tokens, setup.continuation_tokens
     prompts, params, keys = [], [], []
@@ -67,29 +100,13 @@ def run_engine(setup: LonggenSetup, wins: list[Window], trace_dir: str) -> dict:
             extra = {"vtoken": request_settings(cfg, tid, 1000 + i), TEACHER_KEY: list(w.prompt_ids[p:])}
             params.append(SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1, extra_args=extra))
             keys.append((label, w, tid))
-    with scoped_env(VLLM_CPU_KVCACHE_SPACE=str(setup.kv_space_gib)):
-        llm = start_engine(
-            setup.model,
-            setup.block_size,
-            trace_dir,
-            seed=setup.seed,
-            check=False,
-            max_model_len=setup.window_tokens + 8,
-            max_num_seqs=setup.max_num_seqs,
-            logits_processors=[TeacherForcing],
-        )
-    try:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        del llm
+    outs = generate(setup, prompts, params, trace_dir, setup.window_tokens + 8, logits_processors=[TeacherForcing])
     result = {}
     for (label, w, tid), out in zip(keys, outs):
         got = list(out.outputs[0].token_ids)
         if got != list(w.prompt_ids[p:]):
             raise RuntimeError(f"{tid}: the engine did not generate the teacher's tokens (first {got[:8]})")
-        trace = RequestTrace.read_id(trace_dir, tid)
-        if len(trace.epochs) != 1:
-            raise RuntimeError(f"{tid} was preempted ({len(trace.epochs)} epochs): raise --kv-space-gib")
+        trace = unpreempted_trace(trace_dir, tid)
         lps = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, got)]
         result[(label, w.name)] = (np.asarray(lps, dtype=np.float64), trace)
     return result
