@@ -80,6 +80,22 @@ def _per_replica_rate(metric: names.Metric, by: str = "replica") -> prom.Dataque
     return _q(f"sum by ({by}) (rate({metric.total}{{{SEL}}}[{RATE}]))", "{{" + by + "}}")
 
 
+def _selector(name: str, label: str, series: str) -> db.QueryVariable:
+    """A multi-select template variable ``name`` over the values of the label ``name`` on ``series`` (a selector
+    expression), "All" matching everything, refreshed with the time range. Pure."""
+    return (
+        db.QueryVariable(name)
+        .label(label)
+        .datasource(DS)
+        .query(f"label_values({series}, {name})")
+        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(VariableSort.ALPHABETICAL_ASC)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+    )
+
+
 def _dashboard(uid: str, title: str, description: str, rows: list[tuple[str, list]]) -> dict:
     util = names.KV_UTILIZATION.name  # template variables list the replicas that export it
     dash = (
@@ -92,39 +108,9 @@ def _dashboard(uid: str, title: str, description: str, rows: list[tuple[str, lis
         .time("now-1h", "now")
         .timezone("browser")
         .with_variable(db.DatasourceVariable("datasource").label("Data source").type("prometheus"))
-        .with_variable(
-            db.QueryVariable("deployment")
-            .label("Deployment")
-            .datasource(DS)
-            .query(f"label_values({util}, deployment)")
-            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
-            .sort(VariableSort.ALPHABETICAL_ASC)
-            .multi(True)
-            .include_all(True)
-            .all_value(".*")
-        )
-        .with_variable(
-            db.QueryVariable("node")
-            .label("Node")
-            .datasource(DS)
-            .query(f'label_values({util}{{deployment=~"$deployment"}}, node)')
-            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
-            .sort(VariableSort.ALPHABETICAL_ASC)
-            .multi(True)
-            .include_all(True)
-            .all_value(".*")
-        )
-        .with_variable(
-            db.QueryVariable("replica")
-            .label("Replica")
-            .datasource(DS)
-            .query(f'label_values({util}{{deployment=~"$deployment", node=~"$node"}}, replica)')
-            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
-            .sort(VariableSort.ALPHABETICAL_ASC)
-            .multi(True)
-            .include_all(True)
-            .all_value(".*")
-        )
+        .with_variable(_selector("deployment", "Deployment", util))
+        .with_variable(_selector("node", "Node", f'{util}{{deployment=~"$deployment"}}'))
+        .with_variable(_selector("replica", "Replica", f'{util}{{deployment=~"$deployment", node=~"$node"}}'))
     )
     next_id = 1
     for row_title, panels in rows:
