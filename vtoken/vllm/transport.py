@@ -25,6 +25,7 @@ anything else in the step can write them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -91,11 +92,17 @@ class VTokenModelRunnerOutput(ModelRunnerOutput):
     vtoken: StepResult | None = None
 
 
+def _carry(out: Any, base: type, carrier: type, value: object) -> None:
+    """Put ``value`` in ``out``'s ``vtoken`` field, switching an output of exactly vLLM's ``base`` class to
+    ``carrier`` (its subclass declaring the field) first. Mutates ``out``."""
+    if type(out) is base:
+        out.__class__ = carrier
+    out.vtoken = value
+
+
 def attach_plan(out: SchedulerOutput, plan: StepPlan) -> SchedulerOutput:
     """Attach ``plan`` to the scheduler output (switches its class; mutates ``out``)."""
-    if type(out) is SchedulerOutput:
-        out.__class__ = VTokenSchedulerOutput
-    out.vtoken = plan  # type: ignore[attr-defined]
+    _carry(out, SchedulerOutput, VTokenSchedulerOutput, plan)
     return out
 
 
@@ -109,9 +116,7 @@ def attach_result(out: ModelRunnerOutput, result: StepResult) -> ModelRunnerOutp
 
     if out is EMPTY_MODEL_RUNNER_OUTPUT:
         out = ModelRunnerOutput(**{f: getattr(out, f) for f in out.__dataclass_fields__})
-    if type(out) is ModelRunnerOutput:
-        out.__class__ = VTokenModelRunnerOutput
-    out.vtoken = result  # type: ignore[attr-defined]
+    _carry(out, ModelRunnerOutput, VTokenModelRunnerOutput, result)
     return out
 
 
