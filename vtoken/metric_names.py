@@ -55,6 +55,12 @@ class Metric:
         """``vtoken`` or ``vllm``: the prefix before the colon."""
         return self.name.split(":", 1)[0]
 
+    @property
+    def bare(self) -> str:
+        """The name after the owner's prefix (``vtoken:repack_moves`` → ``repack_moves``): for a ``KV_COUNTERS``
+        metric, the ``ReclaimCounters`` field that holds its value."""
+        return self.name.split(":", 1)[1]
+
     def _suffixed(self, kind: str, suffix: str) -> str:
         if self.kind != kind:
             raise ValueError(f"{self.name} is a {self.kind}, not a {kind}: it has no {suffix} series")

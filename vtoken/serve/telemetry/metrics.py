@@ -62,27 +62,10 @@ class KVCollector(Collector):
             fam = GaugeMetricFamily(metric.name, metric.help, labels=list(metric.labels))
             fam.add_metric([self._mode], float(value))
             yield fam
-        evicted = CounterMetricFamily(
-            names.EVICTED_TOKENS.name, names.EVICTED_TOKENS.help, labels=list(names.EVICTED_TOKENS.labels)
-        )
-        evicted.add_metric([self._policy], float(snap.counters.evicted_tokens))
-        yield evicted
-        for metric, value in (
-            (names.RECLAIMED_BLOCKS, snap.counters.reclaimed_blocks),
-            (names.REPACK_MOVES, snap.counters.repack_moves),
-            (names.REPACK_PLANS, snap.counters.repack_plans),
-            (names.COW_BLOCKS, snap.counters.cow_blocks),
-            (names.COW_MOVES, snap.counters.cow_moves),
-            (names.COW_FALLBACKS, snap.counters.cow_fallbacks),
-            (names.INVARIANT_CHECKS, snap.counters.invariant_checks),
-            (names.INVARIANT_VIOLATIONS, snap.counters.invariant_violations),
-            (names.INVARIANT_SECONDS, snap.counters.invariant_seconds),
-            (names.PRESSURE_ROUNDS, snap.counters.pressure_rounds),
-            (names.PRESSURE_EVICTED_TOKENS, snap.counters.pressure_evicted_tokens),
-            (names.PRESSURE_AT_FLOOR, snap.counters.pressure_at_floor),
-        ):
-            fam = CounterMetricFamily(metric.name, metric.help)
-            fam.add_metric([], float(value))
+        counter_labels = {"policy": self._policy}  # evicted_tokens': the others have none
+        for metric in names.KV_COUNTERS:  # each read from the ReclaimCounters field of its bare name
+            fam = CounterMetricFamily(metric.name, metric.help, labels=list(metric.labels))
+            fam.add_metric([counter_labels[k] for k in metric.labels], float(getattr(snap.counters, metric.bare)))
             yield fam
         for metric, hist in snap.costs.by_metric():
             fam = HistogramMetricFamily(metric.name, metric.help)
