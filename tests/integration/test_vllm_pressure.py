@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from support.engine import check_against_reference, shutdown, small_pool_engine, sp
+from support.engine import check_against_reference, engine_session, small_pool_engine, sp
 
 from vtoken.errors import ConfigError
 from vtoken.vllm.offline.launch import scheduler_of
@@ -24,10 +24,7 @@ FLOOR = 0.3
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    d = tmp_path_factory.mktemp("traces")
-    llm = small_pool_engine(str(d))
-    yield llm, d
-    shutdown(llm)
+    yield from engine_session(tmp_path_factory, small_pool_engine)
 
 
 def pressure(tag: str, n: int, mode: str = "repack", **extra):
