@@ -85,8 +85,8 @@ def config_reached(args, kwargs) -> VTokenConfig:
 # every bench command that runs a vToken config: (its words, the module and entry point it hands the config to)
 BENCHES = [
     (("capacity",), "vtoken.bench.engine.capacity", "main"),
-    (("overhead",), "vtoken.bench.engine.overhead", "overhead"),
-    (("prefix",), "vtoken.bench.engine.prefix", "prefix"),
+    (("overhead",), "vtoken.bench.engine.overhead", "run_overhead"),
+    (("prefix",), "vtoken.bench.engine.prefix", "run_prefix"),
     (("fleet",), "vtoken.bench.fleet.bench", "run_fleet"),
     (("sim-scale",), "vtoken.bench.engine.sim_scale", "run_sim_scale"),
     (("retained",), "vtoken.bench.engine.retained", "run_retained"),
@@ -147,8 +147,8 @@ def test_bench_refuses_a_set_of_what_it_sets_itself(words, key, named):
     "command, module, entry",
     [
         ("capacity", "vtoken.bench.engine.capacity", "main"),
-        ("overhead", "vtoken.bench.engine.overhead", "overhead"),
-        ("prefix", "vtoken.bench.engine.prefix", "prefix"),
+        ("overhead", "vtoken.bench.engine.overhead", "run_overhead"),
+        ("prefix", "vtoken.bench.engine.prefix", "run_prefix"),
         ("fleet", "vtoken.bench.fleet.bench", "run_fleet"),
         ("sim-scale", "vtoken.bench.engine.sim_scale", "run_sim_scale"),
     ],

@@ -128,10 +128,12 @@ def overhead_cmd(
     ),
 ) -> None:
     """Decode-step overhead in vLLM: repack vs naive vs none (no memory pressure), score collection on/off."""
-    from vtoken.bench.engine.overhead import BASE, OWN, overhead
+    from vtoken.bench.engine.overhead import BASE, OWN, run_overhead
+    from vtoken.bench.report import emit
     from vtoken.bench.settings import configure
     from vtoken.errors import ConfigError
     from vtoken.vllm import engine_kwargs
+    from vtoken.vllm.offline.launch import vllm_logs_to_stderr
 
     policies = tuple(dict.fromkeys(policy or [BASE.policy]))
     try:
@@ -152,9 +154,9 @@ def overhead_cmd(
             f"--policy {plain[0]!r} with other policies: several policies are compared only among attention "
             f"policies (run a query-free policy on its own)"
         )
-    overhead(
-        model, cfg, batch, prompt_len, gen_len, repeats, out, tensor_parallel_size, tuple(score_layers or ()), policies
-    )
+    vllm_logs_to_stderr()
+    layers = tuple(score_layers or ())
+    emit(run_overhead(model, cfg, batch, prompt_len, gen_len, repeats, tensor_parallel_size, layers, policies), out)
 
 
 @app.command("capacity")
@@ -243,7 +245,8 @@ def prefix_cmd(
     from vtoken.vllm.offline.launch import vllm_logs_to_stderr
 
     vllm_logs_to_stderr()
-    from vtoken.bench.engine.prefix import BASE, OWN, prefix
+    from vtoken.bench.engine.prefix import BASE, OWN, run_prefix
+    from vtoken.bench.report import emit
     from vtoken.bench.settings import configure
     from vtoken.errors import ConfigError
     from vtoken.vllm import engine_kwargs
@@ -256,7 +259,7 @@ def prefix_cmd(
         engine_kwargs(cfg)
     except (ConfigError, ValueError) as err:
         refuse(err)
-    prefix(model, cfg, chosen, requests, system_len, user_len, gen_len, repeats, seed, out)
+    emit(run_prefix(model, cfg, chosen, requests, system_len, user_len, gen_len, repeats, seed), out)
 
 
 @app.command("score-host")

@@ -39,10 +39,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from vtoken.bench.report import command_line, emit
+from vtoken.bench.report import command_line
 from vtoken.bench.settings import EVICTING
 from vtoken.core.config import DEFAULT_SCORE_LAYERS, VTokenConfig
-from vtoken.vllm.offline.launch import scheduler_of, vllm_logs_to_stderr
+from vtoken.vllm.offline.launch import scheduler_of
 
 # the top-level keys ``run_overhead`` always returns; besides them ``policy`` (one policy) or ``policies``
 # (several), and with a query-free policy ``SCORE_COLLECTION_KEYS``; ``report.emit`` adds ``environment``
@@ -285,23 +285,3 @@ def run_overhead(
         v: round(ms[v] / ms["repack"], 3) for v in variants if v.startswith("repack+scores")
     }
     return report
-
-
-def overhead(
-    model: str,
-    vtoken: VTokenConfig,
-    batch: int,
-    prompt_len: int,
-    gen_len: int,
-    repeats: int,
-    out: str | None,
-    tensor_parallel_size: int = 1,
-    score_layers: tuple[int, ...] = (),
-    policies: tuple[str, ...] = (),
-) -> None:
-    """Decode-step overhead of repack vs naive vs none (no memory pressure), and of score collection."""
-    vllm_logs_to_stderr()
-    report = run_overhead(
-        model, vtoken, batch, prompt_len, gen_len, repeats, tensor_parallel_size, score_layers, policies
-    )
-    emit(report, out)

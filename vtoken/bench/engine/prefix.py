@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from vtoken.bench.report import command_line, emit
+from vtoken.bench.report import command_line
 from vtoken.bench.settings import EVICTING
 from vtoken.core.config import VTokenConfig
 
@@ -160,18 +160,3 @@ def run_prefix(
         "rows": rows,
         "runs": runs,
     }
-
-
-def prefix(
-    model: str,
-    cfg: VTokenConfig,
-    modes: list[str],
-    requests: int,
-    system_len: int,
-    user_len: int,
-    gen_len: int,
-    repeats: int,
-    seed: int,
-    out: str | None,
-) -> None:
-    emit(run_prefix(model, cfg, modes, requests, system_len, user_len, gen_len, repeats, seed), out)
