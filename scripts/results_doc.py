@@ -35,6 +35,7 @@ PRESSURE = [
     ("serve-smollm2-burst-12-blocks-low.json", "2026-12-06-burst-pressure.md"),
     ("serve-smollm2-burst-12-blocks-seed1.json", "2026-12-06-burst-pressure.md"),
     ("serve-smollm2-burst-64-blocks.json", "2026-12-06-burst-pressure.md"),
+    ("serve-smollm2-burst-128-blocks-compute.json", "2026-12-06-burst-pressure.md"),
 ]
 # the decode-only H2O points of the long-generation yardstick: what a final share of context lost costs
 YARDSTICK = "longgen-smollm2-224.json"
@@ -205,7 +206,8 @@ def pressure_rows(results: Path) -> tuple[str, str]:
         setup, reps = r["setup"], r["repeats"]
         seeds = ", ".join(str(rep[0]["seed"]) for rep in reps)
         rows.append(
-            f"| **{', '.join(str(x) for x in setup['rates'])} req/s offered, {setup['pool_blocks']}-block pool, "
+            f"| **{', '.join(str(x) for x in setup['rates'])} req/s offered, {setup['num_prompts']} requests each, "
+            f"{setup['pool_blocks']}-block pool, "
             f"seed{'s' if len(reps) > 1 else ''} {seeds}** ([experiment](experiments/{experiment})) |" + " |" * 7 + "\n"
         )
         by_label = [{report_label(v): v for v in rep} for rep in reps]
@@ -242,7 +244,7 @@ def pressure_rows(results: Path) -> tuple[str, str]:
             )
         notes.append(
             f"{setup['input_len']} + {setup['output_len']} tokens (lengths ±{num(setup['range_ratio'] * 100, 0)} %), "
-            f"{setup['num_prompts']} requests per rate, burstiness {num(setup['burstiness'])}, "
+            f"burstiness {num(setup['burstiness'])}, "
             f"SLOs {num(r['slo']['ttft_ms'] / 1000)} s / {num(r['slo']['tpot_ms'])} ms, "
             f"budget {num(float(setup['budget']) * 100, 0)} % decode-only (the fixed budget's, and pressure's floor)"
         )
@@ -251,7 +253,7 @@ def pressure_rows(results: Path) -> tuple[str, str]:
     intro = (
         "Eviction only when vLLM's pool cannot hold the next step (`trigger: pressure`) against the fixed budget "
         "and stock vLLM, on arrivals in bursts (gamma gaps): " + shape + "; each group of rows names its offered "
-        "rates, the pool and the workload seed of each repeat. Rates and "
+        "rates, the requests per rate, the pool and the workload seed of each repeat. Rates and "
         'ratios as above ("≥": the variant met the grid\'s top); the cost columns add up every run of the '
         "variant (`cost` in the JSON: the replica's cost histograms).\n\n"
     )

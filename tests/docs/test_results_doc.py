@@ -230,6 +230,7 @@ def test_a_broken_link_is_caught(tmp_path, monkeypatch):
         "serve-smollm2-burst-12-blocks-low.json",
         "serve-smollm2-burst-12-blocks-seed1.json",
         "serve-smollm2-burst-64-blocks.json",
+        "serve-smollm2-burst-128-blocks-compute.json",
     ],
 )
 def test_the_pressure_rows_quote_their_reports_summary_and_costs(name):
@@ -240,7 +241,11 @@ def test_the_pressure_rows_quote_their_reports_summary_and_costs(name):
     text = DOC.read_text()
     section = text[text.index("## Served when memory is short") :].split("\n## ", 1)[0]
     rates = report["setup"]["rates"]
-    group = f"| **{', '.join(str(x) for x in rates)} req/s offered, {report['setup']['pool_blocks']}-block pool,"
+    setup = report["setup"]
+    group = (
+        f"| **{', '.join(str(x) for x in rates)} req/s offered, {setup['num_prompts']} requests each, "
+        f"{setup['pool_blocks']}-block pool,"
+    )
     lines = section[section.index(group) :].splitlines()[1:]
     rows = {}
     for line in lines:
