@@ -343,9 +343,7 @@ class VTokenConfig:
         object.__setattr__(self, "granularity", Granularity.parse(self.granularity))
         check_block_size(self.block_size)
         for name in ("sinks", "recent", "prompt_tail", "seed", "score_pool"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
+            check_non_negative(name, getattr(self, name))
         n = self.score_layers
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ConfigError(
@@ -540,6 +538,13 @@ def score_layer_indices(count: int | None, depth: int) -> tuple[int, ...]:
     if count < 1:
         raise ValueError(f"count must be positive, got {count}")
     return tuple(sorted(depth - 1 - (j * depth) // count for j in range(count)))
+
+
+def check_non_negative(name: str, value: object, what: str = "integer") -> None:
+    """``ConfigError`` ``"{name} must be a non-negative {what}, got {value!r}"`` unless ``value`` is an int ≥ 0
+    (a bool is not a count)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name} must be a non-negative {what}, got {value!r}")
 
 
 def check_block_size(block_size: object) -> int:

@@ -26,7 +26,7 @@ from importlib import metadata
 from typing import Any
 
 from vtoken.core.batch.admission import AdmissionConfig
-from vtoken.core.config import VTokenConfig, reject_unknown
+from vtoken.core.config import VTokenConfig, check_non_negative, reject_unknown
 from vtoken.errors import ConfigError
 
 KEY = "vtoken"
@@ -93,12 +93,8 @@ class EngineSettings:
             raise ConfigError(
                 f"unknown invariants setting {self.invariants!r}; valid values: {', '.join(INVARIANT_MODES)}"
             )
-        p = self.invariant_period
-        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
-            raise ConfigError(f"invariant_period must be a non-negative step count (0: only when idle), got {p!r}")
-        m = self.pressure_margin
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-            raise ConfigError(f"pressure_margin must be a non-negative block count per running request, got {m!r}")
+        check_non_negative("invariant_period", self.invariant_period, "step count (0: only when idle)")
+        check_non_negative("pressure_margin", self.pressure_margin, "block count per running request")
         if self.admission_tpot_ms is not None:
             AdmissionConfig.from_ms(self.admission_tpot_ms)  # raises ConfigError naming a bad value
         if self.scores not in SCORE_MODES:
@@ -167,9 +163,8 @@ class RequestSettings:
         t = self.trace_id
         if t is not None and (not isinstance(t, str) or not t or "/" in t):
             raise ConfigError(f"trace_id must be a non-empty string without '/', got {t!r}")
-        s = self.salt
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
-            raise ConfigError(f"salt must be a non-negative integer, got {s!r}")
+        if self.salt is not None:
+            check_non_negative("salt", self.salt)
         n = self.prompt_len
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ConfigError(f"prompt_len must be a positive integer, got {n!r}")

@@ -8,9 +8,8 @@ hands the batch to ``vtoken.core.batch.pressure.plan_pressure``: victims in one 
 none below a request's floor (its ``budget``), until the step fits plus ``pressure_margin`` blocks (engine
 setting, 1 by default) per running request. Each request's victims go through the scheduler's usual block
 work (``_vt_decide``: evict, repack, copy on write, cut the tail), and its freed blocks go back to the pool
-before vLLM allocates, so vLLM preempts only
-when every request is at its floor. Requests with another trigger, or whose shared blocks cannot be
-replaced this step, count as fixed demand.
+before vLLM allocates, so vLLM preempts only when every request is at its floor. Requests with another
+trigger, or whose shared blocks cannot be replaced this step, count as fixed demand.
 
 Supported on one KV cache group, one rank and synchronous scheduling; anything else is refused when the
 engine is constructed (``pressure_refusal``, a ``ConfigError`` naming the option), and a per-request
